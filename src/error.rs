@@ -1,0 +1,175 @@
+//! The crate's one error type.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+/// Everything that can go wrong in this crate.
+///
+/// Like `postgres::Error`, callers usually ask questions of it ([`Error::is_duplicate_key`],
+/// [`Error::as_db_error`], [`Error::code`]) rather than match on it; the variants are public
+/// for the cases where matching is clearer, and `#[non_exhaustive]` so new ones can be added.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A table name that is not a plain PostgreSQL identifier (optionally `schema.table`), or
+    /// one too long to derive the companion objects' names from.
+    InvalidTableName {
+        /// The rejected name.
+        name: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// A message or argument that would be rejected by PostgreSQL or the broker; nothing was
+    /// written.
+    InvalidInput {
+        /// The offending field, such as `"topic"` or `"header name"`.
+        field: &'static str,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// A relay configuration that cannot work.
+    InvalidConfig(String),
+    /// One or more keys are already in the outbox; nothing was written and the caller's
+    /// transaction is still usable.
+    DuplicateKey {
+        /// The keys that already exist.
+        keys: Vec<String>,
+    },
+    /// The outbox table does not exist: run [`Outbox::migrate`](crate::Outbox::migrate) first.
+    NotMigrated {
+        /// The table, as configured.
+        table: String,
+        /// The database's own error.
+        source: postgres::Error,
+    },
+    /// An error from PostgreSQL or the connection to it.
+    Db(postgres::Error),
+    /// No pooled connection could be had in time.
+    Pool(r2d2::Error),
+    /// A publisher could not be built.
+    Publisher(Box<dyn StdError + Send + Sync>),
+    /// A relay thread died (it panicked, or its channel closed unexpectedly).
+    RelayDied(String),
+}
+
+impl Error {
+    /// True when the message's key (or one of a batch's keys) is already in the outbox.
+    pub fn is_duplicate_key(&self) -> bool {
+        matches!(self, Error::DuplicateKey { .. })
+    }
+
+    /// True when the outbox table has not been created yet.
+    pub fn is_not_migrated(&self) -> bool {
+        matches!(self, Error::NotMigrated { .. })
+    }
+
+    /// True for input rejected before any SQL ran (bad message field or table name).
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidInput { .. } | Error::InvalidTableName { .. } | Error::InvalidConfig(_)
+        )
+    }
+
+    /// The keys that were already present, for [`Error::DuplicateKey`].
+    pub fn duplicate_keys(&self) -> &[String] {
+        match self {
+            Error::DuplicateKey { keys } => keys,
+            _ => &[],
+        }
+    }
+
+    /// The PostgreSQL error behind this one, if it came from the server.
+    pub fn as_db_error(&self) -> Option<&postgres::error::DbError> {
+        self.postgres().and_then(|e| e.as_db_error())
+    }
+
+    /// The SQLSTATE of the server error behind this one, if any.
+    pub fn code(&self) -> Option<&postgres::error::SqlState> {
+        self.postgres().and_then(|e| e.code())
+    }
+
+    fn postgres(&self) -> Option<&postgres::Error> {
+        match self {
+            Error::Db(e) | Error::NotMigrated { source: e, .. } => Some(e),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
+        Error::InvalidInput {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Prints what `postgres::Error` hides behind "db error": the SQLSTATE and the server's message.
+fn fmt_db(e: &postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    match e.as_db_error() {
+        Some(db) => {
+            write!(f, "{} (SQLSTATE {})", db.message(), db.code().code())?;
+            if let Some(detail) = db.detail() {
+                write!(f, ": {detail}")?;
+            }
+            Ok(())
+        }
+        None => write!(f, "{e}"),
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidTableName { name, reason } => {
+                write!(f, "invalid outbox table name {name:?}: {reason}")
+            }
+            Error::InvalidInput { field, reason } => write!(f, "invalid {field}: {reason}"),
+            Error::InvalidConfig(reason) => write!(f, "invalid relay configuration: {reason}"),
+            Error::DuplicateKey { keys } => {
+                write!(f, "message key already in the outbox: {}", keys.join(", "))
+            }
+            Error::NotMigrated { table, source } => {
+                write!(
+                    f,
+                    "outbox table {table} does not exist; run Outbox::migrate first ("
+                )?;
+                fmt_db(source, f)?;
+                write!(f, ")")
+            }
+            Error::Db(e) => {
+                write!(f, "database error: ")?;
+                fmt_db(e, f)
+            }
+            Error::Pool(e) => write!(f, "connection pool: {e}"),
+            Error::Publisher(e) => write!(f, "could not build a publisher: {e}"),
+            Error::RelayDied(why) => write!(f, "relay thread died: {why}"),
+        }
+    }
+}
+
+impl StdError for Error {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            Error::Db(e) | Error::NotMigrated { source: e, .. } => Some(e),
+            Error::Pool(e) => Some(e),
+            Error::Publisher(e) => Some(e.as_ref()),
+            _ => None,
+        }
+    }
+}
+
+impl From<postgres::Error> for Error {
+    fn from(e: postgres::Error) -> Error {
+        Error::Db(e)
+    }
+}
+
+impl From<r2d2::Error> for Error {
+    fn from(e: r2d2::Error) -> Error {
+        Error::Pool(e)
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

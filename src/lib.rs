@@ -1,0 +1,74 @@
+//! A blocking transactional outbox for PostgreSQL.
+//!
+//! Write the event in the same `postgres::Transaction` as the data it describes, with
+//! [`Outbox::enqueue`]: it exists if, and only if, that transaction commits. A [`Relay`]
+//! then ships committed rows to a [`Publisher`] (RabbitMQ with the `rabbitmq` feature) at
+//! least once, retrying with backoff until it succeeds or the row becomes a dead letter.
+//! Consumers deduplicate on the message key with [`Outbox::dedupe`].
+//!
+//! No async runtime appears in the API: the relay is a handful of threads fed by channels.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig};
+//! use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "postgres://postgres@localhost/app";
+//! let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
+//! let outbox = Outbox::new("orders_outbox")?;
+//! outbox.migrate(&mut pool.get()?)?;
+//!
+//! let relay = Relay::spawn(RelayConfig::new(outbox.clone(), pool.clone(), || {
+//!     Ok::<_, std::io::Error>(publisher_fn(|record| {
+//!         println!("publish {} {}", record.topic, record.key);
+//!         Ok(())
+//!     }))
+//! }))?;
+//!
+//! let mut client = pool.get()?;
+//! let mut tx = client.transaction()?;
+//! outbox.enqueue(&mut tx, Message::new("order.created", b"{}".to_vec()))?;
+//! tx.commit()?;
+//!
+//! let report = relay.shutdown(Duration::from_secs(10))?;
+//! println!("{report:?}");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Ordering: messages with the same [`Message::aggregate_key`] are published one at a time,
+//! in enqueue order (the order of their ids). Enqueue order is commit order when one
+//! transaction at a time writes an aggregate, which is the usual case when the transaction
+//! locks the aggregate's own row; two concurrent transactions enqueueing for the same
+//! aggregate are ordered by when each inserted, not by when each committed.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod error;
+mod message;
+mod metrics;
+mod operate;
+mod outbox;
+mod process;
+mod publish;
+mod record;
+mod relay;
+mod retry;
+mod sql;
+mod store;
+mod table;
+
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
+
+pub use error::{Error, Result};
+pub use message::{Message, MAX_DELAY, MAX_SHORT_STRING};
+pub use metrics::{Metrics, NoMetrics};
+pub use operate::{DeadLetter, Purge, Redrive, Stats};
+pub use outbox::{Outbox, OutboxBuilder};
+pub use process::ProcessReport;
+pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
+pub use record::Record;
+pub use relay::{Relay, RelayConfig, ShutdownReport};

@@ -1,0 +1,161 @@
+//! Operating an outbox: counts, dead letters, redrive and purge.
+
+use std::time::{Duration, SystemTime};
+
+use postgres::types::Type;
+use postgres::Client;
+use rand::Rng;
+
+use crate::error::{Error, Result};
+use crate::message::micros;
+use crate::outbox::Outbox;
+use crate::record::Record;
+use crate::sql::PURGE_BATCH;
+
+/// A snapshot of an outbox's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Rows waiting to be claimed: due now, delayed, or backing off after a failure.
+    pub pending: u64,
+    /// Of `pending`, those due now.
+    pub due: u64,
+    /// Rows claimed by a relay whose lease has not run out.
+    pub in_flight: u64,
+    /// Rows published and not yet purged (kept as a counter, so this costs no scan).
+    pub sent: u64,
+    /// Dead letters: rows that ran out of attempts or failed permanently.
+    pub dead: u64,
+    /// Age of the oldest row not yet sent or dead (pending or in flight).
+    pub oldest_pending_age: Option<Duration>,
+}
+
+/// A row that will not be published unless redriven.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The row; `attempt` is the number of attempts made.
+    pub record: Record,
+    /// The last publish or handler error.
+    pub last_error: Option<String>,
+    /// When it was dead-lettered.
+    pub dead_at: SystemTime,
+}
+
+/// Which dead letters [`Outbox::redrive`] makes pending again.
+#[derive(Debug, Clone, Copy)]
+pub enum Redrive<'a> {
+    /// Every dead letter.
+    All,
+    /// The dead letters with these keys (others are left alone).
+    Keys(&'a [&'a str]),
+}
+
+/// Which finished rows [`Outbox::purge`] deletes.
+#[derive(Debug, Clone, Copy)]
+pub enum Purge {
+    /// Sent rows finished longer ago than this.
+    Sent {
+        /// Minimum age since the row was sent.
+        older_than: Duration,
+    },
+    /// Dead letters older than this.
+    Dead {
+        /// Minimum age since the row died.
+        older_than: Duration,
+    },
+}
+
+impl Outbox {
+    /// Counts rows by state. Reads only pending rows, the dead-letter index and a counter
+    /// table, so it stays fast however many sent rows are retained.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let stats = postgres_outbox::Outbox::new("orders_outbox")?.stats(&mut client)?;
+    /// println!("{} pending, {} dead", stats.pending, stats.dead);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn stats(&self, client: &mut Client) -> Result<Stats> {
+        let row = client
+            .query_one(&self.statements().stats, &[])
+            .map_err(|e| self.db_error(e))?;
+        let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
+        let age: Option<f64> = row.get(5);
+        Ok(Stats {
+            pending: count(0),
+            in_flight: count(1),
+            due: count(2),
+            sent: count(3),
+            dead: count(4),
+            oldest_pending_age: age.map(|secs| Duration::from_secs_f64(secs.max(0.0))),
+        })
+    }
+
+    /// Up to `limit` dead letters, oldest first.
+    pub fn dead_letters(&self, client: &mut Client, limit: usize) -> Result<Vec<DeadLetter>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(&self.statements().dead_letters, &[&limit])
+            .map_err(|e| self.db_error(e))?;
+        rows.iter()
+            .map(|row| {
+                Ok(DeadLetter {
+                    record: Record::from_row(row)?,
+                    last_error: row.try_get(10)?,
+                    dead_at: row.try_get(11)?,
+                })
+            })
+            .collect::<Result<_, postgres::Error>>()
+            .map_err(Error::Db)
+    }
+
+    /// Makes dead letters pending again, due now with a fresh attempt budget; returns how
+    /// many. A redriven row of an aggregate may now be published after later rows of the
+    /// same aggregate that went out while it was dead.
+    pub fn redrive(&self, client: &mut Client, which: Redrive<'_>) -> Result<u64> {
+        let sql = self.statements();
+        let n = match which {
+            Redrive::All => client.execute(&sql.redrive_all, &[]),
+            Redrive::Keys(keys) => {
+                client.execute_typed(&sql.redrive_keys, &[(&keys, Type::TEXT_ARRAY)])
+            }
+        }
+        .map_err(|e| self.db_error(e))?;
+        if n > 0 {
+            log::info!("outbox {}: redrove {n} dead letters", self.table());
+        }
+        Ok(n)
+    }
+
+    /// Deletes finished rows older than a cutoff, in batches of 1,000 rows each committed on
+    /// its own so no statement holds locks for long; returns how many. Pending rows are
+    /// never touched.
+    pub fn purge(&self, client: &mut Client, which: Purge) -> Result<u64> {
+        let sql = self.statements();
+        let mut total = 0;
+        loop {
+            let n: i64 = match which {
+                Purge::Sent { older_than } => {
+                    let slot: i16 = rand::thread_rng().gen_range(0..16);
+                    client.query_one(&sql.purge_sent, &[&micros(older_than), &slot])
+                }
+                Purge::Dead { older_than } => {
+                    client.query_one(&sql.purge_dead, &[&micros(older_than)])
+                }
+            }
+            .map_err(|e| self.db_error(e))?
+            .get(0);
+            total += u64::try_from(n).unwrap_or(0);
+            if n < PURGE_BATCH {
+                break;
+            }
+        }
+        if total > 0 {
+            log::info!("outbox {}: purged {total} rows", self.table());
+        }
+        Ok(total)
+    }
+}

@@ -1,0 +1,497 @@
+//! The outbox handle: schema, producing and consumer-side deduplication.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use postgres::error::SqlState;
+use postgres::types::{ToSql, Type};
+use postgres::{Client, Transaction};
+
+use crate::error::{Error, Result};
+use crate::message::Message;
+use crate::retry::RetryPolicy;
+use crate::sql::{Statements, MIGRATIONS};
+use crate::table::{quote, TableName};
+
+/// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
+///
+/// ```no_run
+/// use postgres_outbox::{Message, Outbox};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+/// let outbox = Outbox::new("orders_outbox")?;
+/// outbox.migrate(&mut client)?;
+///
+/// let mut tx = client.transaction()?;
+/// tx.execute("UPDATE orders SET state = 'paid' WHERE id = $1", &[&42_i64])?;
+/// outbox.enqueue(&mut tx, Message::new("order.paid", br#"{"id":42}"#.to_vec()))?;
+/// tx.commit()?; // the event exists if, and only if, the order was paid
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    table: TableName,
+    notify: bool,
+    lease: Duration,
+    retry: RetryPolicy,
+    sql: Statements,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.table())
+            .field("notify", &self.inner.notify)
+            .finish()
+    }
+}
+
+/// Builds an [`Outbox`] with non-default settings.
+///
+/// ```
+/// use std::time::Duration;
+/// use postgres_outbox::Outbox;
+///
+/// let outbox = Outbox::builder()
+///     .table("audit.events")
+///     .notify(false)
+///     .max_attempts(5)
+///     .build()?;
+/// assert_eq!(outbox.table(), "audit.events");
+/// # Ok::<(), postgres_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct OutboxBuilder {
+    table: String,
+    notify: bool,
+    lease: Duration,
+    retry: RetryPolicy,
+}
+
+impl Default for OutboxBuilder {
+    fn default() -> OutboxBuilder {
+        OutboxBuilder {
+            table: "outbox".to_owned(),
+            notify: true,
+            lease: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+impl OutboxBuilder {
+    /// The table, `name` or `schema.name`; default `outbox`.
+    pub fn table(mut self, table: impl Into<String>) -> OutboxBuilder {
+        self.table = table.into();
+        self
+    }
+
+    /// Whether enqueue sends a `pg_notify` to wake relays at once (default true). Each
+    /// notifying transaction takes a global lock at commit; turn it off for the highest
+    /// producer throughput, or behind a transaction-pooling proxy, and let relays poll.
+    pub fn notify(mut self, notify: bool) -> OutboxBuilder {
+        self.notify = notify;
+        self
+    }
+
+    /// How long a claim holds a row before another worker may take it (default 30 s).
+    /// The default for relays and the lease [`Outbox::process`] uses.
+    pub fn lease(mut self, lease: Duration) -> OutboxBuilder {
+        self.lease = lease;
+        self
+    }
+
+    /// Attempts before a row is dead-lettered, unless the message sets its own (default 10).
+    pub fn max_attempts(mut self, max_attempts: u32) -> OutboxBuilder {
+        self.retry.max_attempts = max_attempts;
+        self
+    }
+
+    /// The first retry delay and the cap of the exponential backoff (default 500 ms, 300 s).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> OutboxBuilder {
+        self.retry.backoff_min = min;
+        self.retry.backoff_max = max;
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<Outbox> {
+        let table = TableName::parse(&self.table)?;
+        check_lease(self.lease)?;
+        check_retry(&self.retry)?;
+        let sql = Statements::new(&table);
+        Ok(Outbox {
+            inner: Arc::new(Inner {
+                table,
+                notify: self.notify,
+                lease: self.lease,
+                retry: self.retry,
+                sql,
+            }),
+        })
+    }
+}
+
+pub(crate) fn check_lease(lease: Duration) -> Result<()> {
+    if lease < Duration::from_millis(100) || lease > Duration::from_secs(24 * 3600) {
+        return Err(Error::InvalidConfig(format!(
+            "lease must be between 100 ms and 24 h, got {lease:?}"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_retry(retry: &RetryPolicy) -> Result<()> {
+    if retry.max_attempts == 0 || retry.max_attempts > i32::MAX as u32 {
+        return Err(Error::InvalidConfig(format!(
+            "max_attempts must be at least 1, got {}",
+            retry.max_attempts
+        )));
+    }
+    if retry.backoff_min.is_zero() || retry.backoff_min > retry.backoff_max {
+        return Err(Error::InvalidConfig(format!(
+            "backoff needs 0 < min <= max, got {:?} and {:?}",
+            retry.backoff_min, retry.backoff_max
+        )));
+    }
+    Ok(())
+}
+
+impl Outbox {
+    /// An outbox on `table` (`name` or `schema.name`) with default settings.
+    ///
+    /// The name must be a plain identifier (ASCII letters, digits, underscores) that leaves
+    /// room for the longest derived name, `<table>_migrations`; it is always quoted in SQL.
+    ///
+    /// ```
+    /// use postgres_outbox::Outbox;
+    /// assert!(Outbox::new("orders_outbox").is_ok());
+    /// assert!(Outbox::new("x; DROP TABLE y").is_err());
+    /// ```
+    pub fn new(table: &str) -> Result<Outbox> {
+        Outbox::builder().table(table).build()
+    }
+
+    /// A builder for the non-default settings.
+    pub fn builder() -> OutboxBuilder {
+        OutboxBuilder::default()
+    }
+
+    /// The table name as configured.
+    pub fn table(&self) -> &str {
+        self.inner.table.as_str()
+    }
+
+    /// The NOTIFY channel relays LISTEN on.
+    pub fn channel(&self) -> String {
+        self.inner.table.channel()
+    }
+
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.inner.sql
+    }
+
+    pub(crate) fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    pub(crate) fn retry(&self) -> RetryPolicy {
+        self.inner.retry
+    }
+
+    /// Maps "relation does not exist" on our own statements to [`Error::NotMigrated`].
+    pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
+        if e.code() == Some(&SqlState::UNDEFINED_TABLE) {
+            Error::NotMigrated {
+                table: self.table().to_owned(),
+                source: e,
+            }
+        } else {
+            Error::Db(e)
+        }
+    }
+
+    /// Creates or upgrades the outbox's tables and indexes.
+    ///
+    /// The embedded migrations in `sql/` run in one transaction under an advisory lock
+    /// derived from the table name and are recorded in `<table>_migrations`, so running this
+    /// on every start, from many processes at once, is safe.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// postgres_outbox::Outbox::new("orders_outbox")?.migrate(&mut client)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn migrate(&self, client: &mut Client) -> Result<()> {
+        // Two migrations of different tables in one new schema can race on CREATE SCHEMA IF
+        // NOT EXISTS (the advisory lock is per table); the loser simply tries again.
+        let mut tries = 0;
+        loop {
+            match self.migrate_once(client) {
+                Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) && tries < 3 => {
+                    tries += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn migrate_once(&self, client: &mut Client) -> Result<()> {
+        let sql = self.statements();
+        let mut tx = client.transaction()?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&self.inner.table.lock_key()])?;
+        if let Some(schema) = self.inner.table.schema() {
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)))?;
+        }
+        tx.batch_execute(&sql.migrations_table)?;
+        let applied: Vec<i32> = tx
+            .query(&sql.applied_versions, &[])?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        for migration in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+            log::info!(
+                "outbox {}: applying migration {}",
+                self.table(),
+                migration.name
+            );
+            tx.batch_execute(&migration.render(&self.inner.table))?;
+            tx.execute(&sql.record_migration, &[&migration.version, &migration.name])?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The DDL [`Outbox::migrate`] applies, for teams that run their own migration tool.
+    pub fn sql(&self) -> String {
+        let mut ddl = String::new();
+        if let Some(schema) = self.inner.table.schema() {
+            ddl.push_str(&format!("CREATE SCHEMA IF NOT EXISTS {};\n\n", quote(schema)));
+        }
+        for migration in MIGRATIONS {
+            ddl.push_str(&format!("-- {}\n", migration.name));
+            ddl.push_str(&migration.render(&self.inner.table));
+            ddl.push('\n');
+        }
+        ddl
+    }
+
+    /// Enqueues a message in the caller's transaction and returns its key; it is published
+    /// only if that transaction commits. One round trip.
+    ///
+    /// A key already in the outbox gives an error with [`Error::is_duplicate_key`]; nothing
+    /// is written and the transaction stays usable. Invalid fields are rejected before any SQL.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{Message, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// # let outbox = Outbox::new("orders_outbox")?;
+    /// let mut tx = client.transaction()?;
+    /// let key = outbox.enqueue(
+    ///     &mut tx,
+    ///     Message::new("order.created", b"{}".to_vec()).aggregate_key("order-42"),
+    /// )?;
+    /// tx.commit()?;
+    /// println!("enqueued {key}");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn enqueue(&self, tx: &mut Transaction<'_>, message: Message) -> Result<String> {
+        let key = message.validate()?;
+        let (at, delay) = message.schedule();
+        let headers = message.headers_flat();
+        let max_attempts = message.max_attempts_param();
+        let sql = if self.inner.notify {
+            &self.statements().enqueue
+        } else {
+            &self.statements().enqueue_quiet
+        };
+        let params: [(&(dyn ToSql + Sync), Type); 9] = [
+            (&key, Type::TEXT),
+            (&message.topic, Type::TEXT),
+            (&message.aggregate_key, Type::TEXT),
+            (&message.payload, Type::BYTEA),
+            (&message.content_type, Type::TEXT),
+            (&headers, Type::TEXT_ARRAY),
+            (&at, Type::TIMESTAMPTZ),
+            (&delay, Type::INT8),
+            (&max_attempts, Type::INT4),
+        ];
+        let rows = tx
+            .query_typed(sql, &params)
+            .map_err(|e| self.db_error(e))?;
+        if rows.is_empty() {
+            return Err(Error::DuplicateKey { keys: vec![key] });
+        }
+        log::trace!("outbox {}: enqueued {key}", self.table());
+        Ok(key)
+    }
+
+    /// Enqueues many messages in one round trip, all or nothing, and returns their keys in
+    /// order.
+    ///
+    /// If any key is already in the outbox (or repeats within `messages`), nothing is
+    /// written, the error's [`Error::duplicate_keys`] names them, and the transaction stays
+    /// usable.
+    pub fn enqueue_all(
+        &self,
+        tx: &mut Transaction<'_>,
+        messages: impl IntoIterator<Item = Message>,
+    ) -> Result<Vec<String>> {
+        let messages: Vec<Message> = messages.into_iter().collect();
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = Batch::new(messages)?;
+        let sql = if self.inner.notify {
+            &self.statements().enqueue_all
+        } else {
+            &self.statements().enqueue_all_quiet
+        };
+        let params: [(&(dyn ToSql + Sync), Type); 11] = [
+            (&batch.keys, Type::TEXT_ARRAY),
+            (&batch.topics, Type::TEXT_ARRAY),
+            (&batch.aggregate_keys, Type::TEXT_ARRAY),
+            (&batch.payloads, Type::BYTEA_ARRAY),
+            (&batch.content_types, Type::TEXT_ARRAY),
+            (&batch.headers, Type::TEXT_ARRAY),
+            (&batch.available_at, Type::TIMESTAMPTZ_ARRAY),
+            (&batch.delays, Type::INT8_ARRAY),
+            (&batch.max_attempts, Type::INT4_ARRAY),
+            (&batch.header_offsets, Type::INT4_ARRAY),
+            (&batch.header_lens, Type::INT4_ARRAY),
+        ];
+        let inserted = tx
+            .query_typed(sql, &params)
+            .map_err(|e| self.db_error(e))?
+            .len();
+        if inserted == batch.keys.len() {
+            log::trace!("outbox {}: enqueued {inserted} messages", self.table());
+            return Ok(batch.keys);
+        }
+        // Some key exists. Usually the statement saw it and inserted nothing; if a concurrent
+        // transaction committed one of our keys mid-statement, ON CONFLICT skipped just that
+        // row, and the rows we did insert are taken out again so the call stays all or nothing.
+        let keys_param: [(&(dyn ToSql + Sync), Type); 1] = [(&batch.keys, Type::TEXT_ARRAY)];
+        if inserted > 0 {
+            tx.query_typed(&self.statements().delete_keys, &keys_param)?;
+        }
+        let existing = tx
+            .query_typed(&self.statements().find_keys, &keys_param)?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        Err(Error::DuplicateKey { keys: existing })
+    }
+
+    /// Records that `consumer` has processed the message `key`, in the consumer's own
+    /// transaction. Returns true the first time, false for a duplicate delivery; rolling the
+    /// transaction back forgets it, so a failed handler sees the message as fresh again.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::Outbox;
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// # let outbox = Outbox::new("orders_outbox")?;
+    /// # let message_id = "0190-example";
+    /// let mut tx = client.transaction()?;
+    /// if outbox.dedupe(&mut tx, "invoicing", message_id)? {
+    ///     // first delivery: do the work in `tx`
+    /// }
+    /// tx.commit()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn dedupe(&self, tx: &mut Transaction<'_>, consumer: &str, key: &str) -> Result<bool> {
+        for (field, value) in [("consumer", consumer), ("key", key)] {
+            if value.is_empty() {
+                return Err(Error::invalid(field, "must not be empty"));
+            }
+            if value.contains('\0') {
+                return Err(Error::invalid(field, "contains a NUL character"));
+            }
+        }
+        let n = tx
+            .execute_typed(
+                &self.statements().dedupe,
+                &[(&consumer, Type::TEXT), (&key, Type::TEXT)],
+            )
+            .map_err(|e| self.db_error(e))?;
+        Ok(n == 1)
+    }
+}
+
+/// `enqueue_all`'s messages as column arrays.
+struct Batch {
+    keys: Vec<String>,
+    topics: Vec<String>,
+    aggregate_keys: Vec<Option<String>>,
+    payloads: Vec<Vec<u8>>,
+    content_types: Vec<Option<String>>,
+    headers: Vec<String>,
+    header_offsets: Vec<i32>,
+    header_lens: Vec<i32>,
+    available_at: Vec<Option<std::time::SystemTime>>,
+    delays: Vec<i64>,
+    max_attempts: Vec<Option<i32>>,
+}
+
+impl Batch {
+    fn new(messages: Vec<Message>) -> Result<Batch> {
+        let n = messages.len();
+        let mut batch = Batch {
+            keys: Vec::with_capacity(n),
+            topics: Vec::with_capacity(n),
+            aggregate_keys: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            content_types: Vec::with_capacity(n),
+            headers: Vec::new(),
+            header_offsets: Vec::with_capacity(n),
+            header_lens: Vec::with_capacity(n),
+            available_at: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            max_attempts: Vec::with_capacity(n),
+        };
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        let mut repeated = Vec::new();
+        let mut keyed = Vec::with_capacity(n);
+        for message in messages {
+            let key = message.validate()?;
+            if !seen.insert(key.clone()) {
+                repeated.push(key.clone());
+            }
+            keyed.push((key, message));
+        }
+        if !repeated.is_empty() {
+            return Err(Error::DuplicateKey { keys: repeated });
+        }
+        for (key, message) in keyed {
+            let flat = message.headers_flat();
+            let offset = i32::try_from(batch.headers.len())
+                .map_err(|_| Error::invalid("headers", "too many headers in one batch"))?;
+            batch.header_offsets.push(offset);
+            batch.header_lens.push(flat.len() as i32);
+            batch.headers.extend(flat);
+            let (at, delay) = message.schedule();
+            batch.available_at.push(at);
+            batch.delays.push(delay);
+            batch.max_attempts.push(message.max_attempts_param());
+            batch.keys.push(key);
+            batch.topics.push(message.topic);
+            batch.aggregate_keys.push(message.aggregate_key);
+            batch.payloads.push(message.payload);
+            batch.content_types.push(message.content_type);
+        }
+        Ok(batch)
+    }
+}

@@ -1,0 +1,146 @@
+//! The transactional handler: in-process consumers that need no broker.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+
+use postgres::{Client, Transaction};
+
+use crate::error::Result;
+use crate::outbox::Outbox;
+use crate::publish::{HandlerError, PublishError};
+use crate::record::Record;
+use crate::retry::Outcome;
+use crate::store::{self, Conn};
+
+/// What one [`Outbox::process`] call did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProcessReport {
+    /// Handled and marked sent, together with the handler's writes.
+    pub processed: usize,
+    /// The handler failed; its writes were rolled back and the row will be retried.
+    pub retried: usize,
+    /// The handler failed permanently or on the last attempt; the row is a dead letter.
+    pub dead: usize,
+    /// The lease ran out while the handler worked and another worker took the row; the
+    /// handler's writes were rolled back.
+    pub lease_lost: usize,
+    /// Claimed but not started because the lease was nearly over; handed back.
+    pub released: usize,
+}
+
+impl Outbox {
+    /// Claims up to `limit` due rows and runs `handler` on each, every record in its own short
+    /// transaction: on `Ok` the row is marked sent in the same transaction as the handler's
+    /// writes, so both commit or neither does. On `Err` (or a panic) the writes are rolled
+    /// back and the row is retried with backoff, or dead-lettered if the error is permanent or
+    /// the attempts are used up. A lease that ran out meanwhile (another worker took the row)
+    /// rolls the handler's writes back and is counted in [`ProcessReport::lease_lost`].
+    ///
+    /// ```no_run
+    /// use postgres_outbox::{HandlerError, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let outbox = Outbox::new("orders_outbox")?;
+    /// let report = outbox.process(&mut client, 100, |tx, record| {
+    ///     tx.execute("INSERT INTO audit (key) VALUES ($1)", &[&record.key])
+    ///         .map_err(HandlerError::transient)?;
+    ///     Ok(())
+    /// })?;
+    /// println!("{} processed", report.processed);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn process<F>(&self, client: &mut Client, limit: usize, mut handler: F) -> Result<ProcessReport>
+    where
+        F: FnMut(&mut Transaction<'_>, &Record) -> Result<(), HandlerError>,
+    {
+        let lease = self.lease();
+        let claimed_at = Instant::now();
+        let records = store::claim(&mut Conn::uncached(client), self, limit, lease)?;
+        let mut report = ProcessReport::default();
+        for (i, record) in records.iter().enumerate() {
+            // Leave a tenth of the lease as margin: past it, another worker may take the row.
+            if claimed_at.elapsed() > lease - lease / 10 {
+                let rest: Vec<_> = records[i..].iter().map(|r| (r, &Outcome::Release)).collect();
+                store::record(&mut Conn::uncached(client), self, &rest)?;
+                report.released = rest.len();
+                break;
+            }
+            let error = match self.handle_one(client, record, &mut handler)? {
+                Handled::Committed => {
+                    report.processed += 1;
+                    continue;
+                }
+                Handled::LeaseLost => {
+                    log::warn!(
+                        "outbox {}: lease on {} lost while its handler ran; rolled back",
+                        self.table(),
+                        record.key
+                    );
+                    report.lease_lost += 1;
+                    continue;
+                }
+                Handled::Failed(error) => error,
+            };
+            let outcome = self.retry().after_failure(record, &error);
+            match &outcome {
+                Outcome::Dead { .. } => {
+                    log::error!(
+                        "outbox {}: {} dead after attempt {}: {error}",
+                        self.table(),
+                        record.key,
+                        record.attempt
+                    );
+                    report.dead += 1;
+                }
+                _ => {
+                    log::warn!(
+                        "outbox {}: handler failed on {} (attempt {}): {error}",
+                        self.table(),
+                        record.key,
+                        record.attempt
+                    );
+                    report.retried += 1;
+                }
+            }
+            store::record(&mut Conn::uncached(client), self, &[(record, &outcome)])?;
+        }
+        Ok(report)
+    }
+
+    fn handle_one<F>(&self, client: &mut Client, record: &Record, handler: &mut F) -> Result<Handled>
+    where
+        F: FnMut(&mut Transaction<'_>, &Record) -> Result<(), HandlerError>,
+    {
+        let mut tx = client.transaction()?;
+        let result = catch_unwind(AssertUnwindSafe(|| handler(&mut tx, record)))
+            .unwrap_or_else(|_| Err(PublishError::transient("handler panicked")));
+        if let Err(error) = result {
+            tx.rollback()?;
+            return Ok(Handled::Failed(error));
+        }
+        match store::record(&mut Conn::uncached(&mut tx), self, &[(record, &Outcome::Sent)]) {
+            Ok(recorded) if recorded.changed == 0 => {
+                tx.rollback()?;
+                return Ok(Handled::LeaseLost);
+            }
+            Ok(_) => {}
+            // The handler swallowed an error of its own and left the transaction aborted.
+            Err(e) => {
+                tx.rollback()?;
+                return Ok(Handled::Failed(PublishError::transient(e)));
+            }
+        }
+        match tx.commit() {
+            Ok(()) => Ok(Handled::Committed),
+            Err(e) => Ok(Handled::Failed(PublishError::transient(e))),
+        }
+    }
+}
+
+enum Handled {
+    Committed,
+    LeaseLost,
+    Failed(PublishError),
+}

@@ -1,0 +1,62 @@
+//! A claimed outbox row, as publishers and handlers see it.
+
+use std::time::SystemTime;
+
+use postgres::Row;
+
+/// One outbox row handed to a [`Publisher`](crate::Publisher) or a handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    /// The row's id; increases in enqueue order.
+    pub id: i64,
+    /// The idempotency key (the AMQP message id).
+    pub key: String,
+    /// The topic (the AMQP routing key).
+    pub topic: String,
+    /// Messages sharing an aggregate key are delivered one at a time, in order.
+    pub aggregate_key: Option<String>,
+    /// The payload, as enqueued.
+    pub payload: Vec<u8>,
+    /// The payload's MIME type, if given.
+    pub content_type: Option<String>,
+    /// Headers, in the order they were added.
+    pub headers: Vec<(String, String)>,
+    /// Which attempt this is: 1 on the first try.
+    pub attempt: u32,
+    /// The per-message attempt limit, if the producer set one.
+    pub max_attempts: Option<u32>,
+    /// When the message was enqueued (the database's clock).
+    pub created_at: SystemTime,
+}
+
+impl Record {
+    /// Reads the columns `sql::RECORD_COLUMNS` lists, in that order.
+    pub(crate) fn from_row(row: &Row) -> Result<Record, postgres::Error> {
+        let flat: Vec<String> = row.try_get(6)?;
+        let mut headers = Vec::with_capacity(flat.len() / 2);
+        let mut pairs = flat.into_iter();
+        while let (Some(name), Some(value)) = (pairs.next(), pairs.next()) {
+            headers.push((name, value));
+        }
+        let attempt: i32 = row.try_get(7)?;
+        let max_attempts: Option<i32> = row.try_get(8)?;
+        Ok(Record {
+            id: row.try_get(0)?,
+            key: row.try_get(1)?,
+            topic: row.try_get(2)?,
+            aggregate_key: row.try_get(3)?,
+            payload: row.try_get(4)?,
+            content_type: row.try_get(5)?,
+            headers,
+            attempt: u32::try_from(attempt).unwrap_or(0),
+            max_attempts: max_attempts.and_then(|n| u32::try_from(n).ok()),
+            created_at: row.try_get(9)?,
+        })
+    }
+
+    /// The attempt count as the database stores it, for fencing.
+    pub(crate) fn attempt_param(&self) -> i32 {
+        i32::try_from(self.attempt).unwrap_or(i32::MAX)
+    }
+}

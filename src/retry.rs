@@ -1,0 +1,100 @@
+//! When a failed row is tried again, and when it gives up.
+
+use std::time::Duration;
+
+use rand::Rng;
+
+use crate::publish::PublishError;
+use crate::record::Record;
+
+/// What happens to a claimed row after its attempt.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Sent,
+    Retry { delay: Duration, error: String },
+    Dead { error: String },
+    /// Handed back unattempted: due at once, its attempt count restored.
+    Release,
+}
+
+impl Outcome {
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Outcome::Sent => "sent",
+            Outcome::Retry { .. } => "retry",
+            Outcome::Dead { .. } => "dead",
+            Outcome::Release => "release",
+        }
+    }
+}
+
+/// Attempt limit and capped exponential backoff with jitter.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RetryPolicy {
+    pub(crate) max_attempts: u32,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 10,
+            backoff_min: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Dead when the error is permanent or the record used its last attempt; otherwise a
+    /// retry after a backoff. The delay is relative: the database adds it to its own `now()`.
+    pub(crate) fn after_failure(&self, record: &Record, error: &PublishError) -> Outcome {
+        let limit = record.max_attempts.unwrap_or(self.max_attempts);
+        let text = error.to_string();
+        if error.is_permanent() || record.attempt >= limit {
+            Outcome::Dead { error: text }
+        } else {
+            Outcome::Retry {
+                delay: self.backoff(record.attempt),
+                error: text,
+            }
+        }
+    }
+
+    /// "Equal jitter": half the capped exponential delay, plus a random part of the other
+    /// half, so retries of a burst spread out but never come sooner than half the schedule.
+    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(31);
+        let full = self
+            .backoff_min
+            .saturating_mul(1u32 << exp)
+            .min(self.backoff_max)
+            .max(self.backoff_min);
+        let half = full / 2;
+        let jitter = rand::thread_rng().gen_range(0..=half.as_micros().max(1) as u64);
+        half + Duration::from_micros(jitter)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_capped() {
+        let p = RetryPolicy {
+            max_attempts: 5,
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(1),
+        };
+        for _ in 0..100 {
+            let first = p.backoff(1);
+            assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
+            let third = p.backoff(3);
+            assert!(third >= Duration::from_millis(200) && third <= Duration::from_millis(400));
+            let late = p.backoff(40);
+            assert!(late >= Duration::from_millis(500) && late <= Duration::from_secs(1));
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Validated table names and every identifier derived from them.
+
+use crate::error::{Error, Result};
+
+/// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).
+const MAX_IDENT: usize = 63;
+
+/// The suffixes of the companion objects; the longest must still fit after the table name.
+const SUFFIXES: &[&str] = &[
+    "_migrations",
+    "_inbox",
+    "_counts",
+    "_key",
+    "_due",
+    "_agg",
+    "_done",
+];
+
+/// A validated `[schema.]table` with its quoted forms.
+#[derive(Debug, Clone)]
+pub(crate) struct TableName {
+    display: String,
+    schema: Option<String>,
+    name: String,
+}
+
+impl TableName {
+    pub(crate) fn parse(input: &str) -> Result<TableName> {
+        let bad = |reason: &str| Error::InvalidTableName {
+            name: input.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let (schema, name) = match input.split_once('.') {
+            Some((schema, name)) => (Some(schema), name),
+            None => (None, input),
+        };
+        if let Some(schema) = schema {
+            check_ident(schema).map_err(|r| bad(&format!("schema {r}")))?;
+        }
+        check_ident(name).map_err(|r| bad(&format!("table {r}")))?;
+        let longest = SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+        if name.len() + longest > MAX_IDENT {
+            return Err(bad(&format!(
+                "table part is {} bytes; at most {} fit with the suffix \"_migrations\"",
+                name.len(),
+                MAX_IDENT - longest
+            )));
+        }
+        Ok(TableName {
+            display: input.to_owned(),
+            schema: schema.map(str::to_owned),
+            name: name.to_owned(),
+        })
+    }
+
+    /// The name as the user gave it.
+    pub(crate) fn as_str(&self) -> &str {
+        &self.display
+    }
+
+    pub(crate) fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The quoted, schema-qualified table: `"audit"."events"`.
+    pub(crate) fn quoted(&self) -> String {
+        self.qualified(&self.name)
+    }
+
+    /// A companion table in the same schema: `"audit"."events_inbox"`.
+    pub(crate) fn companion(&self, suffix: &str) -> String {
+        self.qualified(&format!("{}{suffix}", self.name))
+    }
+
+    /// An unqualified derived name (indexes, constraints live in the table's schema).
+    pub(crate) fn derived(&self, suffix: &str) -> String {
+        quote(&format!("{}{suffix}", self.name))
+    }
+
+    /// The NOTIFY channel: the qualified name when it fits, else a stable hash of it.
+    pub(crate) fn channel(&self) -> String {
+        if self.display.len() <= MAX_IDENT {
+            self.display.clone()
+        } else {
+            format!("outbox_{:016x}", self.lock_key())
+        }
+    }
+
+    /// The advisory-lock key for migrations: a stable FNV-1a hash of the name, so every
+    /// process and every version of this crate agree on it.
+    pub(crate) fn lock_key(&self) -> i64 {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in b"postgres-outbox:".iter().chain(self.display.as_bytes()) {
+            hash ^= u64::from(*byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        i64::from_ne_bytes(hash.to_ne_bytes())
+    }
+
+    fn qualified(&self, name: &str) -> String {
+        match &self.schema {
+            Some(schema) => format!("{}.{}", quote(schema), quote(name)),
+            None => quote(name),
+        }
+    }
+}
+
+/// Quotes an identifier that `check_ident` accepted (so it holds no quote to escape).
+pub(crate) fn quote(ident: &str) -> String {
+    format!("\"{ident}\"")
+}
+
+fn check_ident(ident: &str) -> std::result::Result<(), String> {
+    if ident.is_empty() {
+        return Err("name is empty".into());
+    }
+    if ident.len() > MAX_IDENT {
+        return Err(format!("name is longer than {MAX_IDENT} bytes"));
+    }
+    let mut chars = ident.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!(
+            "name {ident:?} must start with a letter or underscore and hold only ASCII letters, digits and underscores"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_qualified_names() {
+        let t = TableName::parse("audit.events").unwrap();
+        assert_eq!(t.quoted(), "\"audit\".\"events\"");
+        assert_eq!(t.companion("_inbox"), "\"audit\".\"events_inbox\"");
+        assert_eq!(t.derived("_due"), "\"events_due\"");
+        assert_eq!(t.channel(), "audit.events");
+        assert_eq!(TableName::parse("Orders_1").unwrap().quoted(), "\"Orders_1\"");
+    }
+
+    #[test]
+    fn rejects_everything_that_is_not_an_identifier() {
+        for bad in [
+            "",
+            "x; DROP TABLE y",
+            "\"a\"",
+            "a.b.c",
+            ".a",
+            "a.",
+            "1abc",
+            "a-b",
+            "a b",
+            "é",
+        ] {
+            let err = TableName::parse(bad).unwrap_err();
+            assert!(err.is_invalid_input(), "{bad:?} gave {err}");
+        }
+    }
+
+    #[test]
+    fn rejects_names_that_leave_no_room_for_the_longest_suffix() {
+        let fits = "a".repeat(52);
+        assert!(TableName::parse(&fits).is_ok());
+        let too_long = "a".repeat(53);
+        let err = TableName::parse(&too_long).unwrap_err();
+        assert!(err.to_string().contains("_migrations"), "{err}");
+    }
+
+    #[test]
+    fn long_qualified_names_get_a_short_stable_channel() {
+        let t = TableName::parse(&format!("{}.{}", "s".repeat(40), "t".repeat(40))).unwrap();
+        let channel = t.channel();
+        assert!(channel.len() <= MAX_IDENT);
+        assert_eq!(channel, t.channel());
+    }
+}
