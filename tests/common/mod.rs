@@ -1,0 +1,203 @@
+//! Shared test harness: service URLs, isolated outbox tables, and waiting for conditions.
+#![allow(dead_code)]
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use postgres::{Client, NoTls};
+use postgres_outbox::Outbox;
+use r2d2_postgres::PostgresConnectionManager;
+
+pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
+
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672";
+
+/// The PostgreSQL URL: `OUTBOX_TEST_DATABASE_URL`, `DATABASE_URL`, the local default, or
+/// (with the `containers` feature) a throwaway container when none of those answers.
+pub fn database_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        resolve(
+            &["OUTBOX_TEST_DATABASE_URL", "DATABASE_URL"],
+            DEFAULT_DATABASE_URL,
+            5432,
+            containers::postgres,
+        )
+    })
+    .clone()
+}
+
+/// The RabbitMQ URL, resolved like [`database_url`].
+pub fn amqp_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        resolve(
+            &["OUTBOX_TEST_AMQP_URL", "AMQP_URL"],
+            DEFAULT_AMQP_URL,
+            5672,
+            containers::rabbitmq,
+        )
+    })
+    .clone()
+}
+
+fn resolve(vars: &[&str], default: &str, port: u16, container: fn() -> Option<String>) -> String {
+    let url = vars
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| default.to_owned());
+    if reachable(&url, port) {
+        return url;
+    }
+    if let Some(url) = container() {
+        return url;
+    }
+    panic!(
+        "no service answers at {} (from {} or the default). Start it (see .ci/run), set one of \
+         those variables, or run the tests with `--features containers` to use testcontainers.",
+        redact(&url),
+        vars.join(" / ")
+    );
+}
+
+/// Host and port of a URL like `scheme://user:pass@host:port/db`.
+fn reachable(url: &str, default_port: u16) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host_port = authority.rsplit('@').next().unwrap_or(authority);
+    let addr = if host_port.contains(':') {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:{default_port}")
+    };
+    addr.to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .is_some_and(|a| TcpStream::connect_timeout(&a, Duration::from_secs(3)).is_ok())
+}
+
+/// The URL without its password, for messages.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(feature = "containers")]
+mod containers {
+    use std::sync::OnceLock;
+    use testcontainers::runners::SyncRunner;
+    use testcontainers::Container;
+
+    pub fn postgres() -> Option<String> {
+        static C: OnceLock<Container<testcontainers_modules::postgres::Postgres>> = OnceLock::new();
+        let c = C.get_or_init(|| {
+            testcontainers_modules::postgres::Postgres::default()
+                .start()
+                .expect("start a PostgreSQL container")
+        });
+        let port = c.get_host_port_ipv4(5432).expect("container port");
+        Some(format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres"))
+    }
+
+    pub fn rabbitmq() -> Option<String> {
+        static C: OnceLock<Container<testcontainers_modules::rabbitmq::RabbitMq>> = OnceLock::new();
+        let c = C.get_or_init(|| {
+            testcontainers_modules::rabbitmq::RabbitMq::default()
+                .start()
+                .expect("start a RabbitMQ container")
+        });
+        let port = c.get_host_port_ipv4(5672).expect("container port");
+        Some(format!("amqp://guest:guest@127.0.0.1:{port}"))
+    }
+}
+
+#[cfg(not(feature = "containers"))]
+mod containers {
+    pub fn postgres() -> Option<String> {
+        None
+    }
+    pub fn rabbitmq() -> Option<String> {
+        None
+    }
+}
+
+pub fn client() -> Client {
+    Client::connect(&database_url(), NoTls).expect("connect to PostgreSQL")
+}
+
+pub fn pool(size: u32) -> Pool {
+    let manager = PostgresConnectionManager::new(database_url().parse().expect("database URL"), NoTls);
+    r2d2::Pool::builder()
+        .max_size(size)
+        .build(manager)
+        .expect("build pool")
+}
+
+/// A table name no other test (or earlier run) uses: `<prefix>_<pid>_<n>`.
+pub fn unique_name(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A freshly migrated outbox on its own table.
+pub fn outbox(prefix: &str) -> (Outbox, Client) {
+    let outbox = Outbox::new(&unique_name(prefix)).expect("valid table name");
+    let mut client = client();
+    outbox.migrate(&mut client).expect("migrate");
+    (outbox, client)
+}
+
+/// Polls `condition` until it holds, failing the test after a generous deadline.
+pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Status and attempts of the row with `key`.
+pub fn row_state(client: &mut Client, outbox: &Outbox, key: &str) -> (String, i32) {
+    let row = client
+        .query_one(
+            &format!("SELECT status, attempts FROM {} WHERE key = $1", quoted(outbox)),
+            &[&key],
+        )
+        .expect("row exists");
+    (row.get(0), row.get(1))
+}
+
+/// The outbox table, quoted for the tests' own SQL.
+pub fn quoted(outbox: &Outbox) -> String {
+    outbox
+        .table()
+        .split('.')
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+pub fn count(client: &mut Client, outbox: &Outbox, filter: &str) -> i64 {
+    client
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE {filter}", quoted(outbox)),
+            &[],
+        )
+        .expect("count")
+        .get(0)
+}
