@@ -243,7 +243,10 @@ mod tests {
             field_of(Message::new("t", "p").header(long.clone(), "v")),
             "header name"
         );
-        assert_eq!(field_of(Message::new("t", "p").header("", "v")), "header name");
+        assert_eq!(
+            field_of(Message::new("t", "p").header("", "v")),
+            "header name"
+        );
         assert_eq!(
             field_of(Message::new("t", "p").header("x-outbox-attempt", "1")),
             "header name"
@@ -264,7 +267,10 @@ mod tests {
             field_of(Message::new("t", "p").available_at(UNIX_EPOCH - Duration::from_secs(1))),
             "available_at"
         );
-        assert_eq!(field_of(Message::new("t", "p").max_attempts(0)), "max_attempts");
+        assert_eq!(
+            field_of(Message::new("t", "p").max_attempts(0)),
+            "max_attempts"
+        );
     }
 
     #[test]

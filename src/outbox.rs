@@ -248,7 +248,10 @@ impl Outbox {
     fn migrate_once(&self, client: &mut Client) -> Result<()> {
         let sql = self.statements();
         let mut tx = client.transaction()?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&self.inner.table.lock_key()])?;
+        tx.execute(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[&self.inner.table.lock_key()],
+        )?;
         if let Some(schema) = self.inner.table.schema() {
             tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)))?;
         }
@@ -265,7 +268,10 @@ impl Outbox {
                 migration.name
             );
             tx.batch_execute(&migration.render(&self.inner.table))?;
-            tx.execute(&sql.record_migration, &[&migration.version, &migration.name])?;
+            tx.execute(
+                &sql.record_migration,
+                &[&migration.version, &migration.name],
+            )?;
         }
         tx.commit()?;
         Ok(())
@@ -275,7 +281,10 @@ impl Outbox {
     pub fn sql(&self) -> String {
         let mut ddl = String::new();
         if let Some(schema) = self.inner.table.schema() {
-            ddl.push_str(&format!("CREATE SCHEMA IF NOT EXISTS {};\n\n", quote(schema)));
+            ddl.push_str(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {};\n\n",
+                quote(schema)
+            ));
         }
         for migration in MIGRATIONS {
             ddl.push_str(&format!("-- {}\n", migration.name));
@@ -327,9 +336,7 @@ impl Outbox {
             (&delay, Type::INT8),
             (&max_attempts, Type::INT4),
         ];
-        let rows = tx
-            .query_typed(sql, &params)
-            .map_err(|e| self.db_error(e))?;
+        let rows = tx.query_typed(sql, &params).map_err(|e| self.db_error(e))?;
         if rows.is_empty() {
             return Err(Error::DuplicateKey { keys: vec![key] });
         }

@@ -51,7 +51,12 @@ impl Outbox {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn process<F>(&self, client: &mut Client, limit: usize, mut handler: F) -> Result<ProcessReport>
+    pub fn process<F>(
+        &self,
+        client: &mut Client,
+        limit: usize,
+        mut handler: F,
+    ) -> Result<ProcessReport>
     where
         F: FnMut(&mut Transaction<'_>, &Record) -> Result<(), HandlerError>,
     {
@@ -62,7 +67,10 @@ impl Outbox {
         for (i, record) in records.iter().enumerate() {
             // Leave a tenth of the lease as margin: past it, another worker may take the row.
             if claimed_at.elapsed() > lease - lease / 10 {
-                let rest: Vec<_> = records[i..].iter().map(|r| (r, &Outcome::Release)).collect();
+                let rest: Vec<_> = records[i..]
+                    .iter()
+                    .map(|r| (r, &Outcome::Release))
+                    .collect();
                 store::record(&mut Conn::uncached(client), self, &rest)?;
                 report.released = rest.len();
                 break;
@@ -109,7 +117,12 @@ impl Outbox {
         Ok(report)
     }
 
-    fn handle_one<F>(&self, client: &mut Client, record: &Record, handler: &mut F) -> Result<Handled>
+    fn handle_one<F>(
+        &self,
+        client: &mut Client,
+        record: &Record,
+        handler: &mut F,
+    ) -> Result<Handled>
     where
         F: FnMut(&mut Transaction<'_>, &Record) -> Result<(), HandlerError>,
     {
@@ -120,7 +133,11 @@ impl Outbox {
             tx.rollback()?;
             return Ok(Handled::Failed(error));
         }
-        match store::record(&mut Conn::uncached(&mut tx), self, &[(record, &Outcome::Sent)]) {
+        match store::record(
+            &mut Conn::uncached(&mut tx),
+            self,
+            &[(record, &Outcome::Sent)],
+        ) {
             Ok(recorded) if recorded.changed == 0 => {
                 tx.rollback()?;
                 return Ok(Handled::LeaseLost);

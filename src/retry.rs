@@ -11,8 +11,13 @@ use crate::record::Record;
 #[derive(Debug)]
 pub(crate) enum Outcome {
     Sent,
-    Retry { delay: Duration, error: String },
-    Dead { error: String },
+    Retry {
+        delay: Duration,
+        error: String,
+    },
+    Dead {
+        error: String,
+    },
     /// Handed back unattempted: due at once, its attempt count restored.
     Release,
 }

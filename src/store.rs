@@ -148,7 +148,10 @@ pub(crate) fn record(
             ],
         )
         .map_err(|e| outbox.db_error(e))?;
-    let count = |i: usize| rows.first().map_or(0, |row| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0));
+    let count = |i: usize| {
+        rows.first()
+            .map_or(0, |row| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0))
+    };
     Ok(Recorded {
         changed: count(0),
         sent: count(1),

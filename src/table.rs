@@ -140,7 +140,10 @@ mod tests {
         assert_eq!(t.companion("_inbox"), "\"audit\".\"events_inbox\"");
         assert_eq!(t.derived("_due"), "\"events_due\"");
         assert_eq!(t.channel(), "audit.events");
-        assert_eq!(TableName::parse("Orders_1").unwrap().quoted(), "\"Orders_1\"");
+        assert_eq!(
+            TableName::parse("Orders_1").unwrap().quoted(),
+            "\"Orders_1\""
+        );
     }
 
     #[test]

@@ -76,7 +76,11 @@ impl RelayConfig {
     ///
     /// Each worker calls `factory` for its own publisher, and again (with backoff) after its
     /// publisher breaks. Lease and retry settings start from the outbox's.
-    pub fn new<T, F, P, E>(outbox: Outbox, pool: r2d2::Pool<PostgresConnectionManager<T>>, factory: F) -> RelayConfig
+    pub fn new<T, F, P, E>(
+        outbox: Outbox,
+        pool: r2d2::Pool<PostgresConnectionManager<T>>,
+        factory: F,
+    ) -> RelayConfig
     where
         T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
         T::Stream: Send,

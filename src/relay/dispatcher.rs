@@ -34,9 +34,9 @@ pub(crate) fn run(
         }
         if want_claim && in_flight + config.batch_size <= max_in_flight {
             let claimed_at = Instant::now();
-            match session.run(|conn| {
-                store::claim(conn, &config.outbox, config.batch_size, config.lease)
-            }) {
+            match session
+                .run(|conn| store::claim(conn, &config.outbox, config.batch_size, config.lease))
+            {
                 Ok(records) => {
                     failures = 0;
                     let n = records.len();

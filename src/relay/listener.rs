@@ -77,7 +77,12 @@ fn listen(
         let mut woken = false;
         {
             let mut notifications = client.notifications();
-            if notifications.timeout_iter(STOP_CHECK).next().map_err(db)?.is_some() {
+            if notifications
+                .timeout_iter(STOP_CHECK)
+                .next()
+                .map_err(db)?
+                .is_some()
+            {
                 woken = true;
             }
             // Take whatever else has arrived without waiting again.

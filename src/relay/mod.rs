@@ -11,7 +11,7 @@
 mod config;
 mod dispatcher;
 mod listener;
-mod pool;
+pub(crate) mod pool;
 mod recorder;
 mod worker;
 
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, never, unbounded, Receiver, RecvTimeoutError, Sender};
 
 pub use config::RelayConfig;
+pub(crate) use dispatcher::backoff;
 
 use crate::error::{Error, Result};
 use crate::publish::Publisher;
@@ -302,7 +303,10 @@ impl Relay {
         // one, so it is also told to finish by the deadline.
         self.outcomes = None;
         wait(&self.recorder_done, deadline);
-        wait(&self.listener_done, deadline.max(Instant::now() + Duration::from_secs(1)));
+        wait(
+            &self.listener_done,
+            deadline.max(Instant::now() + Duration::from_secs(1)),
+        );
         for handle in std::mem::take(&mut self.threads) {
             if handle.is_finished() {
                 let _ = handle.join();
@@ -387,7 +391,10 @@ fn release(shared: &Shared, outcomes: &Sender<Vec<(Record, Outcome)>>, records: 
     let n = records.len();
     shared.released.fetch_add(n as u64, Ordering::SeqCst);
     shared.config.metrics.released(n);
-    log::debug!("outbox {}: releasing {n} claimed rows", shared.config.outbox.table());
+    log::debug!(
+        "outbox {}: releasing {n} claimed rows",
+        shared.config.outbox.table()
+    );
     let _ = outcomes.send(records.into_iter().map(|r| (r, Outcome::Release)).collect());
 }
 

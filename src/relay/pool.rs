@@ -48,7 +48,10 @@ impl Session {
         Session { pool, conn: None }
     }
 
-    pub(crate) fn run<R>(&mut self, f: impl FnOnce(&mut Conn<'_, Client>) -> Result<R>) -> Result<R> {
+    pub(crate) fn run<R>(
+        &mut self,
+        f: impl FnOnce(&mut Conn<'_, Client>) -> Result<R>,
+    ) -> Result<R> {
         let (client, cache) = match &mut self.conn {
             Some(conn) => conn,
             None => self

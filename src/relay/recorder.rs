@@ -17,7 +17,11 @@ const MAX_BATCH: usize = 5000;
 
 /// Writes outcomes as they come, gathering whatever has queued up meanwhile into one
 /// statement; ends when every sender is gone, or at the shutdown deadline.
-pub(crate) fn run(shared: &Shared, session: &mut Session, outcomes: &Receiver<Vec<(Record, Outcome)>>) {
+pub(crate) fn run(
+    shared: &Shared,
+    session: &mut Session,
+    outcomes: &Receiver<Vec<(Record, Outcome)>>,
+) {
     loop {
         let mut batch = match outcomes.recv_timeout(Duration::from_millis(100)) {
             Ok(batch) => batch,

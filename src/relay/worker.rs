@@ -58,29 +58,33 @@ pub(crate) fn run(
 
         let live = match &mut publisher {
             Some(p) => p,
-            None => match (config.factory)() {
-                Ok(p) => {
-                    factory_failures = 0;
-                    publisher.insert(p)
-                }
-                Err(e) => {
-                    // No attempt was made, so none is counted: hand the rows back and wait
-                    // before trying the factory again.
-                    factory_failures += 1;
-                    let pause = backoff(factory_failures).max(Duration::from_millis(500));
-                    log::warn!("outbox {table}: could not build a publisher, retrying in {pause:?}: {e}");
-                    release(shared, outcomes, records);
-                    let _ = done.send(n);
-                    select! {
-                        recv(stop) -> _ => {},
-                        recv(after(pause)) -> _ => {},
+            None => {
+                match (config.factory)() {
+                    Ok(p) => {
+                        factory_failures = 0;
+                        publisher.insert(p)
                     }
-                    continue;
+                    Err(e) => {
+                        // No attempt was made, so none is counted: hand the rows back and wait
+                        // before trying the factory again.
+                        factory_failures += 1;
+                        let pause = backoff(factory_failures).max(Duration::from_millis(500));
+                        log::warn!("outbox {table}: could not build a publisher, retrying in {pause:?}: {e}");
+                        release(shared, outcomes, records);
+                        let _ = done.send(n);
+                        select! {
+                            recv(stop) -> _ => {},
+                            recv(after(pause)) -> _ => {},
+                        }
+                        continue;
+                    }
                 }
-            },
+            }
         };
 
-        shared.publishing.fetch_add(records.len() as u64, Ordering::SeqCst);
+        shared
+            .publishing
+            .fetch_add(records.len() as u64, Ordering::SeqCst);
         let started = Instant::now();
         let results = attempt(config, live.as_mut(), &records, job.claimed_at);
         let took = started.elapsed();
@@ -93,7 +97,10 @@ pub(crate) fn run(
             log::warn!("outbox {table}: publisher broke; building a new one");
             publisher = None;
         }
-        let sent = results.iter().filter(|o| matches!(o, Outcome::Sent)).count();
+        let sent = results
+            .iter()
+            .filter(|o| matches!(o, Outcome::Sent))
+            .count();
         log::debug!(
             "outbox {table}: published {sent} of {} in {took:?}",
             records.len()
@@ -113,8 +120,8 @@ pub(crate) fn attempt(
     claimed_at: Instant,
 ) -> Vec<Outcome> {
     let table = config.outbox.table();
-    let results = catch_unwind(AssertUnwindSafe(|| publisher.publish(records)))
-        .unwrap_or_else(|_| {
+    let results =
+        catch_unwind(AssertUnwindSafe(|| publisher.publish(records))).unwrap_or_else(|_| {
             log::error!("outbox {table}: publisher panicked");
             records
                 .iter()

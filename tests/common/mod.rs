@@ -107,7 +107,9 @@ mod containers {
                 .expect("start a PostgreSQL container")
         });
         let port = c.get_host_port_ipv4(5432).expect("container port");
-        Some(format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres"))
+        Some(format!(
+            "postgres://postgres:postgres@127.0.0.1:{port}/postgres"
+        ))
     }
 
     pub fn rabbitmq() -> Option<String> {
@@ -137,7 +139,8 @@ pub fn client() -> Client {
 }
 
 pub fn pool(size: u32) -> Pool {
-    let manager = PostgresConnectionManager::new(database_url().parse().expect("database URL"), NoTls);
+    let manager =
+        PostgresConnectionManager::new(database_url().parse().expect("database URL"), NoTls);
     r2d2::Pool::builder()
         .max_size(size)
         .build(manager)
@@ -175,7 +178,10 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 pub fn row_state(client: &mut Client, outbox: &Outbox, key: &str) -> (String, i32) {
     let row = client
         .query_one(
-            &format!("SELECT status, attempts FROM {} WHERE key = $1", quoted(outbox)),
+            &format!(
+                "SELECT status, attempts FROM {} WHERE key = $1",
+                quoted(outbox)
+            ),
             &[&key],
         )
         .expect("row exists");

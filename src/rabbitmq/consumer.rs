@@ -1,0 +1,504 @@
+//! Consuming a queue with exactly-once effects: each delivery is handled inside a
+//! PostgreSQL transaction together with `Outbox::dedupe` on its message id.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use amiquip::{AmqpValue, Channel, ConsumerMessage, ConsumerOptions, FieldTable};
+use crossbeam_channel::{after, bounded, select, Receiver, RecvTimeoutError, Sender};
+use postgres::tls::{MakeTlsConnect, TlsConnect};
+use postgres::{Socket, Transaction};
+use r2d2_postgres::PostgresConnectionManager;
+
+use super::connect::{close_within, Endpoint};
+use super::publisher::ATTEMPT_HEADER;
+use super::Error;
+use crate::outbox::Outbox;
+use crate::publish::HandlerError;
+use crate::relay::pool::Pool;
+
+/// A delivery as the handler sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Delivery {
+    /// The AMQP message id: the outbox key, deduplicated on.
+    pub key: String,
+    /// The exchange it was published to.
+    pub exchange: String,
+    /// The routing key (the outbox topic).
+    pub routing_key: String,
+    /// The body.
+    pub body: Vec<u8>,
+    /// The content type, if any.
+    pub content_type: Option<String>,
+    /// String-valued headers, sorted by name.
+    pub headers: Vec<(String, String)>,
+    /// The outbox attempt that published it (`x-outbox-attempt`), if present.
+    pub attempt: Option<u32>,
+    /// True if the broker delivered it before.
+    pub redelivered: bool,
+}
+
+/// How a [`Consumer`] runs.
+///
+/// ```
+/// use postgres_outbox::rabbitmq::ConsumerConfig;
+/// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
+///     .prefetch(32)
+///     .max_failures(5);
+/// # let _ = config;
+/// ```
+#[derive(Clone)]
+pub struct ConsumerConfig {
+    url: String,
+    queue: String,
+    name: String,
+    prefetch: u16,
+    max_failures: u32,
+}
+
+impl fmt::Debug for ConsumerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerConfig")
+            .field("queue", &self.queue)
+            .field("name", &self.name)
+            .field("prefetch", &self.prefetch)
+            .field("max_failures", &self.max_failures)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsumerConfig {
+    /// Consume `queue` at `url`; `name` identifies this consumer in the outbox's inbox table,
+    /// so two services reading copies of one message each process it once.
+    pub fn new(url: &str, queue: &str, name: &str) -> ConsumerConfig {
+        ConsumerConfig {
+            url: url.to_owned(),
+            queue: queue.to_owned(),
+            name: name.to_owned(),
+            prefetch: 16,
+            max_failures: 5,
+        }
+    }
+
+    /// Deliveries the broker sends ahead of acknowledgement (default 16).
+    pub fn prefetch(mut self, prefetch: u16) -> ConsumerConfig {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Failed attempts after which a delivery is rejected without requeue (default 5): the
+    /// broker then dead-letters it if the queue has a dead-letter exchange, or drops it. A
+    /// permanent handler error rejects at once.
+    pub fn max_failures(mut self, max_failures: u32) -> ConsumerConfig {
+        self.max_failures = max_failures;
+        self
+    }
+}
+
+/// What a [`Consumer`] did over its life.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerReport {
+    /// Handled, committed and acked.
+    pub processed: u64,
+    /// Already processed before: acked and skipped.
+    pub duplicates: u64,
+    /// Handler failures sent back for redelivery.
+    pub retried: u64,
+    /// Rejected without requeue: out of attempts, permanent error, or no message id.
+    pub rejected: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    rejected: AtomicU64,
+}
+
+impl Counters {
+    fn report(&self) -> ConsumerReport {
+        ConsumerReport {
+            processed: self.processed.load(Ordering::SeqCst),
+            duplicates: self.duplicates.load(Ordering::SeqCst),
+            retried: self.retried.load(Ordering::SeqCst),
+            rejected: self.rejected.load(Ordering::SeqCst),
+        }
+    }
+}
+
+/// A running consumer: one thread, one channel, deliveries handled one at a time in order.
+///
+/// Each delivery runs the handler in a PostgreSQL transaction that also records the message
+/// id with [`Outbox::dedupe`]; the delivery is acked only after that transaction commits. A
+/// redelivery of a processed message is acked and skipped. A handler error rolls back and
+/// the delivery is requeued, up to [`ConsumerConfig::max_failures`], then rejected.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig};
+/// use postgres_outbox::{HandlerError, Outbox};
+/// use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = r2d2::Pool::new(PostgresConnectionManager::new(
+///     "postgres://postgres@localhost/app".parse()?,
+///     NoTls,
+/// ))?;
+/// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing");
+/// let consumer = Consumer::spawn(config, Outbox::new("orders_outbox")?, pool, |tx, delivery| {
+///     tx.execute("INSERT INTO invoices (order_key) VALUES ($1)", &[&delivery.key])
+///         .map_err(HandlerError::transient)?;
+///     Ok(())
+/// })?;
+/// // ...
+/// let report = consumer.shutdown(Duration::from_secs(10));
+/// println!("{report:?}");
+/// # Ok(())
+/// # }
+/// ```
+pub struct Consumer {
+    stop: Option<Sender<()>>,
+    done: Receiver<()>,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<Counters>,
+}
+
+impl fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("report", &self.counters.report())
+            .finish_non_exhaustive()
+    }
+}
+
+type Handler = dyn FnMut(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send;
+
+struct Worker {
+    config: ConsumerConfig,
+    endpoint: Endpoint,
+    outbox: Outbox,
+    pool: Arc<dyn Pool>,
+    handler: Box<Handler>,
+    counters: Arc<Counters>,
+    /// Failed attempts per message id, for deliveries still being retried.
+    failures: HashMap<String, u32>,
+}
+
+/// Why one connection's consuming ended.
+enum Ended {
+    Stopped,
+    Lost(String),
+}
+
+impl Consumer {
+    /// Connects, starts consuming and returns; fails at once if the URL, the broker or the
+    /// queue is wrong.
+    pub fn spawn<T, F>(
+        config: ConsumerConfig,
+        outbox: Outbox,
+        pool: r2d2::Pool<PostgresConnectionManager<T>>,
+        handler: F,
+    ) -> Result<Consumer, Error>
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+        F: FnMut(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + 'static,
+    {
+        if config.name.is_empty() {
+            return Err(Error::InvalidName(
+                "the consumer name must not be empty".into(),
+            ));
+        }
+        if config.max_failures == 0 {
+            return Err(Error::InvalidName("max_failures must be at least 1".into()));
+        }
+        let endpoint = Endpoint::parse(&config.url)?;
+        // Fail fast on a wrong broker or queue; the thread opens its own connection.
+        let connection = endpoint.open()?;
+        let checked = check_queue(connection, &config.queue);
+        checked?;
+        let counters = Arc::new(Counters::default());
+        let mut worker = Worker {
+            config,
+            endpoint,
+            outbox,
+            pool: Arc::new(pool),
+            handler: Box::new(handler),
+            counters: counters.clone(),
+            failures: HashMap::new(),
+        };
+        let (stop_tx, stop_rx) = bounded::<()>(0);
+        let (alive, done) = bounded::<()>(0);
+        let thread = std::thread::Builder::new()
+            .name("outbox-consumer".into())
+            .spawn(move || {
+                let _alive = alive;
+                worker.run(&stop_rx);
+            })
+            .map_err(|e| Error::Connect(format!("cannot start the consumer thread: {e}")))?;
+        Ok(Consumer {
+            stop: Some(stop_tx),
+            done,
+            thread: Some(thread),
+            counters,
+        })
+    }
+
+    /// What the consumer has done so far.
+    pub fn report(&self) -> ConsumerReport {
+        self.counters.report()
+    }
+
+    /// Stops taking deliveries, lets the delivery being handled finish (commit and ack)
+    /// within `timeout`, and closes; deliveries received but not started go back to the
+    /// queue when the channel closes.
+    pub fn shutdown(mut self, timeout: Duration) -> ConsumerReport {
+        self.stop(timeout);
+        self.counters.report()
+    }
+
+    fn stop(&mut self, timeout: Duration) {
+        if self.stop.take().is_none() {
+            return;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.done.recv_deadline(deadline) {
+                Ok(()) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    log::warn!("rabbitmq consumer: handler still running at shutdown timeout");
+                    return;
+                }
+            }
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(10));
+    }
+}
+
+fn check_queue(mut connection: amiquip::Connection, queue: &str) -> Result<(), Error> {
+    let result = connection
+        .open_channel(None)
+        .and_then(|channel| channel.queue_declare_passive(queue).map(|_| ()))
+        .map_err(|e| Error::Protocol(format!("queue {queue:?} is not usable: {e}")));
+    close_within(connection, Duration::from_secs(2));
+    result
+}
+
+impl Worker {
+    fn run(&mut self, stop: &Receiver<()>) {
+        let mut failures = 0u32;
+        loop {
+            match self.consume(stop) {
+                Ended::Stopped => return,
+                Ended::Lost(why) => {
+                    failures += 1;
+                    let pause = crate::relay::backoff(failures);
+                    log::warn!("rabbitmq consumer: {why}; reconnecting in {pause:?}");
+                    select! {
+                        recv(stop) -> _ => return,
+                        recv(after(pause)) -> _ => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Consumes on one connection until told to stop or the connection fails.
+    fn consume(&mut self, stop: &Receiver<()>) -> Ended {
+        let mut connection = match self.endpoint.open() {
+            Ok(c) => c,
+            Err(e) => return Ended::Lost(e.to_string()),
+        };
+        let ended = match connection.open_channel(None) {
+            Ok(channel) => self.consume_channel(&channel, stop),
+            Err(e) => Ended::Lost(format!("cannot open a channel: {e}")),
+        };
+        // Closing the connection hands deliveries received but not acked back to the queue.
+        close_within(connection, Duration::from_secs(2));
+        ended
+    }
+
+    fn consume_channel(&mut self, channel: &Channel, stop: &Receiver<()>) -> Ended {
+        if let Err(e) = channel.qos(0, self.config.prefetch, false) {
+            return Ended::Lost(format!("cannot set prefetch: {e}"));
+        }
+        let queue = match channel.queue_declare_passive(self.config.queue.as_str()) {
+            Ok(q) => q,
+            Err(e) => return Ended::Lost(format!("queue {:?}: {e}", self.config.queue)),
+        };
+        let consumer = match queue.consume(ConsumerOptions::default()) {
+            Ok(c) => c,
+            Err(e) => return Ended::Lost(format!("cannot consume: {e}")),
+        };
+        log::info!(
+            "rabbitmq consumer {}: consuming {}",
+            self.config.name,
+            self.config.queue
+        );
+        loop {
+            select! {
+                recv(stop) -> _ => {
+                    let _ = consumer.cancel();
+                    return Ended::Stopped;
+                }
+                recv(consumer.receiver()) -> message => match message {
+                    Ok(ConsumerMessage::Delivery(delivery)) => {
+                        if let Err(e) = self.handle(channel, delivery) {
+                            return Ended::Lost(e);
+                        }
+                    }
+                    Ok(other) => return Ended::Lost(format!("consumer ended: {other:?}")),
+                    Err(_) => return Ended::Lost("consumer channel closed".into()),
+                },
+            }
+        }
+    }
+
+    /// Handles one delivery; an error means the channel is unusable.
+    fn handle(&mut self, channel: &Channel, delivery: amiquip::Delivery) -> Result<(), String> {
+        let view = match view(&delivery) {
+            Some(view) => view,
+            None => {
+                log::error!(
+                    "rabbitmq consumer {}: delivery without a message id; rejecting it",
+                    self.config.name
+                );
+                self.counters.rejected.fetch_add(1, Ordering::SeqCst);
+                return delivery.reject(channel, false).map_err(|e| e.to_string());
+            }
+        };
+        match self.run_handler(&view) {
+            Ok(true) => {
+                self.failures.remove(&view.key);
+                self.counters.processed.fetch_add(1, Ordering::SeqCst);
+                delivery.ack(channel).map_err(|e| e.to_string())
+            }
+            Ok(false) => {
+                log::debug!(
+                    "rabbitmq consumer {}: duplicate {}",
+                    self.config.name,
+                    view.key
+                );
+                self.counters.duplicates.fetch_add(1, Ordering::SeqCst);
+                delivery.ack(channel).map_err(|e| e.to_string())
+            }
+            Err(error) => {
+                let count = self.failures.entry(view.key.clone()).or_insert(0);
+                *count = (*count + 1).max(delivery_count(&delivery));
+                if error.is_permanent() || *count >= self.config.max_failures {
+                    log::error!(
+                        "rabbitmq consumer {}: rejecting {} after {} failures: {error}",
+                        self.config.name,
+                        view.key,
+                        count
+                    );
+                    self.failures.remove(&view.key);
+                    self.counters.rejected.fetch_add(1, Ordering::SeqCst);
+                    delivery.reject(channel, false).map_err(|e| e.to_string())
+                } else {
+                    log::warn!(
+                        "rabbitmq consumer {}: handler failed on {} (failure {count}): {error}",
+                        self.config.name,
+                        view.key
+                    );
+                    self.counters.retried.fetch_add(1, Ordering::SeqCst);
+                    delivery.nack(channel, true).map_err(|e| e.to_string())
+                }
+            }
+        }
+    }
+
+    /// Runs dedupe and the handler in one transaction. Ok(true): committed; Ok(false): a
+    /// duplicate; Err: rolled back.
+    fn run_handler(&mut self, delivery: &Delivery) -> Result<bool, HandlerError> {
+        let mut conn = self.pool.get().map_err(HandlerError::transient)?;
+        let mut tx = conn.transaction().map_err(HandlerError::transient)?;
+        let fresh = self
+            .outbox
+            .dedupe(&mut tx, &self.config.name, &delivery.key)
+            .map_err(HandlerError::transient)?;
+        if !fresh {
+            return Ok(false);
+        }
+        let handler = &mut self.handler;
+        catch_unwind(AssertUnwindSafe(|| handler(&mut tx, delivery)))
+            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))?;
+        tx.commit().map_err(HandlerError::transient)?;
+        Ok(true)
+    }
+}
+
+/// The broker's own count of earlier deliveries, where it keeps one (quorum queues).
+fn delivery_count(delivery: &amiquip::Delivery) -> u32 {
+    let count = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.get("x-delivery-count"))
+        .and_then(as_i64)
+        .unwrap_or(0);
+    u32::try_from(count).unwrap_or(0)
+}
+
+fn as_i64(value: &AmqpValue) -> Option<i64> {
+    match value {
+        AmqpValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AmqpValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        AmqpValue::ShortInt(v) => Some(i64::from(*v)),
+        AmqpValue::ShortUInt(v) => Some(i64::from(*v)),
+        AmqpValue::LongInt(v) => Some(i64::from(*v)),
+        AmqpValue::LongUInt(v) => Some(i64::from(*v)),
+        AmqpValue::LongLongInt(v) => Some(*v),
+        _ => None,
+    }
+}
+
+fn view(delivery: &amiquip::Delivery) -> Option<Delivery> {
+    let key = delivery
+        .properties
+        .message_id()
+        .clone()
+        .filter(|k| !k.is_empty())?;
+    let empty = FieldTable::new();
+    let table = delivery.properties.headers().as_ref().unwrap_or(&empty);
+    let headers = table
+        .iter()
+        .filter_map(|(k, v)| match v {
+            AmqpValue::LongString(s) => Some((k.clone(), s.clone())),
+            _ => None,
+        })
+        .collect();
+    let attempt = table
+        .get(ATTEMPT_HEADER)
+        .and_then(as_i64)
+        .and_then(|n| u32::try_from(n).ok());
+    Some(Delivery {
+        key,
+        exchange: delivery.exchange.clone(),
+        routing_key: delivery.routing_key.clone(),
+        body: delivery.body.clone(),
+        content_type: delivery.properties.content_type().clone(),
+        headers,
+        attempt,
+        redelivered: delivery.redelivered,
+    })
+}

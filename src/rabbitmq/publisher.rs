@@ -1,0 +1,323 @@
+//! A confirmed, pipelined RabbitMQ publisher.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use amiquip::{
+    AmqpProperties, AmqpValue, Channel, Confirm, Connection, FieldTable, Publish, Return,
+};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+
+use super::connect::{close_within, Endpoint};
+use super::Error;
+use crate::message::MAX_SHORT_STRING;
+use crate::publish::{PublishError, Publisher};
+use crate::record::Record;
+
+/// The header carrying the attempt number (1 on the first try).
+pub const ATTEMPT_HEADER: &str = "x-outbox-attempt";
+/// The header carrying the aggregate key, when the message has one.
+pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
+
+/// How long closing a connection may take before it is left to finish in the background.
+const CLOSE_BOUND: Duration = Duration::from_secs(2);
+
+/// Publishes records to a RabbitMQ exchange with publisher confirms.
+///
+/// Each batch is published in full, then its confirms are drained, so one round trip's wait
+/// covers the whole batch. A record counts as sent only once the broker has confirmed it (and,
+/// with [`mandatory`](RabbitPublisher::mandatory), has not returned it as unroutable).
+///
+/// Messages are persistent; the routing key is the topic, the message id the record's key,
+/// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
+/// `x-outbox-attempt` and, when set, `x-outbox-aggregate-key`.
+///
+/// ```no_run
+/// use postgres_outbox::rabbitmq::RabbitPublisher;
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let publisher = RabbitPublisher::connect("amqp://guest:guest@localhost:5672", "events")?
+///     .mandatory(true);
+/// # let _ = publisher;
+/// # Ok(())
+/// # }
+/// ```
+pub struct RabbitPublisher {
+    endpoint: Endpoint,
+    exchange: String,
+    mandatory: bool,
+    confirm_timeout: Duration,
+    /// `None` only while being closed.
+    connection: Option<Connection>,
+    channel: Channel,
+    confirms: Receiver<Confirm>,
+    returns: Receiver<Return>,
+    /// The delivery tag the next publish gets; tags start at 1 on every channel.
+    next_tag: u64,
+    broken: bool,
+}
+
+impl fmt::Debug for RabbitPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("exchange", &self.exchange)
+            .field("mandatory", &self.mandatory)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitPublisher {
+    /// Connects to the broker at `url` (`amqp://` or `amqps://`) and opens a confirming
+    /// channel that publishes to `exchange` (`""` is the default exchange). The exchange
+    /// must already exist.
+    pub fn connect(url: &str, exchange: &str) -> Result<RabbitPublisher, Error> {
+        RabbitPublisher::open(Endpoint::parse(url)?, exchange)
+    }
+
+    /// Like [`connect`](RabbitPublisher::connect) with an explicit heartbeat (default 5 s; a
+    /// dead broker is noticed after two missed heartbeats).
+    pub fn connect_with_heartbeat(
+        url: &str,
+        exchange: &str,
+        heartbeat: Duration,
+    ) -> Result<RabbitPublisher, Error> {
+        let mut endpoint = Endpoint::parse(url)?;
+        endpoint.set_heartbeat(heartbeat);
+        RabbitPublisher::open(endpoint, exchange)
+    }
+
+    fn open(endpoint: Endpoint, exchange: &str) -> Result<RabbitPublisher, Error> {
+        if exchange.len() > MAX_SHORT_STRING {
+            return Err(Error::InvalidName(format!(
+                "exchange name is {} bytes; at most {MAX_SHORT_STRING}",
+                exchange.len()
+            )));
+        }
+        let mut connection = endpoint.open()?;
+        let opened = (|| {
+            let channel = connection.open_channel(None)?;
+            // Listen first: confirms that arrive before anyone listens are dropped.
+            let confirms = channel.listen_for_publisher_confirms()?;
+            let returns = channel.listen_for_returns()?;
+            channel.enable_publisher_confirms()?;
+            Ok::<_, amiquip::Error>((channel, confirms, returns))
+        })();
+        let (channel, confirms, returns) = match opened {
+            Ok(parts) => parts,
+            Err(e) => {
+                close_within(connection, CLOSE_BOUND);
+                return Err(Error::Protocol(format!(
+                    "cannot open a confirming channel: {e}"
+                )));
+            }
+        };
+        log::debug!("rabbitmq publisher connected to {endpoint}");
+        Ok(RabbitPublisher {
+            endpoint,
+            exchange: exchange.to_owned(),
+            mandatory: false,
+            confirm_timeout: Duration::from_secs(10),
+            connection: Some(connection),
+            channel,
+            confirms,
+            returns,
+            next_tag: 1,
+            broken: false,
+        })
+    }
+
+    /// Ask the broker to return messages no queue is bound for; a returned message is a
+    /// failed attempt (retried, then dead), never counted as sent. Default off.
+    pub fn mandatory(mut self, mandatory: bool) -> RabbitPublisher {
+        self.mandatory = mandatory;
+        self
+    }
+
+    /// How long to wait for a batch's confirms before giving the connection up as broken
+    /// (default 10 s). Keep it well under the relay's lease.
+    pub fn confirm_timeout(mut self, timeout: Duration) -> RabbitPublisher {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// Closes the connection, waiting at most two seconds.
+    pub fn close(mut self) {
+        if let Some(connection) = self.connection.take() {
+            close_within(connection, CLOSE_BOUND);
+        }
+    }
+
+    fn properties(record: &Record) -> AmqpProperties {
+        let mut headers: FieldTable = BTreeMap::new();
+        for (name, value) in &record.headers {
+            headers.insert(name.clone(), AmqpValue::LongString(value.clone()));
+        }
+        headers.insert(
+            ATTEMPT_HEADER.to_owned(),
+            AmqpValue::LongLongInt(i64::from(record.attempt)),
+        );
+        if let Some(aggregate) = &record.aggregate_key {
+            headers.insert(
+                AGGREGATE_HEADER.to_owned(),
+                AmqpValue::LongString(aggregate.clone()),
+            );
+        }
+        let timestamp = record
+            .created_at
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let mut properties = AmqpProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(record.key.clone())
+            .with_timestamp(timestamp)
+            .with_headers(headers);
+        if let Some(content_type) = &record.content_type {
+            properties = properties.with_content_type(content_type.clone());
+        }
+        properties
+    }
+
+    /// Waits for the confirms of `tags` (tag -> index in the batch) and fills in `results`.
+    fn drain_confirms(
+        &mut self,
+        tags: &mut HashMap<u64, usize>,
+        results: &mut [Option<Result<(), PublishError>>],
+    ) {
+        let deadline = Instant::now() + self.confirm_timeout;
+        while !tags.is_empty() {
+            let confirm = match self.confirms.recv_deadline(deadline) {
+                Ok(confirm) => confirm,
+                Err(RecvTimeoutError::Timeout) => {
+                    log::warn!(
+                        "rabbitmq: no confirm within {:?}; reconnecting",
+                        self.confirm_timeout
+                    );
+                    self.broken = true;
+                    return;
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    log::warn!("rabbitmq: connection lost while waiting for confirms");
+                    self.broken = true;
+                    return;
+                }
+            };
+            let (payload, outcome) = match confirm {
+                Confirm::Ack(p) => (p, Ok(())),
+                Confirm::Nack(p) => (p, Err("the broker nacked the message")),
+            };
+            let settled: Vec<u64> = if payload.multiple {
+                tags.keys()
+                    .copied()
+                    .filter(|t| *t <= payload.delivery_tag)
+                    .collect()
+            } else {
+                vec![payload.delivery_tag]
+            };
+            for tag in settled {
+                if let Some(i) = tags.remove(&tag) {
+                    results[i] = Some(outcome.map_err(PublishError::transient));
+                }
+            }
+        }
+    }
+}
+
+/// Checks the fields the broker carries as short strings; a longer one would make it close
+/// the whole connection, failing every other record of the batch.
+fn check_short_strings(record: &Record) -> Result<(), PublishError> {
+    let mut fields = vec![
+        ("topic", record.topic.as_str()),
+        ("key", record.key.as_str()),
+    ];
+    if let Some(content_type) = &record.content_type {
+        fields.push(("content type", content_type));
+    }
+    fields.extend(
+        record
+            .headers
+            .iter()
+            .map(|(name, _)| ("header name", name.as_str())),
+    );
+    for (field, value) in fields {
+        if value.len() > MAX_SHORT_STRING {
+            return Err(PublishError::permanent(format!(
+                "{field} is {} bytes; AMQP carries at most {MAX_SHORT_STRING}",
+                value.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Publisher for RabbitPublisher {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        let mut results: Vec<Option<Result<(), PublishError>>> = Vec::with_capacity(batch.len());
+        results.resize_with(batch.len(), || None);
+        let mut tags = HashMap::with_capacity(batch.len());
+        let mut by_key = HashMap::with_capacity(batch.len());
+        if !self.broken {
+            for (i, record) in batch.iter().enumerate() {
+                if let Err(e) = check_short_strings(record) {
+                    results[i] = Some(Err(e));
+                    continue;
+                }
+                let publish = Publish {
+                    body: &record.payload,
+                    routing_key: record.topic.clone(),
+                    mandatory: self.mandatory,
+                    immediate: false,
+                    properties: Self::properties(record),
+                };
+                if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
+                    log::warn!("rabbitmq: publish failed; reconnecting: {e}");
+                    self.broken = true;
+                    break;
+                }
+                tags.insert(self.next_tag, i);
+                by_key.insert(record.key.as_str(), i);
+                self.next_tag += 1;
+            }
+            self.drain_confirms(&mut tags, &mut results);
+        }
+        // The broker returns an unroutable mandatory message before it acks it, and amiquip
+        // hands both over in the order they arrived, so every return for this batch is queued
+        // by now.
+        while let Ok(returned) = self.returns.try_recv() {
+            let index = returned
+                .properties
+                .message_id()
+                .as_deref()
+                .and_then(|id| by_key.get(id).copied());
+            if let Some(i) = index {
+                results[i] = Some(Err(PublishError::transient(format!(
+                    "unroutable: returned by the broker ({} {})",
+                    returned.reply_code, returned.reply_text
+                ))));
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(PublishError::transient(
+                        "not confirmed: the connection to the broker was lost",
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken
+    }
+}
+
+impl Drop for RabbitPublisher {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            close_within(connection, CLOSE_BOUND);
+        }
+    }
+}

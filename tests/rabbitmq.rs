@@ -1,0 +1,589 @@
+//! RabbitMQ end to end: the publisher against the real broker, and the consumer.
+#![cfg(feature = "rabbitmq")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use amiquip::{
+    AmqpProperties, AmqpValue, Channel, Connection, ExchangeDeclareOptions, ExchangeType,
+    FieldTable, Publish, QueueDeclareOptions,
+};
+use common::*;
+use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, RabbitPublisher};
+use postgres_outbox::{
+    HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+};
+
+/// A broker connection for the test's own setup and inspection.
+struct Broker {
+    // Kept alive for the channel.
+    _connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    fn new() -> Broker {
+        Broker::at(&amqp_url())
+    }
+
+    fn at(url: &str) -> Broker {
+        let mut connection = Connection::insecure_open(url).expect("connect to RabbitMQ");
+        let channel = connection.open_channel(None).expect("channel");
+        Broker {
+            _connection: connection,
+            channel,
+        }
+    }
+
+    fn exchange(&self, name: &str) {
+        self.channel
+            .exchange_declare(
+                ExchangeType::Topic,
+                name,
+                ExchangeDeclareOptions {
+                    auto_delete: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+            )
+            .expect("declare exchange");
+    }
+
+    /// A queue bound to `exchange` for every routing key.
+    fn queue(&self, name: &str, exchange: &str, arguments: FieldTable) {
+        self.channel
+            .queue_declare(
+                name,
+                QueueDeclareOptions {
+                    durable: true,
+                    auto_delete: false,
+                    arguments,
+                    ..QueueDeclareOptions::default()
+                },
+            )
+            .expect("declare queue");
+        if !exchange.is_empty() {
+            self.channel
+                .queue_bind(name, exchange, "#", FieldTable::new())
+                .expect("bind");
+        }
+    }
+
+    fn ready(&self, queue: &str) -> u32 {
+        self.channel
+            .queue_declare_passive(queue)
+            .expect("queue exists")
+            .declared_message_count()
+            .unwrap_or(0)
+    }
+
+    /// Takes every ready message off the queue.
+    fn drain(&self, queue: &str) -> Vec<amiquip::Get> {
+        let mut got = Vec::new();
+        while let Some(message) = self.channel.basic_get(queue, true).expect("get") {
+            got.push(message);
+        }
+        got
+    }
+
+    fn send(&self, queue: &str, key: Option<&str>, body: &[u8]) {
+        let mut properties = AmqpProperties::default().with_delivery_mode(2);
+        if let Some(key) = key {
+            properties = properties.with_message_id(key.to_owned());
+        }
+        self.channel
+            .basic_publish("", Publish::with_properties(body, queue, properties))
+            .expect("publish");
+    }
+
+    fn delete_queue(&self, queue: &str) {
+        let _ = self.channel.queue_delete(queue, Default::default());
+    }
+}
+
+fn relay_config(outbox: &Outbox, exchange: &str, mandatory: bool) -> RelayConfig {
+    let url = amqp_url();
+    let exchange = exchange.to_owned();
+    RelayConfig::new(outbox.clone(), pool(4), move || {
+        RabbitPublisher::connect(&url, &exchange).map(|p| p.mandatory(mandatory))
+    })
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+}
+
+fn enqueue(client: &mut postgres::Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
+    let mut tx = client.transaction().unwrap();
+    let keys = outbox.enqueue_all(&mut tx, messages).unwrap();
+    tx.commit().unwrap();
+    keys
+}
+
+fn header<'a>(properties: &'a AmqpProperties, name: &str) -> Option<&'a AmqpValue> {
+    properties.headers().as_ref().and_then(|h| h.get(name))
+}
+
+#[test]
+fn a_published_record_carries_every_property_and_header() {
+    let (outbox, mut client) = outbox("rmq_props");
+    let broker = Broker::new();
+    let exchange = unique_name("x_props");
+    let queue = unique_name("q_props");
+    broker.exchange(&exchange);
+    broker.queue(&queue, &exchange, FieldTable::new());
+
+    let keys = enqueue(
+        &mut client,
+        &outbox,
+        vec![Message::new("order.created", b"{\"id\":1}".to_vec())
+            .key("order-1-created")
+            .aggregate_key("order-1")
+            .content_type("application/json")
+            .header("tenant", "acme")],
+    );
+    let before = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert_eq!(
+        Relay::run_once(&relay_config(&outbox, &exchange, true)).unwrap(),
+        1
+    );
+
+    let got = broker.drain(&queue);
+    assert_eq!(got.len(), 1);
+    let m = &got[0];
+    let p = &m.delivery.properties;
+    assert_eq!(m.delivery.body, b"{\"id\":1}");
+    assert_eq!(m.delivery.routing_key, "order.created");
+    assert_eq!(m.delivery.exchange, exchange);
+    assert_eq!(p.message_id().as_deref(), Some(keys[0].as_str()));
+    assert_eq!(p.content_type().as_deref(), Some("application/json"));
+    assert_eq!(*p.delivery_mode(), Some(2));
+    let ts = p.timestamp().expect("timestamp");
+    assert!(
+        ts <= before + 1 && ts + 60 >= before,
+        "timestamp {ts} vs {before}"
+    );
+    assert_eq!(
+        header(p, "tenant"),
+        Some(&AmqpValue::LongString("acme".into()))
+    );
+    assert_eq!(
+        header(p, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(1))
+    );
+    assert_eq!(
+        header(p, "x-outbox-aggregate-key"),
+        Some(&AmqpValue::LongString("order-1".into()))
+    );
+    assert_eq!(row_state(&mut client, &outbox, &keys[0]).0, "sent");
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn an_unroutable_mandatory_message_is_a_failed_attempt() {
+    let (outbox, mut client) = outbox("rmq_unroutable");
+    let broker = Broker::new();
+    let exchange = unique_name("x_nobody");
+    broker.exchange(&exchange);
+    let keys = enqueue(
+        &mut client,
+        &outbox,
+        vec![Message::new("nowhere", b"x".to_vec()).max_attempts(2)],
+    );
+    let config = relay_config(&outbox, &exchange, true);
+
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    assert_eq!(
+        row_state(&mut client, &outbox, &keys[0]),
+        ("pending".into(), 1)
+    );
+    let error: String = client
+        .query_one(
+            &format!("SELECT last_error FROM {} WHERE key = $1", quoted(&outbox)),
+            &[&keys[0]],
+        )
+        .unwrap()
+        .get(0);
+    assert!(error.contains("unroutable"), "{error}");
+
+    // Retried after its backoff, then dead on its last attempt.
+    wait_until("the retry is due", || {
+        Relay::run_once(&config).unwrap() == 1
+    });
+    assert_eq!(
+        row_state(&mut client, &outbox, &keys[0]),
+        ("dead".into(), 2)
+    );
+}
+
+#[test]
+fn forced_nacks_fail_exactly_the_overflowed_records() {
+    let (outbox, mut client) = outbox("rmq_nack");
+    let broker = Broker::new();
+    let exchange = unique_name("x_nack");
+    let queue = unique_name("q_nack");
+    broker.exchange(&exchange);
+    let mut arguments = FieldTable::new();
+    arguments.insert("x-max-length".into(), AmqpValue::LongInt(5));
+    arguments.insert(
+        "x-overflow".into(),
+        AmqpValue::LongString("reject-publish".into()),
+    );
+    broker.queue(&queue, &exchange, arguments);
+
+    let keys = enqueue(
+        &mut client,
+        &outbox,
+        (0..8).map(|i| Message::new("t", vec![i])).collect(),
+    );
+    let config = relay_config(&outbox, &exchange, false)
+        .batch_size(8)
+        .concurrency(1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 8);
+
+    let states: Vec<String> = keys
+        .iter()
+        .map(|k| row_state(&mut client, &outbox, k).0)
+        .collect();
+    assert_eq!(&states[..5], ["sent"; 5]);
+    assert_eq!(&states[5..], ["pending"; 3]);
+    assert_eq!(broker.ready(&queue), 5);
+
+    // Room again: the nacked ones go out on retry, and only they.
+    let first: Vec<Vec<u8>> = broker
+        .drain(&queue)
+        .into_iter()
+        .map(|g| g.delivery.body)
+        .collect();
+    assert_eq!(first, (0..5u8).map(|i| vec![i]).collect::<Vec<_>>());
+    wait_until("the retries are published", || {
+        let _ = Relay::run_once(&config).unwrap();
+        count(&mut client, &outbox, "status = 'sent'") == 8
+    });
+    let second: Vec<Vec<u8>> = broker
+        .drain(&queue)
+        .into_iter()
+        .map(|g| g.delivery.body)
+        .collect();
+    assert_eq!(second, (5..8u8).map(|i| vec![i]).collect::<Vec<_>>());
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn an_over_long_topic_is_rejected_before_sending_and_the_batch_still_goes() {
+    let (outbox, mut client) = outbox("rmq_long");
+    let broker = Broker::new();
+    let exchange = unique_name("x_long");
+    let queue = unique_name("q_long");
+    broker.exchange(&exchange);
+    broker.queue(&queue, &exchange, FieldTable::new());
+
+    let mut keys = enqueue(
+        &mut client,
+        &outbox,
+        vec![Message::new("ok.before", b"1".to_vec())],
+    );
+    // enqueue refuses such a topic, so write the row the way another producer might.
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {} (key, topic, payload) VALUES ('long-topic', $1, '\\x00')",
+                quoted(&outbox)
+            ),
+            &[&"t".repeat(300)],
+        )
+        .unwrap();
+    keys.extend(enqueue(
+        &mut client,
+        &outbox,
+        vec![Message::new("ok.after", b"2".to_vec())],
+    ));
+
+    let config = relay_config(&outbox, &exchange, true)
+        .batch_size(10)
+        .concurrency(1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 3);
+    assert_eq!(row_state(&mut client, &outbox, "long-topic").0, "dead");
+    for key in &keys {
+        assert_eq!(row_state(&mut client, &outbox, key).0, "sent");
+    }
+    let topics: Vec<String> = broker
+        .drain(&queue)
+        .into_iter()
+        .map(|g| g.delivery.routing_key)
+        .collect();
+    assert_eq!(topics, ["ok.before", "ok.after"]);
+    broker.delete_queue(&queue);
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = Command::new("rabbitmqctl")
+        .args(args)
+        .status()
+        .expect("run rabbitmqctl (the broker's own CLI)");
+    assert!(status.success(), "rabbitmqctl {args:?} failed");
+}
+
+/// Publishes the first half of its first batch, has the broker close every connection of
+/// the vhost, then publishes the second half on the dead connection.
+struct ClosesMidBatch {
+    inner: RabbitPublisher,
+    armed: Arc<AtomicBool>,
+    vhost: String,
+}
+
+impl Publisher for ClosesMidBatch {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        if batch.len() < 2 || !self.armed.swap(false, Ordering::SeqCst) {
+            return self.inner.publish(batch);
+        }
+        let (first, second) = batch.split_at(batch.len() / 2);
+        let mut results = self.inner.publish(first);
+        rabbitmqctl(&[
+            "close_all_connections",
+            "-p",
+            &self.vhost,
+            "test: connection lost",
+        ]);
+        results.extend(self.inner.publish(second));
+        results
+    }
+
+    fn is_broken(&self) -> bool {
+        self.inner.is_broken()
+    }
+}
+
+#[test]
+fn a_connection_closed_mid_batch_loses_nothing_and_duplicates_only_the_unconfirmed() {
+    // Its own vhost, so closing its connections does not disturb tests running alongside.
+    let vhost = unique_name("vh_close");
+    rabbitmqctl(&["add_vhost", &vhost]);
+    rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    let url = format!("{}/{vhost}", amqp_url().trim_end_matches('/'));
+    let broker = Broker::at(&url);
+    broker.exchange("events");
+    broker.queue("all", "events", FieldTable::new());
+    drop(broker);
+
+    let (outbox, mut client) = outbox("rmq_close");
+    let total = 1000;
+    let keys = enqueue(
+        &mut client,
+        &outbox,
+        (0..total)
+            .map(|i| Message::new("t", vec![0u8; 64]).key(format!("k{i}")))
+            .collect(),
+    );
+    let armed = Arc::new(AtomicBool::new(true));
+    let (publisher_url, publisher_vhost, publisher_armed) =
+        (url.clone(), vhost.clone(), armed.clone());
+    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
+        RabbitPublisher::connect(&publisher_url, "events").map(|inner| ClosesMidBatch {
+            inner,
+            armed: publisher_armed.clone(),
+            vhost: publisher_vhost.clone(),
+        })
+    })
+    .batch_size(50)
+    .concurrency(2)
+    .notify(false)
+    .poll_interval(Duration::from_millis(50))
+    .backoff(Duration::from_millis(10), Duration::from_millis(50));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("every row is sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == total as i64
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(
+        !armed.load(Ordering::SeqCst),
+        "the connection was never closed"
+    );
+    assert!(
+        count(&mut client, &outbox, "attempts > 1") > 0,
+        "the records published on the closed connection should have failed their attempt"
+    );
+
+    let broker = Broker::at(&url);
+    wait_until("every message is queued", || {
+        broker.ready("all") >= total as u32
+    });
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for message in broker.drain("all") {
+        let key = message
+            .delivery
+            .properties
+            .message_id()
+            .clone()
+            .expect("message id");
+        *seen.entry(key).or_default() += 1;
+    }
+    assert!(keys.iter().all(|k| seen.contains_key(k)), "a row was lost");
+    // A key delivered twice must have been retried: an earlier attempt was never confirmed.
+    for (key, n) in seen.iter().filter(|(_, n)| **n > 1) {
+        let attempts = row_state(&mut client, &outbox, key).1;
+        assert!(
+            attempts >= *n as i32,
+            "{key} delivered {n} times in {attempts} attempts"
+        );
+    }
+    drop(broker);
+    rabbitmqctl(&["delete_vhost", &vhost]);
+}
+
+/// A consumer table the handler writes to, so tests can see what committed.
+fn handled_table(client: &mut postgres::Client) -> String {
+    let table = unique_name("handled");
+    client
+        .batch_execute(&format!("CREATE TABLE {table} (key text PRIMARY KEY)"))
+        .unwrap();
+    table
+}
+
+#[test]
+fn the_consumer_skips_redeliveries_of_processed_messages() {
+    let (outbox, mut client) = outbox("rmq_consume");
+    let table = handled_table(&mut client);
+    let broker = Broker::new();
+    let queue = unique_name("q_consume");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    let handler_table = table.clone();
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "billing"),
+        outbox.clone(),
+        pool(2),
+        move |tx, delivery| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            tx.execute(
+                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
+                &[&delivery.key],
+            )
+            .map_err(HandlerError::transient)?;
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m-1"), b"a");
+    broker.send(&queue, Some("m-1"), b"a"); // the broker delivering it again
+    broker.send(&queue, Some("m-2"), b"b");
+    wait_until("all three are acked", || {
+        let r = consumer.report();
+        r.processed + r.duplicates == 3
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!((report.processed, report.duplicates), (2, 1));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let rows: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 2);
+    assert_eq!(broker.ready(&queue), 0);
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn a_failing_handler_is_retried_then_dead_lettered() {
+    let (outbox, _client) = outbox("rmq_fail");
+    let broker = Broker::new();
+    let queue = unique_name("q_fail");
+    let dead = unique_name("q_dead");
+    broker.queue(&dead, "", FieldTable::new());
+    let mut arguments = FieldTable::new();
+    arguments.insert(
+        "x-dead-letter-exchange".into(),
+        AmqpValue::LongString(String::new()),
+    );
+    arguments.insert(
+        "x-dead-letter-routing-key".into(),
+        AmqpValue::LongString(dead.clone()),
+    );
+    broker.queue(&queue, "", arguments);
+    let calls = Arc::new(AtomicUsize::new(0));
+
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "fails").max_failures(3),
+        outbox.clone(),
+        pool(2),
+        move |_tx, _delivery| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            Err(HandlerError::transient("downstream unavailable"))
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("poison"), b"x");
+    wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        (report.retried, report.rejected, report.processed),
+        (2, 1, 0)
+    );
+    assert_eq!(broker.ready(&queue), 0);
+    let dead_letter = broker.drain(&dead);
+    assert_eq!(
+        dead_letter[0].delivery.properties.message_id().as_deref(),
+        Some("poison")
+    );
+    broker.delete_queue(&queue);
+    broker.delete_queue(&dead);
+}
+
+#[test]
+fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
+    let (outbox, mut client) = outbox("rmq_stop");
+    let table = handled_table(&mut client);
+    let broker = Broker::new();
+    let queue = unique_name("q_stop");
+    broker.queue(&queue, "", FieldTable::new());
+    let total = 40;
+    for i in 0..total {
+        broker.send(&queue, Some(&format!("m{i}")), b"x");
+    }
+    let (started_tx, started_rx) = crossbeam_channel::unbounded::<()>();
+    let handler_table = table.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "slow").prefetch(10),
+        outbox.clone(),
+        pool(2),
+        move |tx, delivery| {
+            let _ = started_tx.send(());
+            std::thread::sleep(Duration::from_millis(20));
+            tx.execute(
+                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
+                &[&delivery.key],
+            )
+            .map_err(HandlerError::transient)?;
+            Ok(())
+        },
+    )
+    .unwrap();
+    for _ in 0..5 {
+        started_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("handler runs");
+    }
+    let report = consumer.shutdown(Duration::from_secs(10));
+    let committed: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .unwrap()
+        .get(0);
+    assert!(
+        committed >= 4 && committed < total as i64,
+        "committed {committed}"
+    );
+    assert_eq!(report.processed, committed as u64);
+    // Everything not committed is back on the queue, nothing committed is.
+    wait_until("the unacked deliveries are requeued", || {
+        broker.ready(&queue) as i64 == total as i64 - committed
+    });
+    broker.delete_queue(&queue);
+}
