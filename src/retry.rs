@@ -82,9 +82,23 @@ impl RetryPolicy {
     }
 }
 
+/// Capped exponential backoff for reconnecting after infrastructure errors (database,
+/// broker, publisher factory): 100 ms doubling to 10 s.
+pub(crate) fn reconnect_delay(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(7);
+    (Duration::from_millis(100) * (1u32 << exp)).min(Duration::from_secs(10))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnect_delay_is_capped() {
+        assert_eq!(reconnect_delay(1), Duration::from_millis(100));
+        assert_eq!(reconnect_delay(2), Duration::from_millis(200));
+        assert_eq!(reconnect_delay(50), Duration::from_secs(10));
+    }
 
     #[test]
     fn backoff_grows_and_is_capped() {

@@ -21,6 +21,7 @@ use super::Error;
 use crate::outbox::Outbox;
 use crate::publish::HandlerError;
 use crate::relay::pool::Pool;
+use crate::retry::reconnect_delay;
 
 /// A delivery as the handler sees it.
 #[derive(Debug, Clone)]
@@ -311,7 +312,7 @@ impl Worker {
                 Ended::Stopped => return,
                 Ended::Lost(why) => {
                     failures += 1;
-                    let pause = crate::relay::backoff(failures);
+                    let pause = reconnect_delay(failures);
                     log::warn!("rabbitmq consumer: {why}; reconnecting in {pause:?}");
                     select! {
                         recv(stop) -> _ => return,

@@ -1,12 +1,13 @@
 //! The dispatcher: claims due rows and hands them to the workers.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_channel::{after, select, tick, Receiver, Sender};
 
 use super::pool::Session;
 use super::{Job, Shared};
 use crate::error::Result;
+use crate::retry::reconnect_delay;
 use crate::store;
 
 /// Claims until told to stop. Returns an error only when the relay cannot go on (its table
@@ -66,7 +67,7 @@ pub(crate) fn run(
                 }
                 Err(e) => {
                     failures += 1;
-                    let pause = backoff(failures);
+                    let pause = reconnect_delay(failures);
                     log::warn!("outbox {table}: claim failed, retrying in {pause:?}: {e}");
                     select! {
                         recv(stop) -> _ => return Ok(()),
@@ -100,12 +101,6 @@ fn split(mut records: Vec<crate::Record>, workers: usize) -> Vec<Vec<crate::Reco
     parts
 }
 
-/// Capped exponential backoff for database errors: 100 ms doubling to 10 s.
-pub(crate) fn backoff(failures: u32) -> Duration {
-    let exp = failures.saturating_sub(1).min(7);
-    (Duration::from_millis(100) * (1u32 << exp)).min(Duration::from_secs(10))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,10 +131,4 @@ mod tests {
         assert_eq!(split((0..5).map(record).collect(), 1).len(), 1);
     }
 
-    #[test]
-    fn backoff_is_capped() {
-        assert_eq!(backoff(1), Duration::from_millis(100));
-        assert_eq!(backoff(2), Duration::from_millis(200));
-        assert_eq!(backoff(50), Duration::from_secs(10));
-    }
 }

@@ -7,7 +7,7 @@ use crossbeam_channel::Sender;
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
-use super::dispatcher::backoff;
+use crate::retry::reconnect_delay;
 use super::Shared;
 
 /// How often the wait is cut short to see whether the relay is stopping.
@@ -42,7 +42,7 @@ pub(crate) fn run(shared: &Shared, wake: &Sender<()>) {
             break;
         }
         failures += 1;
-        let until = Instant::now() + backoff(failures);
+        let until = Instant::now() + reconnect_delay(failures);
         while Instant::now() < until && !shared.stopping() {
             std::thread::sleep(STOP_CHECK.min(until.saturating_duration_since(Instant::now())));
         }

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, never, unbounded, Receiver, RecvTimeoutError, Sender};
 
 pub use config::RelayConfig;
-pub(crate) use dispatcher::backoff;
 
 use crate::error::{Error, Result};
 use crate::publish::Publisher;

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::dispatcher::backoff;
+use crate::retry::reconnect_delay;
 use super::pool::Session;
 use super::Shared;
 use crate::record::Record;
@@ -63,7 +63,7 @@ fn write(shared: &Shared, session: &mut Session, batch: &[(Record, Outcome)]) {
                 failures += 1;
                 // Worth retrying while a lease could still be valid; after that the rows will
                 // be reclaimed anyway.
-                let pause = backoff(failures);
+                let pause = reconnect_delay(failures);
                 if shared.out_of_time() || pause * failures > config.lease {
                     log::error!(
                         "outbox {table}: giving up recording {} outcomes; the rows will be \

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{after, select, Receiver, Sender};
 
 use super::config::RelayConfig;
-use super::dispatcher::backoff;
+use crate::retry::reconnect_delay;
 use super::{release, Job, Shared};
 use crate::publish::{PublishError, Publisher};
 use crate::record::Record;
@@ -68,7 +68,7 @@ pub(crate) fn run(
                         // No attempt was made, so none is counted: hand the rows back and wait
                         // before trying the factory again.
                         factory_failures += 1;
-                        let pause = backoff(factory_failures).max(Duration::from_millis(500));
+                        let pause = reconnect_delay(factory_failures).max(Duration::from_millis(500));
                         log::warn!("outbox {table}: could not build a publisher, retrying in {pause:?}: {e}");
                         release(shared, outcomes, records);
                         let _ = done.send(n);
