@@ -1,0 +1,282 @@
+//! Relay throughput to RabbitMQ, against the textbook relay and the broker's own ceiling.
+//!
+//! ```text
+//! cargo bench --bench rabbitmq --features rabbitmq
+//! ```
+//! Prints `bench=<name> key=value ... rate=<messages per second>` lines:
+//! - `broker-confirmed`: publishing straight to the broker, pipelined confirms, no database;
+//! - `relay-rabbitmq`: `Relay` with `RabbitPublisher` draining pre-filled rows;
+//! - `relay-naive`: one transaction per batch, publish and wait for each confirm, UPDATE each row.
+//!
+//! Messages are persistent, 512 bytes, into a durable queue. Env: OUTBOX_BENCH_DATABASE_URL
+//! or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL, OUTBOX_BENCH_ROWS (default 100000).
+
+use std::collections::HashSet;
+use std::error::Error;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use amiquip::{
+    AmqpProperties, Auth, Channel, Confirm, Connection, ConnectionOptions, ConnectionTuning,
+    ExchangeDeclareOptions, ExchangeType, FieldTable, Publish, QueueDeclareOptions,
+};
+use postgres::{Client, NoTls};
+use postgres_outbox::rabbitmq::RabbitPublisher;
+use postgres_outbox::{Message, Outbox, Relay, RelayConfig};
+use r2d2_postgres::PostgresConnectionManager;
+
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+const EXCHANGE: &str = "outbox.bench";
+const QUEUE: &str = "outbox.bench.all";
+const PAYLOAD: usize = 512;
+
+fn env(names: &[&str], default: &str) -> String {
+    names
+        .iter()
+        .find_map(|n| std::env::var(n).ok())
+        .unwrap_or_else(|| default.to_owned())
+}
+
+fn main() -> Result<()> {
+    let db_url = env(
+        &["OUTBOX_BENCH_DATABASE_URL", "DATABASE_URL"],
+        "postgres://postgres@127.0.0.1:5432/test",
+    );
+    let amqp_url = env(
+        &["OUTBOX_BENCH_AMQP_URL", "AMQP_URL"],
+        "amqp://guest:guest@127.0.0.1:5672",
+    );
+    let rows: usize = env(&["OUTBOX_BENCH_ROWS"], "100000").parse()?;
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
+
+    let broker = Broker::connect()?;
+    broker.declare()?;
+    let mut client = Client::connect(&db_url, NoTls)?;
+
+    let mut broker_rate = None;
+    if wanted("broker-confirmed") {
+        broker.purge()?;
+        let rate = broker.confirmed_publish_rate(rows, 500)?;
+        println!("bench=broker-confirmed messages={rows} window=500 rate={rate:.0}");
+        broker_rate = Some(rate);
+    }
+    let mut naive_rate = None;
+    if wanted("relay-naive") {
+        // The textbook relay is slow; a fifth of the rows gives a stable rate.
+        let n = (rows / 5).max(1000);
+        let outbox = prefilled(&mut client, n)?;
+        broker.purge()?;
+        let rate = naive_relay(&mut client, &outbox, &broker.channel, 100)?;
+        println!("bench=relay-naive rows={n} batch=100 rate={rate:.0}");
+        naive_rate = Some(rate);
+        drop_tables(&mut client, &outbox)?;
+    }
+    if wanted("relay-rabbitmq") {
+        for (batch, concurrency) in [(100, 4), (500, 4), (500, 8)] {
+            let outbox = prefilled(&mut client, rows)?;
+            broker.purge()?;
+            let rate = relay(&db_url, &amqp_url, &mut client, &outbox, rows, batch, concurrency)?;
+            let mut line = format!(
+                "bench=relay-rabbitmq rows={rows} batch={batch} concurrency={concurrency} rate={rate:.0}"
+            );
+            if let Some(naive) = naive_rate {
+                line.push_str(&format!(" vs_naive={:.1}", rate / naive));
+            }
+            if let Some(ceiling) = broker_rate {
+                line.push_str(&format!(" vs_broker={:.2}", rate / ceiling));
+            }
+            println!("{line}");
+            drop_tables(&mut client, &outbox)?;
+        }
+    }
+    broker.purge()?;
+    Ok(())
+}
+
+/// A fresh outbox holding `rows` pending 512-byte messages.
+fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
+    let table = format!("bench_rmq_{}", std::process::id());
+    let outbox = Outbox::builder().table(table).notify(false).build()?;
+    drop_tables(client, &outbox)?;
+    outbox.migrate(client)?;
+    let payload = vec![b'x'; PAYLOAD];
+    let mut left = rows;
+    while left > 0 {
+        let n = left.min(5000);
+        let mut tx = client.transaction()?;
+        outbox.enqueue_all(
+            &mut tx,
+            (0..n).map(|_| Message::new("bench.event", payload.clone())),
+        )?;
+        tx.commit()?;
+        left -= n;
+    }
+    client.batch_execute("CHECKPOINT")?;
+    Ok(outbox)
+}
+
+fn drop_tables(client: &mut Client, outbox: &Outbox) -> Result<()> {
+    let t = outbox.table();
+    client.batch_execute(&format!(
+        "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_counts, {t}_migrations"
+    ))?;
+    Ok(())
+}
+
+fn relay(
+    db_url: &str,
+    amqp_url: &str,
+    client: &mut Client,
+    outbox: &Outbox,
+    rows: usize,
+    batch: usize,
+    concurrency: usize,
+) -> Result<f64> {
+    let manager = PostgresConnectionManager::new(db_url.parse()?, NoTls);
+    let pool = r2d2::Pool::builder().max_size(4).build(manager)?;
+    let url = amqp_url.to_owned();
+    let config = RelayConfig::new(outbox.clone(), pool, move || {
+        RabbitPublisher::connect(&url, EXCHANGE)
+    })
+    .batch_size(batch)
+    .concurrency(concurrency)
+    .notify(false)
+    .poll_interval(Duration::from_millis(100));
+    let started = Instant::now();
+    let relay = Relay::spawn(config)?;
+    while outbox.stats(client)?.sent < rows as u64 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let took = started.elapsed();
+    relay.shutdown(Duration::from_secs(10))?;
+    Ok(rows as f64 / took.as_secs_f64())
+}
+
+/// The textbook relay: in one transaction per batch, lock rows, publish each and wait for
+/// its confirm, then UPDATE that row.
+fn naive_relay(client: &mut Client, outbox: &Outbox, channel: &Channel, batch: i64) -> Result<f64> {
+    let t = outbox.table();
+    let confirms = channel.listen_for_publisher_confirms()?;
+    let started = Instant::now();
+    let mut total = 0usize;
+    loop {
+        let mut tx = client.transaction()?;
+        let rows = tx.query(
+            &format!(
+                "SELECT id, key, topic, payload FROM {t} WHERE status = 'pending' \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            ),
+            &[&batch],
+        )?;
+        if rows.is_empty() {
+            break;
+        }
+        for row in &rows {
+            let id: i64 = row.get(0);
+            let key: String = row.get(1);
+            let topic: String = row.get(2);
+            let payload: Vec<u8> = row.get(3);
+            let properties = AmqpProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(key);
+            channel.basic_publish(EXCHANGE, Publish::with_properties(&payload, topic, properties))?;
+            match confirms.recv()? {
+                Confirm::Ack(_) => {}
+                Confirm::Nack(_) => return Err("nacked".into()),
+            }
+            tx.execute(
+                &format!("UPDATE {t} SET status = 'sent', done_at = now() WHERE id = $1"),
+                &[&id],
+            )?;
+        }
+        tx.commit()?;
+        total += rows.len();
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
+}
+
+/// A confirming channel on a TCP_NODELAY socket, for setup and the baselines.
+struct Broker {
+    _connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    fn connect() -> Result<Broker> {
+        let socket = TcpStream::connect("127.0.0.1:5672")?;
+        socket.set_nodelay(true)?;
+        let options = ConnectionOptions::default().auth(Auth::Plain {
+            username: "guest".into(),
+            password: "guest".into(),
+        });
+        let mut connection = Connection::insecure_open_stream(
+            mio::net::TcpStream::from_stream(socket)?,
+            options,
+            ConnectionTuning::default(),
+        )?;
+        let channel = connection.open_channel(None)?;
+        channel.enable_publisher_confirms()?;
+        Ok(Broker {
+            _connection: connection,
+            channel,
+        })
+    }
+
+    fn declare(&self) -> Result<()> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        self.channel
+            .exchange_declare(ExchangeType::Topic, EXCHANGE, durable)?;
+        let queue = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.channel.queue_declare(QUEUE, queue)?;
+        self.channel.queue_bind(QUEUE, EXCHANGE, "#", FieldTable::new())?;
+        Ok(())
+    }
+
+    fn purge(&self) -> Result<()> {
+        self.channel.queue_purge(QUEUE)?;
+        Ok(())
+    }
+
+    /// The broker's own ceiling: publish windows of messages, then drain their confirms.
+    fn confirmed_publish_rate(&self, messages: usize, window: usize) -> Result<f64> {
+        // A second channel, so its delivery tags start at 1.
+        let confirms = self.channel.listen_for_publisher_confirms()?;
+        let payload = vec![b'x'; PAYLOAD];
+        let started = Instant::now();
+        let mut tag = 0u64;
+        let mut sent = 0;
+        while sent < messages {
+            let n = window.min(messages - sent);
+            let mut open: HashSet<u64> = HashSet::with_capacity(n);
+            for _ in 0..n {
+                tag += 1;
+                let properties = AmqpProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(tag.to_string());
+                self.channel.basic_publish(
+                    EXCHANGE,
+                    Publish::with_properties(&payload, "bench.event", properties),
+                )?;
+                open.insert(tag);
+            }
+            while !open.is_empty() {
+                let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
+                if p.multiple {
+                    open.retain(|t| *t > p.delivery_tag);
+                } else {
+                    open.remove(&p.delivery_tag);
+                }
+            }
+            sent += n;
+        }
+        Ok(messages as f64 / started.elapsed().as_secs_f64())
+    }
+}
