@@ -286,10 +286,19 @@ impl Outbox {
                 quote(schema)
             ));
         }
+        // Recorded as migrate() records them, so a later migrate() finds nothing to do.
+        ddl.push_str(&self.statements().migrations_table);
+        ddl.push_str(";\n\n");
         for migration in MIGRATIONS {
             ddl.push_str(&format!("-- {}\n", migration.name));
             ddl.push_str(&migration.render(&self.inner.table));
-            ddl.push('\n');
+            ddl.push_str(&format!(
+                "\n{};\n\n",
+                self.statements()
+                    .record_migration
+                    .replace("$1", &migration.version.to_string())
+                    .replace("$2", &format!("'{}'", migration.name))
+            ));
         }
         ddl
     }
@@ -378,21 +387,31 @@ impl Outbox {
             (&batch.header_offsets, Type::INT4_ARRAY),
             (&batch.header_lens, Type::INT4_ARRAY),
         ];
-        let inserted = tx
+        let inserted: Vec<String> = tx
             .query_typed(sql, &params)
             .map_err(|e| self.db_error(e))?
-            .len();
-        if inserted == batch.keys.len() {
-            log::trace!("outbox {}: enqueued {inserted} messages", self.table());
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if inserted.len() == batch.keys.len() {
+            log::trace!(
+                "outbox {}: enqueued {} messages",
+                self.table(),
+                inserted.len()
+            );
             return Ok(batch.keys);
         }
         // Some key exists. Usually the statement saw it and inserted nothing; if a concurrent
         // transaction committed one of our keys mid-statement, ON CONFLICT skipped just that
-        // row, and the rows we did insert are taken out again so the call stays all or nothing.
-        let keys_param: [(&(dyn ToSql + Sync), Type); 1] = [(&batch.keys, Type::TEXT_ARRAY)];
-        if inserted > 0 {
-            tx.query_typed(&self.statements().delete_keys, &keys_param)?;
+        // row, and the rows we did insert (only those: the other producer's row is not ours
+        // to delete) are taken out again so the call stays all or nothing.
+        if !inserted.is_empty() {
+            tx.query_typed(
+                &self.statements().delete_keys,
+                &[(&inserted, Type::TEXT_ARRAY)],
+            )?;
         }
+        let keys_param: [(&(dyn ToSql + Sync), Type); 1] = [(&batch.keys, Type::TEXT_ARRAY)];
         let existing = tx
             .query_typed(&self.statements().find_keys, &keys_param)?
             .iter()

@@ -115,7 +115,7 @@ impl Statements {
                 "SELECT
                    count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()),
                    count(*) FILTER (WHERE lease_until > now()),
-                   count(*) FILTER (WHERE lease_until IS NULL AND available_at <= now()),
+                   count(*) FILTER (WHERE available_at <= now()),
                    (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
                    (SELECT count(*) FROM {t} WHERE status = 'dead'),
                    extract(epoch FROM now() - min(created_at))::float8
@@ -219,7 +219,9 @@ impl Statements {
                    applied_at timestamptz NOT NULL DEFAULT now())"
             ),
             applied_versions: format!("SELECT version FROM {migrations}"),
-            record_migration: format!("INSERT INTO {migrations} (version, name) VALUES ($1, $2)"),
+            record_migration: format!(
+                "INSERT INTO {migrations} (version, name) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            ),
             listen: format!("LISTEN {}", crate::table::quote(&channel)),
             probe: format!("SELECT 1 FROM {t} LIMIT 0"),
         }

@@ -130,5 +130,4 @@ mod tests {
         assert_eq!(split((0..2).map(record).collect(), 4).len(), 2);
         assert_eq!(split((0..5).map(record).collect(), 1).len(), 1);
     }
-
 }

@@ -7,8 +7,8 @@ use crossbeam_channel::Sender;
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
-use crate::retry::reconnect_delay;
 use super::Shared;
+use crate::retry::reconnect_delay;
 
 /// How often the wait is cut short to see whether the relay is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(200);

@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use crate::retry::reconnect_delay;
 use super::pool::Session;
 use super::Shared;
 use crate::record::Record;
+use crate::retry::reconnect_delay;
 use crate::retry::Outcome;
 use crate::store;
 

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{after, select, Receiver, Sender};
 
 use super::config::RelayConfig;
-use crate::retry::reconnect_delay;
 use super::{release, Job, Shared};
 use crate::publish::{PublishError, Publisher};
 use crate::record::Record;
+use crate::retry::reconnect_delay;
 use crate::retry::Outcome;
 
 /// Publishes jobs until the work channel closes (the dispatcher stopped and the queue is
@@ -37,7 +37,10 @@ pub(crate) fn run(
             let _ = done.send(n);
             continue;
         }
-        let margin = (typical * 2).max(config.lease / 10);
+        // Capped at half the lease: `typical` only changes when something is published, so
+        // one publish slower than half the lease would otherwise make this worker hand back
+        // every later job, fresh ones included, forever.
+        let margin = (typical * 2).max(config.lease / 10).min(config.lease / 2);
         let now = Instant::now();
         let (records, expired): (Vec<Record>, Vec<Record>) = if now + margin < job.deadline {
             (job.records, Vec::new())
@@ -68,7 +71,8 @@ pub(crate) fn run(
                         // No attempt was made, so none is counted: hand the rows back and wait
                         // before trying the factory again.
                         factory_failures += 1;
-                        let pause = reconnect_delay(factory_failures).max(Duration::from_millis(500));
+                        let pause =
+                            reconnect_delay(factory_failures).max(Duration::from_millis(500));
                         log::warn!("outbox {table}: could not build a publisher, retrying in {pause:?}: {e}");
                         release(shared, outcomes, records);
                         let _ = done.send(n);

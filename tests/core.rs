@@ -1,0 +1,1308 @@
+//! The core against a real PostgreSQL: schema and migrations, enqueue, dedupe and operations.
+
+mod common;
+
+use std::error::Error as StdError;
+use std::sync::{mpsc, Arc, Barrier};
+use std::thread;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::{count, quoted, row_state, unique_name, wait_until};
+use postgres::error::SqlState;
+use postgres::fallible_iterator::FallibleIterator;
+use postgres::{Client, Transaction};
+use postgres_outbox::{Error, HandlerError, Message, Outbox, ProcessReport, Purge, Redrive};
+
+type TestResult = Result<(), Box<dyn StdError>>;
+
+/// Rows on this topic fail permanently in [`settle`]; every other row is marked sent.
+const DIE: &str = "die";
+/// A topic [`settle`] marks sent.
+const SEND: &str = "send";
+
+/// Enqueues one message on `topic` per key, in one committed transaction.
+fn enqueue_keys(outbox: &Outbox, client: &mut Client, topic: &str, keys: &[&str]) -> TestResult {
+    let mut tx = client.transaction()?;
+    for key in keys {
+        outbox.enqueue(&mut tx, Message::new(topic, *key).key(*key))?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+/// Processes every due row until none is left: rows on [`DIE`] become dead letters (error
+/// "boom <key>"), the others are marked sent. Returns (sent, dead).
+fn settle(outbox: &Outbox, client: &mut Client) -> Result<(usize, usize), Error> {
+    let (mut sent, mut dead) = (0, 0);
+    loop {
+        let report = outbox.process(client, 500, |_, record| {
+            if record.topic == DIE {
+                Err(HandlerError::permanent(format!("boom {}", record.key)))
+            } else {
+                Ok(())
+            }
+        })?;
+        if report == ProcessReport::default() {
+            return Ok((sent, dead));
+        }
+        sent += report.processed;
+        dead += report.dead;
+    }
+}
+
+/// A row claimed by `process` on another thread, whose handler holds it until `finish`.
+struct Held {
+    key: String,
+    release: mpsc::Sender<()>,
+    worker: thread::JoinHandle<Result<ProcessReport, Error>>,
+}
+
+impl Held {
+    /// Claims the next due row and waits until its handler is running.
+    fn next(outbox: &Outbox) -> Result<Held, Box<dyn StdError>> {
+        loop {
+            let (started, started_rx) = mpsc::channel();
+            let (release, release_rx) = mpsc::channel::<()>();
+            let outbox = outbox.clone();
+            let worker = thread::spawn(move || {
+                let mut client = common::client();
+                outbox.process(&mut client, 1, |_, record| {
+                    started.send(record.key.clone()).expect("test is waiting");
+                    let _ = release_rx.recv();
+                    Ok(())
+                })
+            });
+            match started_rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(key) => {
+                    return Ok(Held {
+                        key,
+                        release,
+                        worker,
+                    })
+                }
+                // Too much of the lease went by before the handler could start, so `process`
+                // handed the row back unattempted; claim it again.
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let report = worker.join().expect("worker panicked")?;
+                    assert_eq!(report.released, 1, "{report:?}");
+                }
+                Err(timeout) => return Err(timeout.into()),
+            }
+        }
+    }
+
+    /// Lets the handler succeed and returns the worker's report.
+    fn finish(self) -> Result<ProcessReport, Box<dyn StdError>> {
+        self.release.send(())?;
+        Ok(self.worker.join().expect("worker panicked")?)
+    }
+}
+
+/// (key, payload as text) of every row, in id order.
+fn stored(client: &mut Client, outbox: &Outbox) -> Vec<(String, String)> {
+    let sql = format!(
+        "SELECT key, convert_from(payload, 'UTF8') FROM {} ORDER BY id",
+        quoted(outbox)
+    );
+    let rows = client.query(&sql, &[]).expect("read rows");
+    rows.iter().map(|row| (row.get(0), row.get(1))).collect()
+}
+
+fn pairs(rows: &[(&str, &str)]) -> Vec<(String, String)> {
+    rows.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Rows in the outbox as the transaction sees them.
+fn rows_in(tx: &mut Transaction<'_>, outbox: &Outbox) -> i64 {
+    let sql = format!("SELECT count(*) FROM {}", quoted(outbox));
+    tx.query_one(&sql, &[]).expect("count").get(0)
+}
+
+fn is_uuid_v7(key: &str) -> bool {
+    uuid::Uuid::parse_str(key).is_ok_and(|u| u.get_version_num() == 7)
+}
+
+/// The field an `Error::InvalidInput` names.
+fn field_of(error: &Error) -> &'static str {
+    match error {
+        Error::InvalidInput { field, .. } => field,
+        other => panic!("expected InvalidInput, got {other}"),
+    }
+}
+
+/// Each message is rejected naming its field, by `enqueue` and `enqueue_all`, in one
+/// transaction that still commits a valid message afterwards; only that one is stored.
+fn assert_rejected(cases: Vec<(&'static str, Message)>) -> TestResult {
+    let (outbox, mut client) = common::outbox("reject");
+    let mut tx = client.transaction()?;
+    for (field, message) in cases {
+        let e = outbox.enqueue(&mut tx, message.clone()).unwrap_err();
+        assert_eq!(field_of(&e), field, "{e}");
+        assert!(e.is_invalid_input(), "{e}");
+        assert!(e.to_string().contains(field), "{e}");
+        let e = outbox
+            .enqueue_all(&mut tx, [Message::new("t", "fine"), message])
+            .unwrap_err();
+        assert_eq!(field_of(&e), field, "{e}");
+    }
+    assert_eq!(rows_in(&mut tx, &outbox), 0);
+    let key = outbox.enqueue(&mut tx, Message::new("t", "valid"))?;
+    tx.commit()?;
+    assert_eq!(stored(&mut client, &outbox), pairs(&[(&key, "valid")]));
+    Ok(())
+}
+
+/// Tables, indexes, sequences, columns and constraints of `schema`, with the schema's name
+/// taken out so two schemas can be compared.
+fn schema_snapshot(client: &mut Client, schema: &str) -> Vec<String> {
+    let queries = [
+        "SELECT c.relname || ' ' || c.relkind::text FROM pg_class c
+         JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1",
+        "SELECT indexname || ' ' || replace(indexdef, $1::text || '.', '') FROM pg_indexes
+         WHERE schemaname = $1::text",
+        "SELECT concat_ws(' ', table_name, column_name, data_type, column_default, is_nullable)
+         FROM information_schema.columns WHERE table_schema = $1",
+        "SELECT c.conname || ' ' || pg_get_constraintdef(c.oid) FROM pg_constraint c
+         JOIN pg_namespace n ON n.oid = c.connamespace WHERE n.nspname = $1",
+    ];
+    let mut lines: Vec<String> = queries
+        .iter()
+        .flat_map(|sql| client.query(*sql, &[&schema]).expect("catalog query"))
+        .map(|row| row.get(0))
+        .collect();
+    lines.sort();
+    lines
+}
+
+fn exists(client: &mut Client, relation: &str) -> bool {
+    client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&relation])
+        .expect("to_regclass")
+        .get(0)
+}
+
+// ---- produce ----
+
+#[test]
+fn rolled_back_enqueues_leave_nothing() -> TestResult {
+    let (outbox, mut client) = common::outbox("rollback");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new("t", "one"))?;
+    outbox.enqueue_all(
+        &mut tx,
+        [Message::new("t", "two"), Message::new("t", "three")],
+    )?;
+    assert_eq!(rows_in(&mut tx, &outbox), 3);
+    tx.rollback()?;
+
+    assert_eq!(count(&mut client, &outbox, "true"), 0);
+    assert_eq!(outbox.stats(&mut client)?.pending, 0);
+    assert_eq!(settle(&outbox, &mut client)?, (0, 0));
+
+    let mut tx = client.transaction()?;
+    let key = outbox.enqueue(&mut tx, Message::new("t", "kept"))?;
+    tx.commit()?;
+    assert_eq!(stored(&mut client, &outbox), pairs(&[(&key, "kept")]));
+    Ok(())
+}
+
+#[test]
+fn generated_keys_are_uuid_v7_and_given_keys_are_kept() -> TestResult {
+    let (outbox, mut client) = common::outbox("keys");
+    let mut tx = client.transaction()?;
+    let generated = outbox.enqueue(&mut tx, Message::new("t", "a"))?;
+    let other = outbox.enqueue(&mut tx, Message::new("t", "b"))?;
+    let given = outbox.enqueue(&mut tx, Message::new("t", "c").key("order-42-created"))?;
+    tx.commit()?;
+
+    assert!(is_uuid_v7(&generated), "{generated}");
+    assert!(is_uuid_v7(&other), "{other}");
+    assert_ne!(generated, other);
+    assert_eq!(given, "order-42-created");
+    assert_eq!(
+        stored(&mut client, &outbox),
+        pairs(&[(&generated, "a"), (&other, "b"), ("order-42-created", "c")])
+    );
+    Ok(())
+}
+
+#[test]
+fn enqueued_fields_are_stored_as_given() -> TestResult {
+    let (outbox, mut client) = common::outbox("fields");
+    let payload = vec![0u8, 159, 146, 150, 255];
+    let headers = [("b", "2"), ("a", "1"), ("b", "3"), ("empty", "")];
+    let message = headers.iter().fold(
+        Message::new("order.created", payload.clone())
+            .key("full")
+            .aggregate_key("order-42")
+            .content_type("application/json")
+            .max_attempts(3),
+        |m, (name, value)| m.header(*name, *value),
+    );
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, message)?;
+    outbox.enqueue(&mut tx, Message::new("plain", "p").key("plain"))?;
+    tx.commit()?;
+
+    let row = client.query_one(
+        &format!(
+            "SELECT topic, aggregate_key, payload, content_type, headers, max_attempts, status,
+                    attempts
+             FROM {} WHERE key = 'full'",
+            quoted(&outbox)
+        ),
+        &[],
+    )?;
+    assert_eq!(row.get::<_, String>(0), "order.created");
+    assert_eq!(row.get::<_, Option<String>>(1).as_deref(), Some("order-42"));
+    assert_eq!(row.get::<_, Vec<u8>>(2), payload);
+    assert_eq!(
+        row.get::<_, Option<String>>(3).as_deref(),
+        Some("application/json")
+    );
+    assert_eq!(
+        row.get::<_, Vec<String>>(4),
+        ["b", "2", "a", "1", "b", "3", "empty", ""]
+    );
+    assert_eq!(row.get::<_, Option<i32>>(5), Some(3));
+    assert_eq!(row.get::<_, String>(6), "pending");
+    assert_eq!(row.get::<_, i32>(7), 0);
+
+    let mut seen = Vec::new();
+    outbox.process(&mut client, 10, |_, record| {
+        seen.push(record.clone());
+        Ok(())
+    })?;
+    assert_eq!(seen.len(), 2);
+    let (full, plain) = (&seen[0], &seen[1]);
+    assert_eq!(full.key, "full");
+    assert_eq!(full.topic, "order.created");
+    assert_eq!(full.aggregate_key.as_deref(), Some("order-42"));
+    assert_eq!(full.payload, payload);
+    assert_eq!(full.content_type.as_deref(), Some("application/json"));
+    let expected: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(full.headers, expected);
+    assert_eq!(full.max_attempts, Some(3));
+    assert_eq!(full.attempt, 1);
+
+    assert_eq!(plain.key, "plain");
+    assert_eq!(plain.aggregate_key, None);
+    assert_eq!(plain.content_type, None);
+    assert!(plain.headers.is_empty());
+    assert_eq!(plain.max_attempts, None);
+    Ok(())
+}
+
+#[test]
+fn delay_is_measured_by_the_database_clock() -> TestResult {
+    let (outbox, mut client) = common::outbox("delay");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(
+        &mut tx,
+        Message::new("t", "p")
+            .key("later")
+            .delay(Duration::from_secs(3600)),
+    )?;
+    tx.commit()?;
+
+    let row = client.query_one(
+        &format!(
+            "SELECT available_at - created_at = interval '1 hour', available_at > now()
+             FROM {} WHERE key = 'later'",
+            quoted(&outbox)
+        ),
+        &[],
+    )?;
+    assert!(
+        row.get::<_, bool>(0),
+        "available_at is not created_at + delay"
+    );
+    assert!(row.get::<_, bool>(1), "available_at is not in the future");
+
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.due), (1, 0));
+    assert_eq!(
+        settle(&outbox, &mut client)?,
+        (0, 0),
+        "a delayed row was claimed"
+    );
+    Ok(())
+}
+
+#[test]
+fn available_at_is_stored_as_given() -> TestResult {
+    let (outbox, mut client) = common::outbox("at");
+    let whole_secs = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let future = UNIX_EPOCH + Duration::from_secs(whole_secs + 7200);
+    let past = UNIX_EPOCH + Duration::from_secs(whole_secs - 3600);
+    let mut tx = client.transaction()?;
+    outbox.enqueue(
+        &mut tx,
+        Message::new("t", "f").key("future").available_at(future),
+    )?;
+    outbox.enqueue(
+        &mut tx,
+        Message::new("t", "p").key("past").available_at(past),
+    )?;
+    tx.commit()?;
+
+    let sql = format!(
+        "SELECT available_at FROM {} WHERE key = $1",
+        quoted(&outbox)
+    );
+    let at = |client: &mut Client, key: &str| -> SystemTime {
+        client.query_one(&sql, &[&key]).expect("row").get(0)
+    };
+    assert_eq!(at(&mut client, "future"), future);
+    assert_eq!(at(&mut client, "past"), past);
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.due), (2, 1));
+    Ok(())
+}
+
+#[test]
+fn duplicate_key_is_an_error_and_the_transaction_stays_usable() -> TestResult {
+    let (outbox, mut client) = common::outbox("dup");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new("t", "first").key("committed"))?;
+    tx.commit()?;
+
+    let mut tx = client.transaction()?;
+    let e = outbox
+        .enqueue(&mut tx, Message::new("t", "second").key("committed"))
+        .unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["committed"]);
+    outbox.enqueue(&mut tx, Message::new("t", "first").key("same-tx"))?;
+    let e = outbox
+        .enqueue(&mut tx, Message::new("t", "second").key("same-tx"))
+        .unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["same-tx"]);
+    let later = outbox.enqueue(&mut tx, Message::new("t", "later"))?;
+    tx.commit()?;
+
+    assert_eq!(
+        stored(&mut client, &outbox),
+        pairs(&[
+            ("committed", "first"),
+            ("same-tx", "first"),
+            (&later, "later")
+        ])
+    );
+    Ok(())
+}
+
+#[test]
+fn enqueue_notifies_on_commit_unless_notify_is_off() -> TestResult {
+    let (outbox, mut client) = common::outbox("notify");
+    let quiet = Outbox::builder()
+        .table(outbox.table())
+        .notify(false)
+        .build()?;
+    let mut listener = common::client();
+    listener.batch_execute(&format!("LISTEN \"{}\"", outbox.channel()))?;
+
+    let mut tx = client.transaction()?;
+    quiet.enqueue(&mut tx, Message::new("t", "quiet"))?;
+    quiet.enqueue_all(&mut tx, [Message::new("t", "quiet too")])?;
+    tx.commit()?;
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new("t", "loud"))?;
+    // Sent and committed after the quiet commit and before the loud one: it must come first.
+    listener.execute("SELECT pg_notify($1, 'marker')", &[&outbox.channel()])?;
+    tx.commit()?;
+
+    let mut payloads = Vec::new();
+    let mut notifications = listener.notifications();
+    let mut incoming = notifications.timeout_iter(Duration::from_secs(60));
+    while payloads.len() < 2 {
+        let n = incoming.next()?.expect("a notification within 60 s");
+        assert_eq!(n.channel(), outbox.channel());
+        payloads.push(n.payload().to_owned());
+    }
+    assert_eq!(payloads, ["marker", ""]);
+    Ok(())
+}
+
+#[test]
+fn enqueue_all_returns_keys_in_order_one_row_each() -> TestResult {
+    let (outbox, mut client) = common::outbox("all");
+    let messages = (0..5).map(|i| {
+        let m = (0..i).fold(Message::new("t", format!("p{i}")), |m, h| {
+            m.header(format!("h{h}"), format!("{i}.{h}"))
+        });
+        if i % 2 == 0 {
+            m.key(format!("given-{i}"))
+        } else {
+            m
+        }
+    });
+    let mut tx = client.transaction()?;
+    let keys = outbox.enqueue_all(&mut tx, messages)?;
+    assert!(outbox.enqueue_all(&mut tx, Vec::new())?.is_empty());
+    tx.commit()?;
+
+    assert_eq!(keys.len(), 5);
+    assert_eq!(
+        [&keys[0], &keys[2], &keys[4]],
+        ["given-0", "given-2", "given-4"]
+    );
+    assert!(is_uuid_v7(&keys[1]) && is_uuid_v7(&keys[3]), "{keys:?}");
+    let expected: Vec<(String, String)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.clone(), format!("p{i}")))
+        .collect();
+    assert_eq!(stored(&mut client, &outbox), expected);
+
+    let sql = format!("SELECT headers FROM {} ORDER BY id", quoted(&outbox));
+    let headers: Vec<Vec<String>> = client.query(&sql, &[])?.iter().map(|r| r.get(0)).collect();
+    for (i, flat) in headers.iter().enumerate() {
+        let want: Vec<String> = (0..i)
+            .flat_map(|h| [format!("h{h}"), format!("{i}.{h}")])
+            .collect();
+        assert_eq!(flat, &want, "headers of message {i}");
+    }
+    Ok(())
+}
+
+#[test]
+fn enqueue_all_writes_nothing_when_a_key_exists() -> TestResult {
+    let (outbox, mut client) = common::outbox("all_dup");
+    enqueue_keys(&outbox, &mut client, "t", &["old", "older"])?;
+
+    let mut tx = client.transaction()?;
+    let batch = |keys: &[&str]| -> Vec<Message> {
+        keys.iter()
+            .map(|k| Message::new("t", "new").key(*k))
+            .collect()
+    };
+    let e = outbox
+        .enqueue_all(&mut tx, batch(&["new-1", "old", "new-2"]))
+        .unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["old"]);
+    assert_eq!(rows_in(&mut tx, &outbox), 2);
+
+    let e = outbox
+        .enqueue_all(&mut tx, batch(&["older", "new-1", "old"]))
+        .unwrap_err();
+    let mut named = e.duplicate_keys().to_vec();
+    named.sort();
+    assert_eq!(named, ["old", "older"]);
+    assert_eq!(rows_in(&mut tx, &outbox), 2);
+
+    let keys = outbox.enqueue_all(&mut tx, batch(&["new-1", "new-2"]))?;
+    assert_eq!(keys, ["new-1", "new-2"]);
+    tx.commit()?;
+    assert_eq!(
+        stored(&mut client, &outbox),
+        pairs(&[
+            ("old", "old"),
+            ("older", "older"),
+            ("new-1", "new"),
+            ("new-2", "new")
+        ])
+    );
+    Ok(())
+}
+
+#[test]
+fn enqueue_all_rejects_a_key_repeated_within_the_batch() -> TestResult {
+    let (outbox, mut client) = common::outbox("all_rep");
+    let mut tx = client.transaction()?;
+    let e = outbox
+        .enqueue_all(
+            &mut tx,
+            ["a", "b", "a"].map(|k| Message::new("t", k).key(k)),
+        )
+        .unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["a"]);
+    assert_eq!(rows_in(&mut tx, &outbox), 0);
+    outbox.enqueue_all(&mut tx, ["a", "b"].map(|k| Message::new("t", k).key(k)))?;
+    tx.commit()?;
+    assert_eq!(
+        stored(&mut client, &outbox),
+        pairs(&[("a", "a"), ("b", "b")])
+    );
+    Ok(())
+}
+
+#[test]
+fn enqueue_all_stores_fields_like_enqueue() -> TestResult {
+    let tomorrow = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() + 86_400;
+    let at = UNIX_EPOCH + Duration::from_secs(tomorrow);
+    let messages = || {
+        vec![
+            Message::new("a", vec![1u8, 2, 3])
+                .key("k1")
+                .aggregate_key("agg")
+                .content_type("application/json")
+                .header("h", "v")
+                .header("h2", "")
+                .max_attempts(4)
+                .delay(Duration::from_secs(60)),
+            Message::new("b", "plain").key("k2"),
+            Message::new("c", "at")
+                .key("k3")
+                .available_at(at)
+                .header("only", "one"),
+            Message::new("d", "")
+                .key("k4")
+                .max_attempts(1)
+                .content_type(""),
+        ]
+    };
+    let (one_by_one, mut client) = common::outbox("one_by_one");
+    let mut tx = client.transaction()?;
+    for message in messages() {
+        one_by_one.enqueue(&mut tx, message)?;
+    }
+    tx.commit()?;
+    let (at_once, _) = common::outbox("at_once");
+    let mut tx = client.transaction()?;
+    at_once.enqueue_all(&mut tx, messages())?;
+    tx.commit()?;
+
+    let columns = |client: &mut Client, outbox: &Outbox| -> Vec<String> {
+        let sql = format!(
+            "SELECT format('%L %L %L %L %L %L %L %L %L %L', key, topic, aggregate_key, payload,
+                           content_type, headers, max_attempts, status, attempts,
+                           CASE WHEN key = 'k3' THEN available_at::text
+                                ELSE (available_at - created_at)::text END)
+             FROM {} ORDER BY id",
+            quoted(outbox)
+        );
+        let rows = client.query(&sql, &[]).expect("rows");
+        rows.iter().map(|r| r.get(0)).collect()
+    };
+    let expected = columns(&mut client, &one_by_one);
+    assert_eq!(expected.len(), 4);
+    assert_eq!(columns(&mut client, &at_once), expected);
+    Ok(())
+}
+
+#[test]
+fn enqueue_all_racing_a_concurrent_producer_keeps_its_row() -> TestResult {
+    let (outbox, mut client) = common::outbox("race");
+    // Another producer has inserted "shared" and not yet committed.
+    let mut other = common::client();
+    let mut other_tx = other.transaction()?;
+    outbox.enqueue(&mut other_tx, Message::new("t", "theirs").key("shared"))?;
+
+    let pid: i32 = client.query_one("SELECT pg_backend_pid()", &[])?.get(0);
+    let racer = {
+        let outbox = outbox.clone();
+        thread::spawn(move || -> Result<_, Error> {
+            let mut tx = client.transaction()?;
+            let batch = ["mine", "shared"].map(|k| Message::new("t", "mine").key(k));
+            let result = outbox.enqueue_all(&mut tx, batch);
+            tx.commit()?; // the caller carries on with its transaction
+            Ok(result)
+        })
+    };
+    let mut watcher = common::client();
+    wait_until("the batch waits for the other producer's key", || {
+        let sql = "SELECT wait_event_type IS NOT DISTINCT FROM 'Lock' FROM pg_stat_activity
+                   WHERE pid = $1";
+        watcher.query_one(sql, &[&pid]).expect("activity").get(0)
+    });
+    other_tx.commit()?;
+    let result = racer.join().expect("racer panicked")?;
+
+    assert_eq!(
+        stored(&mut watcher, &outbox),
+        pairs(&[("shared", "theirs")]),
+        "the other producer's committed row must survive, and nothing of the batch"
+    );
+    let e = result.unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["shared"]);
+    Ok(())
+}
+
+// ---- validation ----
+
+#[test]
+fn over_long_fields_are_rejected_and_nothing_is_written() -> TestResult {
+    let long = "x".repeat(256);
+    let ok = || Message::new("t", "p");
+    assert_rejected(vec![
+        ("topic", Message::new(long.clone(), "p")),
+        ("topic", Message::new("é".repeat(128), "p")), // 128 characters, 256 bytes
+        ("key", ok().key(long.clone())),
+        ("content type", ok().content_type(long.clone())),
+        ("header name", ok().header(long.clone(), "v")),
+    ])
+}
+
+#[test]
+fn empty_topic_zero_max_attempts_and_nul_are_rejected() -> TestResult {
+    let ok = || Message::new("t", "p");
+    assert_rejected(vec![
+        ("topic", Message::new("", "p")),
+        ("max_attempts", ok().max_attempts(0)),
+        ("header value", ok().header("h", "a\0b")),
+    ])
+}
+
+#[test]
+fn fields_of_255_bytes_are_accepted() -> TestResult {
+    let (outbox, mut client) = common::outbox("max_len");
+    let max = "y".repeat(255);
+    let message = Message::new(max.clone(), "p")
+        .key(max.clone())
+        .content_type(max.clone())
+        .header(max.clone(), "v");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, message)?;
+    tx.commit()?;
+    let mut seen = Vec::new();
+    outbox.process(&mut client, 1, |_, record| {
+        seen.push(record.clone());
+        Ok(())
+    })?;
+    assert_eq!(seen.len(), 1);
+    let record = &seen[0];
+    assert_eq!((&record.topic, &record.key), (&max, &max));
+    assert_eq!(record.content_type.as_ref(), Some(&max));
+    assert_eq!(record.headers, [(max.clone(), "v".to_owned())]);
+    Ok(())
+}
+
+// ---- schema and migrations ----
+
+#[test]
+fn migrate_twice_is_harmless() -> TestResult {
+    let (outbox, mut client) = common::outbox("twice");
+    enqueue_keys(&outbox, &mut client, "t", &["kept"])?;
+    outbox.migrate(&mut client)?;
+    outbox.migrate(&mut client)?;
+    assert_eq!(stored(&mut client, &outbox), pairs(&[("kept", "kept")]));
+    let migrations = format!("\"{}_migrations\"", outbox.table());
+    let sql = format!("SELECT count(*) = count(DISTINCT version) FROM {migrations}");
+    assert!(client.query_one(&sql, &[])?.get::<_, bool>(0));
+    Ok(())
+}
+
+#[test]
+fn migrate_from_ten_threads_at_once() -> TestResult {
+    let schema = unique_name("conc");
+    let outbox = Outbox::new(&format!("{schema}.events"))?;
+    let barrier = Arc::new(Barrier::new(10));
+    let threads: Vec<_> = (0..10)
+        .map(|_| {
+            let (outbox, barrier) = (outbox.clone(), barrier.clone());
+            thread::spawn(move || {
+                let mut client = common::client();
+                barrier.wait();
+                outbox.migrate(&mut client)
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("migrating thread panicked")?;
+    }
+
+    // The same objects as one migration alone creates, in a schema of its own.
+    let mut client = common::client();
+    let reference = unique_name("conc_ref");
+    Outbox::new(&format!("{reference}.events"))?.migrate(&mut client)?;
+    let got = schema_snapshot(&mut client, &schema);
+    assert_eq!(got, schema_snapshot(&mut client, &reference));
+    for table in ["events r", "events_inbox r", "events_migrations r"] {
+        assert!(
+            got.iter().any(|l| l == table),
+            "{table} missing from {got:#?}"
+        );
+    }
+
+    let versions = |client: &mut Client, schema: &str| -> Vec<i32> {
+        let sql = format!("SELECT version FROM \"{schema}\".events_migrations ORDER BY version");
+        let rows = client.query(&sql, &[]).expect("versions");
+        rows.iter().map(|r| r.get(0)).collect()
+    };
+    let applied = versions(&mut client, &schema);
+    assert!(!applied.is_empty());
+    assert_eq!(applied, (1..=applied.len() as i32).collect::<Vec<_>>());
+    assert_eq!(applied, versions(&mut client, &reference));
+    let counters = |client: &mut Client, schema: &str| -> i64 {
+        let sql = format!("SELECT count(*) FROM \"{schema}\".events_counts");
+        client.query_one(&sql, &[]).expect("counters").get(0)
+    };
+    assert_eq!(
+        counters(&mut client, &schema),
+        counters(&mut client, &reference)
+    );
+    Ok(())
+}
+
+#[test]
+fn migrate_different_tables_into_one_new_schema_at_once() -> TestResult {
+    let schema = unique_name("shared");
+    let barrier = Arc::new(Barrier::new(10));
+    let threads: Vec<_> = (0..10)
+        .map(|i| {
+            let outbox = Outbox::new(&format!("{schema}.t{i}")).expect("valid name");
+            let barrier = barrier.clone();
+            thread::spawn(move || {
+                let mut client = common::client();
+                barrier.wait();
+                outbox.migrate(&mut client)
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("migrating thread panicked")?;
+    }
+    let mut client = common::client();
+    for i in 0..10 {
+        assert!(exists(&mut client, &format!("\"{schema}\".t{i}")));
+    }
+    Ok(())
+}
+
+#[test]
+fn sql_is_the_ddl_migrate_applies() -> TestResult {
+    let by_hand = unique_name("ddl");
+    let outbox = Outbox::new(&format!("{by_hand}.events"))?;
+    let ddl = outbox.sql();
+    assert!(
+        ddl.contains(&format!("CREATE TABLE \"{by_hand}\".\"events\"")),
+        "{ddl}"
+    );
+    assert!(
+        ddl.contains(&format!("\"{by_hand}\".\"events_inbox\"")),
+        "{ddl}"
+    );
+    assert!(ddl.matches("CREATE INDEX").count() >= 2, "{ddl}");
+
+    let mut client = common::client();
+    client.batch_execute(&ddl)?;
+    let migrated = unique_name("ddl_ref");
+    Outbox::new(&format!("{migrated}.events"))?.migrate(&mut client)?;
+    assert_eq!(
+        schema_snapshot(&mut client, &by_hand),
+        schema_snapshot(&mut client, &migrated)
+    );
+    // The DDL records its versions, so migrate() at a later start has nothing to do.
+    outbox.migrate(&mut client)?;
+    let versions: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM \"{by_hand}\".\"events_migrations\""),
+            &[],
+        )?
+        .get(0);
+    assert_eq!(versions, 1);
+
+    // And the outbox works on it.
+    enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (2, 0));
+    assert_eq!(outbox.stats(&mut client)?.sent, 2);
+    Ok(())
+}
+
+#[test]
+fn schema_qualified_table_migrates_enqueues_and_counts() -> TestResult {
+    let schema = unique_name("custom");
+    let table = unique_name("events");
+    let outbox = Outbox::new(&format!("{schema}.{table}"))?;
+    assert_eq!(outbox.table(), format!("{schema}.{table}"));
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+
+    let sql = "SELECT schemaname::text FROM pg_tables WHERE tablename = ANY($1) ORDER BY 1";
+    let names = [
+        table.clone(),
+        format!("{table}_inbox"),
+        format!("{table}_migrations"),
+    ];
+    let schemas: Vec<String> = client
+        .query(sql, &[&&names[..]])?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(schemas, vec![schema.clone(); 3]);
+
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new(SEND, "a").aggregate_key("agg"))?;
+    outbox.enqueue_all(&mut tx, [Message::new(SEND, "b"), Message::new(DIE, "c")])?;
+    assert!(outbox.dedupe(&mut tx, "consumer", "key")?);
+    tx.commit()?;
+    assert_eq!(outbox.stats(&mut client)?.pending, 3);
+    assert_eq!(settle(&outbox, &mut client)?, (2, 1));
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.sent, stats.dead), (0, 2, 1));
+    Ok(())
+}
+
+#[test]
+fn mixed_case_table_names_are_kept_by_quoting() -> TestResult {
+    let name = unique_name("MixedCase");
+    let outbox = Outbox::new(&name)?;
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+    assert!(exists(&mut client, &format!("\"{name}\"")));
+    assert!(exists(&mut client, &format!("\"{name}_inbox\"")));
+    assert!(
+        !exists(&mut client, &name),
+        "an unquoted (lower-cased) copy exists"
+    );
+    enqueue_keys(&outbox, &mut client, SEND, &["k"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 0));
+    Ok(())
+}
+
+#[test]
+fn injection_shaped_table_names_are_rejected() -> TestResult {
+    let mut client = common::client();
+    let sentinel = unique_name("sentinel");
+    client.batch_execute(&format!("CREATE TABLE \"{sentinel}\" (id int)"))?;
+    let bad = [
+        format!("x; DROP TABLE {sentinel}"),
+        format!("x; DROP TABLE \"{sentinel}\"; --"),
+        "\"a\"".to_owned(),
+        String::new(),
+        "a.b.c".to_owned(),
+        "a".repeat(53),
+    ];
+    for name in &bad {
+        let e = Outbox::new(name).unwrap_err();
+        assert!(e.is_invalid_input(), "{name:?}: {e}");
+        let e = Outbox::builder().table(name.clone()).build().unwrap_err();
+        assert!(e.is_invalid_input(), "{name:?}: {e}");
+    }
+    assert!(exists(&mut client, &format!("\"{sentinel}\"")));
+    let derived: Vec<String> = ["", "_inbox", "_migrations"]
+        .iter()
+        .flat_map(|suffix| bad.iter().map(move |name| format!("{name}{suffix}")))
+        .collect();
+    let created: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_class WHERE relname::text = ANY($1)",
+            &[&derived],
+        )?
+        .get(0);
+    assert_eq!(created, 0);
+    Ok(())
+}
+
+#[test]
+fn longest_valid_name_migrates_without_truncation() -> TestResult {
+    let mut name = unique_name("long");
+    name.push_str(&"a".repeat(52 - name.len()));
+    let outbox = Outbox::new(&name)?;
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+    for suffix in ["", "_inbox", "_migrations"] {
+        let relation = format!("\"{name}{suffix}\"");
+        assert!(exists(&mut client, &relation), "{relation} missing");
+    }
+    enqueue_keys(&outbox, &mut client, "t", &["k"])?;
+    assert_eq!(outbox.stats(&mut client)?.pending, 1);
+    Ok(())
+}
+
+// ---- consume side ----
+
+#[test]
+fn dedupe_is_fresh_once_per_consumer() -> TestResult {
+    let (outbox, mut client) = common::outbox("dedupe");
+    let mut tx = client.transaction()?;
+    assert!(outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    assert!(!outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    assert!(outbox.dedupe(&mut tx, "invoicing", "m2")?);
+    tx.commit()?;
+
+    let mut tx = client.transaction()?;
+    assert!(!outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    assert!(outbox.dedupe(&mut tx, "shipping", "m1")?);
+    assert!(!outbox.dedupe(&mut tx, "shipping", "m1")?);
+    tx.commit()?;
+    Ok(())
+}
+
+#[test]
+fn rolled_back_dedupe_is_forgotten() -> TestResult {
+    let (outbox, mut client) = common::outbox("dedupe_rb");
+    let mut tx = client.transaction()?;
+    assert!(outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    tx.rollback()?;
+
+    let mut tx = client.transaction()?;
+    assert!(outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    tx.commit()?;
+    let mut tx = client.transaction()?;
+    assert!(!outbox.dedupe(&mut tx, "invoicing", "m1")?);
+    Ok(())
+}
+
+#[test]
+fn dedupe_rejects_empty_and_nul_and_stays_usable() -> TestResult {
+    let (outbox, mut client) = common::outbox("dedupe_bad");
+    let mut tx = client.transaction()?;
+    for (field, consumer, key) in [
+        ("consumer", "", "k"),
+        ("key", "c", ""),
+        ("consumer", "a\0b", "k"),
+        ("key", "c", "k\0"),
+    ] {
+        let e = outbox.dedupe(&mut tx, consumer, key).unwrap_err();
+        assert_eq!(field_of(&e), field, "{e}");
+    }
+    assert!(outbox.dedupe(&mut tx, "c", "k")?);
+    tx.commit()?;
+    let inbox = format!("\"{}_inbox\"", outbox.table());
+    let sql = format!("SELECT consumer || '/' || key FROM {inbox}");
+    let rows: Vec<String> = client.query(&sql, &[])?.iter().map(|r| r.get(0)).collect();
+    assert_eq!(rows, ["c/k"]);
+    Ok(())
+}
+
+// ---- operate ----
+
+#[test]
+fn purge_sent_leaves_pending_and_dead_rows() -> TestResult {
+    let (outbox, mut client) = common::outbox("purge_sent");
+    enqueue_keys(&outbox, &mut client, SEND, &["s1", "s2", "s3"])?;
+    enqueue_keys(&outbox, &mut client, DIE, &["d1"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (3, 1));
+    enqueue_keys(&outbox, &mut client, SEND, &["p1"])?;
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Sent { older_than: hour })?,
+        0
+    );
+    assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 3);
+
+    let zero = Duration::ZERO;
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Sent { older_than: zero })?,
+        3
+    );
+    assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 0);
+    assert_eq!(row_state(&mut client, &outbox, "p1").0, "pending");
+    assert_eq!(row_state(&mut client, &outbox, "d1").0, "dead");
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.sent, stats.dead), (1, 0, 1));
+    Ok(())
+}
+
+#[test]
+fn purge_dead_leaves_pending_and_sent_rows() -> TestResult {
+    let (outbox, mut client) = common::outbox("purge_dead");
+    enqueue_keys(&outbox, &mut client, DIE, &["d1", "d2"])?;
+    enqueue_keys(&outbox, &mut client, SEND, &["s1"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 2));
+    enqueue_keys(&outbox, &mut client, SEND, &["p1"])?;
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Dead { older_than: hour })?,
+        0
+    );
+    let zero = Duration::ZERO;
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Dead { older_than: zero })?,
+        2
+    );
+    assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 0);
+    assert_eq!(row_state(&mut client, &outbox, "p1").0, "pending");
+    assert_eq!(row_state(&mut client, &outbox, "s1").0, "sent");
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.sent, stats.dead), (1, 1, 0));
+    assert!(outbox.dead_letters(&mut client, 10)?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn purge_deletes_more_than_one_batch() -> TestResult {
+    let (outbox, mut client) = common::outbox("purge_many");
+    // Thousands of one-row handler transactions; durability is beside the point here.
+    client.batch_execute("SET synchronous_commit = off")?;
+    const N: usize = 2_345;
+    let mut tx = client.transaction()?;
+    outbox.enqueue_all(&mut tx, (0..N).map(|i| Message::new(SEND, i.to_string())))?;
+    tx.commit()?;
+    assert_eq!(settle(&outbox, &mut client)?, (N, 0));
+    enqueue_keys(&outbox, &mut client, SEND, &["pending"])?;
+    assert_eq!(outbox.stats(&mut client)?.sent, N as u64);
+
+    let zero = Duration::ZERO;
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Sent { older_than: zero })?,
+        N as u64
+    );
+    assert_eq!(count(&mut client, &outbox, "true"), 1);
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.sent, stats.pending), (0, 1));
+    Ok(())
+}
+
+#[test]
+fn stats_count_every_state() -> TestResult {
+    let (outbox, mut client) = common::outbox("stats");
+    let empty = outbox.stats(&mut client)?;
+    assert_eq!(
+        (
+            empty.pending,
+            empty.due,
+            empty.in_flight,
+            empty.sent,
+            empty.dead
+        ),
+        (0, 0, 0, 0, 0)
+    );
+    assert_eq!(empty.oldest_pending_age, None);
+
+    enqueue_keys(&outbox, &mut client, SEND, &["s1", "s2"])?;
+    enqueue_keys(&outbox, &mut client, DIE, &["d1"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (2, 1));
+
+    enqueue_keys(&outbox, &mut client, SEND, &["flying"])?;
+    let held = Held::next(&outbox)?;
+    assert_eq!(held.key, "flying");
+
+    enqueue_keys(&outbox, &mut client, SEND, &["p1", "p2"])?;
+    let mut tx = client.transaction()?;
+    let later = Message::new(SEND, "p3").delay(Duration::from_secs(3600));
+    outbox.enqueue(&mut tx, later)?;
+    tx.commit()?;
+
+    let stats = outbox.stats(&mut client)?;
+    let sql = format!(
+        "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {}
+         WHERE status = 'pending'",
+        quoted(&outbox)
+    );
+    let age_after: f64 = client.query_one(&sql, &[])?.get(0);
+    assert_eq!(
+        (
+            stats.pending,
+            stats.due,
+            stats.in_flight,
+            stats.sent,
+            stats.dead
+        ),
+        (3, 2, 1, 2, 1),
+        "{stats:?}"
+    );
+    let age = stats.oldest_pending_age.expect("rows are pending");
+    assert!(
+        age.as_secs_f64() <= age_after + 1e-3,
+        "{age:?} vs {age_after}"
+    );
+
+    assert_eq!(held.finish()?.processed, 1);
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!(
+        (
+            stats.pending,
+            stats.due,
+            stats.in_flight,
+            stats.sent,
+            stats.dead
+        ),
+        (3, 2, 0, 3, 1),
+        "{stats:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_row_whose_lease_ran_out_is_due_again() -> TestResult {
+    let outbox = Outbox::builder()
+        .table(unique_name("lease"))
+        .lease(Duration::from_secs(1))
+        .build()?;
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+    enqueue_keys(&outbox, &mut client, SEND, &["k"])?;
+    let held = Held::next(&outbox)?;
+    wait_until("the lease runs out", || {
+        outbox.stats(&mut client).expect("stats").in_flight == 0
+    });
+
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!(
+        (stats.pending, stats.due, stats.in_flight),
+        (1, 1, 0),
+        "a claimable row is not counted as due: {stats:?}"
+    );
+    // It is indeed claimable: another worker takes it, and the first one's late success
+    // changes nothing.
+    let mut attempts = Vec::new();
+    outbox.process(&mut client, 10, |_, record| {
+        attempts.push(record.attempt);
+        Ok(())
+    })?;
+    assert_eq!(attempts, [2]);
+    let late = held.finish()?;
+    assert_eq!((late.processed, late.lease_lost), (0, 1));
+    assert_eq!(row_state(&mut client, &outbox, "k"), ("sent".into(), 2));
+    assert_eq!(outbox.stats(&mut client)?.sent, 1);
+    Ok(())
+}
+
+#[test]
+fn oldest_pending_age_is_none_when_nothing_is_pending() -> TestResult {
+    let (outbox, mut client) = common::outbox("age");
+    enqueue_keys(&outbox, &mut client, SEND, &["s"])?;
+    enqueue_keys(&outbox, &mut client, DIE, &["d"])?;
+    assert!(outbox.stats(&mut client)?.oldest_pending_age.is_some());
+    assert_eq!(settle(&outbox, &mut client)?, (1, 1));
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.sent, stats.dead), (0, 1, 1));
+    assert_eq!(stats.oldest_pending_age, None);
+    Ok(())
+}
+
+#[test]
+fn dead_letters_come_oldest_first_with_their_error() -> TestResult {
+    let (outbox, mut client) = common::outbox("dead");
+    enqueue_keys(&outbox, &mut client, DIE, &["a", "b", "c"])?;
+    enqueue_keys(&outbox, &mut client, SEND, &["ok"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 3));
+    // "a" dies again, last: now it is the newest dead letter although its id is the oldest.
+    assert_eq!(outbox.redrive(&mut client, Redrive::Keys(&["a"]))?, 1);
+    assert_eq!(settle(&outbox, &mut client)?, (0, 1));
+
+    let keys = |letters: &[postgres_outbox::DeadLetter]| -> Vec<String> {
+        letters.iter().map(|l| l.record.key.clone()).collect()
+    };
+    let letters = outbox.dead_letters(&mut client, 10)?;
+    assert_eq!(keys(&letters), ["b", "c", "a"]);
+    for letter in &letters {
+        let key = &letter.record.key;
+        assert_eq!(
+            letter.last_error.as_deref(),
+            Some(format!("boom {key}").as_str())
+        );
+        assert_eq!(letter.record.topic, DIE);
+        assert_eq!(letter.record.payload, key.as_bytes());
+        assert_eq!(letter.record.attempt, 1);
+        assert!(letter.dead_at >= letter.record.created_at, "{letter:?}");
+    }
+    assert!(letters[0].dead_at <= letters[1].dead_at && letters[1].dead_at <= letters[2].dead_at);
+    assert_eq!(keys(&outbox.dead_letters(&mut client, 2)?), ["b", "c"]);
+    assert!(outbox.dead_letters(&mut client, 0)?.is_empty());
+    Ok(())
+}
+
+#[test]
+fn redrive_revives_the_chosen_keys_then_all() -> TestResult {
+    let (outbox, mut client) = common::outbox("redrive");
+    enqueue_keys(&outbox, &mut client, DIE, &["a", "b", "c"])?;
+    enqueue_keys(&outbox, &mut client, SEND, &["ok"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 3));
+
+    // "ok" is sent, not dead: a redrive by key leaves it alone.
+    assert_eq!(outbox.redrive(&mut client, Redrive::Keys(&["b", "ok"]))?, 1);
+    assert_eq!(row_state(&mut client, &outbox, "b"), ("pending".into(), 0));
+    assert_eq!(row_state(&mut client, &outbox, "a"), ("dead".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "c"), ("dead".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "ok"), ("sent".into(), 1));
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.due, stats.dead), (1, 1, 2));
+
+    assert_eq!(outbox.redrive(&mut client, Redrive::All)?, 2);
+    for key in ["a", "b", "c"] {
+        assert_eq!(row_state(&mut client, &outbox, key), ("pending".into(), 0));
+    }
+    assert_eq!(row_state(&mut client, &outbox, "ok"), ("sent".into(), 1));
+    assert_eq!(outbox.redrive(&mut client, Redrive::All)?, 0);
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!((stats.pending, stats.due, stats.dead), (3, 3, 0));
+
+    // Revived rows are claimed again, as a first attempt.
+    let mut attempts = Vec::new();
+    outbox.process(&mut client, 10, |_, record| {
+        attempts.push(record.attempt);
+        Ok(())
+    })?;
+    assert_eq!(attempts, [1, 1, 1]);
+    Ok(())
+}
+
+// ---- errors ----
+
+fn assert_not_migrated(outbox: &Outbox, result: Result<impl std::fmt::Debug, Error>) {
+    let e = result.expect_err("a table that was never migrated");
+    assert!(e.is_not_migrated(), "{e}");
+    let text = e.to_string();
+    assert!(text.contains("migrate"), "{text}");
+    assert!(text.contains(outbox.table()), "{text}");
+    assert!(text.contains("42P01"), "{text}");
+}
+
+fn never_migrated(outbox: &Outbox) {
+    let mut client = common::client();
+    let mut tx = client.transaction().expect("begin");
+    assert_not_migrated(outbox, outbox.enqueue(&mut tx, Message::new("t", "p")));
+    drop(tx);
+    let mut tx = client.transaction().expect("begin");
+    assert_not_migrated(
+        outbox,
+        outbox.enqueue_all(&mut tx, [Message::new("t", "p")]),
+    );
+    drop(tx);
+    let mut tx = client.transaction().expect("begin");
+    assert_not_migrated(outbox, outbox.dedupe(&mut tx, "c", "k"));
+    drop(tx);
+    assert_not_migrated(outbox, outbox.stats(&mut client));
+    assert_not_migrated(outbox, outbox.dead_letters(&mut client, 10));
+    assert_not_migrated(outbox, outbox.redrive(&mut client, Redrive::All));
+    let older_than = Duration::ZERO;
+    assert_not_migrated(
+        outbox,
+        outbox.purge(&mut client, Purge::Sent { older_than }),
+    );
+    assert_not_migrated(outbox, outbox.process(&mut client, 1, |_, _| Ok(())));
+}
+
+#[test]
+fn a_table_never_migrated_says_to_migrate() -> TestResult {
+    never_migrated(&Outbox::new(&unique_name("never"))?);
+    Ok(())
+}
+
+#[test]
+fn a_table_in_a_schema_never_created_says_to_migrate() -> TestResult {
+    let outbox = Outbox::new(&format!("{}.events", unique_name("noschema")))?;
+    never_migrated(&outbox);
+    Ok(())
+}
+
+#[test]
+fn database_errors_show_their_sqlstate() -> TestResult {
+    let name = unique_name("not_an_outbox");
+    let mut client = common::client();
+    client.batch_execute(&format!("CREATE TABLE \"{name}\" (id int)"))?;
+    let outbox = Outbox::new(&name)?;
+
+    let mut tx = client.transaction()?;
+    let e = outbox.enqueue(&mut tx, Message::new("t", "p")).unwrap_err();
+    drop(tx);
+    let e2 = outbox.dead_letters(&mut client, 10).unwrap_err();
+    for e in [e, e2] {
+        assert!(!e.is_not_migrated(), "{e}");
+        assert_eq!(e.code(), Some(&SqlState::UNDEFINED_COLUMN), "{e}");
+        let message = e
+            .as_db_error()
+            .expect("a server error")
+            .message()
+            .to_owned();
+        let text = e.to_string();
+        assert!(text.contains("42703"), "{text}");
+        assert!(text.contains(&message), "{text}");
+    }
+    Ok(())
+}
