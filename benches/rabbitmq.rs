@@ -77,7 +77,15 @@ fn main() -> Result<()> {
         for (batch, concurrency) in [(100, 4), (500, 4), (500, 8)] {
             let outbox = prefilled(&mut client, rows)?;
             broker.purge()?;
-            let rate = relay(&db_url, &amqp_url, &mut client, &outbox, rows, batch, concurrency)?;
+            let rate = relay(
+                &db_url,
+                &amqp_url,
+                &mut client,
+                &outbox,
+                rows,
+                batch,
+                concurrency,
+            )?;
             let mut line = format!(
                 "bench=relay-rabbitmq rows={rows} batch={batch} concurrency={concurrency} rate={rate:.0}"
             );
@@ -181,7 +189,10 @@ fn naive_relay(client: &mut Client, outbox: &Outbox, channel: &Channel, batch: i
             let properties = AmqpProperties::default()
                 .with_delivery_mode(2)
                 .with_message_id(key);
-            channel.basic_publish(EXCHANGE, Publish::with_properties(&payload, topic, properties))?;
+            channel.basic_publish(
+                EXCHANGE,
+                Publish::with_properties(&payload, topic, properties),
+            )?;
             match confirms.recv()? {
                 Confirm::Ack(_) => {}
                 Confirm::Nack(_) => return Err("nacked".into()),
@@ -236,7 +247,8 @@ impl Broker {
             ..QueueDeclareOptions::default()
         };
         self.channel.queue_declare(QUEUE, queue)?;
-        self.channel.queue_bind(QUEUE, EXCHANGE, "#", FieldTable::new())?;
+        self.channel
+            .queue_bind(QUEUE, EXCHANGE, "#", FieldTable::new())?;
         Ok(())
     }
 

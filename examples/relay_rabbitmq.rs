@@ -53,7 +53,8 @@ fn main() -> Result<(), Box<dyn Error>> {
                 &[&customer, &total_cents],
             )?
             .get(0);
-        let body = format!(r#"{{"order_id":{id},"customer":"{customer}","total_cents":{total_cents}}}"#);
+        let body =
+            format!(r#"{{"order_id":{id},"customer":"{customer}","total_cents":{total_cents}}}"#);
         let key = outbox.enqueue(
             &mut tx,
             Message::new("order.created", body)
