@@ -17,7 +17,8 @@
 //! let url = "postgres://postgres@localhost/app";
 //! let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
 //! let outbox = Outbox::new("orders_outbox")?;
-//! outbox.migrate(&mut pool.get()?)?;
+//! let mut client = pool.get()?;
+//! outbox.migrate(&mut client)?;
 //!
 //! let relay = Relay::spawn(RelayConfig::new(outbox.clone(), pool.clone(), || {
 //!     Ok::<_, std::io::Error>(publisher_fn(|record| {
@@ -26,7 +27,6 @@
 //!     }))
 //! }))?;
 //!
-//! let mut client = pool.get()?;
 //! let mut tx = client.transaction()?;
 //! outbox.enqueue(&mut tx, Message::new("order.created", b"{}".to_vec()))?;
 //! tx.commit()?;
