@@ -340,8 +340,8 @@ impl Relay {
     }
 
     /// Runs claim, publish and record cycles on the calling thread, with one publisher,
-    /// until no row is due; returns how many rows it handled. Rows that fail are retried
-    /// later (after their backoff), not within this call.
+    /// until no row is due; returns how many rows it handled. A row that fails is tried
+    /// again once its backoff has passed, which may still be within this call.
     pub fn run_until_idle(config: &RelayConfig) -> Result<usize> {
         config.validate()?;
         let mut publisher = (config.factory)().map_err(Error::Publisher)?;

@@ -141,8 +141,10 @@ pub fn client() -> Client {
 pub fn pool(size: u32) -> Pool {
     let manager =
         PostgresConnectionManager::new(database_url().parse().expect("database URL"), NoTls);
+    // Connections open on demand: parallel tests share PostgreSQL's max_connections.
     r2d2::Pool::builder()
         .max_size(size)
+        .min_idle(Some(0))
         .build(manager)
         .expect("build pool")
 }

@@ -1,0 +1,1230 @@
+//! The relay against a real PostgreSQL: delivery, leases and fencing, retries and dead
+//! letters, ordering, wake-up and shutdown.
+//!
+//! Every test works on its own table, so they run in parallel. Nothing sleeps and hopes: each
+//! wait is for a condition (`common::wait_until`), and slow or stuck publishers are built from
+//! gates the test opens itself.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use common::{count, quoted, row_state, wait_until};
+use postgres::Client;
+use postgres_outbox::{
+    publisher_fn, HandlerError, Message, Metrics, Outbox, PublishError, Publisher, Record, Redrive,
+    Relay, RelayConfig,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// A relay configuration whose publishers call `publish` for every record. The closure is
+/// shared by every publisher the factory builds.
+fn relay_config(
+    outbox: &Outbox,
+    pool_size: u32,
+    publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
+) -> RelayConfig {
+    let publish = Arc::new(publish);
+    RelayConfig::new(outbox.clone(), common::pool(pool_size), move || {
+        let publish = publish.clone();
+        Ok::<_, Infallible>(publisher_fn(move |record: &Record| publish(record)))
+    })
+}
+
+/// Every record a publisher was handed, in the order it was handed over.
+#[derive(Clone, Default)]
+struct Sink(Arc<Mutex<Vec<Record>>>);
+
+impl Sink {
+    fn push(&self, record: &Record) {
+        self.0.lock().unwrap().push(record.clone());
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    fn records(&self) -> Vec<Record> {
+        self.0.lock().unwrap().clone()
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.records().into_iter().map(|r| r.key).collect()
+    }
+
+    fn contains(&self, key: &str) -> bool {
+        self.0.lock().unwrap().iter().any(|r| r.key == key)
+    }
+
+    /// A publisher body that records every record and succeeds.
+    fn collect(&self) -> impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static {
+        let sink = self.clone();
+        move |record| {
+            sink.push(record);
+            Ok(())
+        }
+    }
+}
+
+/// Counts every metrics event.
+#[derive(Clone, Default)]
+struct Counters(Arc<CountersInner>);
+
+#[derive(Default)]
+struct CountersInner {
+    claimed: AtomicUsize,
+    published: AtomicUsize,
+    failed: AtomicUsize,
+    dead_lettered: AtomicUsize,
+    released: AtomicUsize,
+}
+
+impl Counters {
+    fn claimed(&self) -> usize {
+        self.0.claimed.load(Ordering::SeqCst)
+    }
+    fn published(&self) -> usize {
+        self.0.published.load(Ordering::SeqCst)
+    }
+    fn failed(&self) -> usize {
+        self.0.failed.load(Ordering::SeqCst)
+    }
+    fn dead_lettered(&self) -> usize {
+        self.0.dead_lettered.load(Ordering::SeqCst)
+    }
+    fn released(&self) -> usize {
+        self.0.released.load(Ordering::SeqCst)
+    }
+}
+
+impl Metrics for Counters {
+    fn claimed(&self, n: usize) {
+        self.0.claimed.fetch_add(n, Ordering::SeqCst);
+    }
+    fn published(&self, _record: &Record, _took: Duration) {
+        self.0.published.fetch_add(1, Ordering::SeqCst);
+    }
+    fn failed(&self, _record: &Record, _error: &PublishError) {
+        self.0.failed.fetch_add(1, Ordering::SeqCst);
+    }
+    fn dead_lettered(&self, _record: &Record) {
+        self.0.dead_lettered.fetch_add(1, Ordering::SeqCst);
+    }
+    fn released(&self, n: usize) {
+        self.0.released.fetch_add(n, Ordering::SeqCst);
+    }
+}
+
+/// A gate publishers (or handlers) block at until the test opens it; it counts who waits.
+#[derive(Clone, Default)]
+struct Gate(Arc<GateInner>);
+
+#[derive(Default)]
+struct GateInner {
+    open: Mutex<bool>,
+    opened: Condvar,
+    waiting: AtomicUsize,
+}
+
+impl Gate {
+    /// Blocks until the gate is open.
+    fn pass(&self) {
+        let mut open = self.0.open.lock().unwrap();
+        if !*open {
+            self.0.waiting.fetch_add(1, Ordering::SeqCst);
+            while !*open {
+                open = self.0.opened.wait(open).unwrap();
+            }
+            self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn open(&self) {
+        *self.0.open.lock().unwrap() = true;
+        self.0.opened.notify_all();
+    }
+
+    /// How many are blocked at the gate right now.
+    fn waiting(&self) -> usize {
+        self.0.waiting.load(Ordering::SeqCst)
+    }
+}
+
+/// Enqueues `messages` in one committed transaction; returns their keys.
+fn enqueue(client: &mut Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
+    let mut tx = client.transaction().unwrap();
+    let keys = messages
+        .into_iter()
+        .map(|m| outbox.enqueue(&mut tx, m).unwrap())
+        .collect();
+    tx.commit().unwrap();
+    keys
+}
+
+fn enqueue_one(client: &mut Client, outbox: &Outbox, message: Message) -> String {
+    enqueue(client, outbox, vec![message]).remove(0)
+}
+
+/// `n` plain messages with keys `<prefix>-0` .. `<prefix>-(n-1)`.
+fn numbered(prefix: &str, n: usize) -> Vec<Message> {
+    (0..n)
+        .map(|i| Message::new("t", format!("payload {i}")).key(format!("{prefix}-{i}")))
+        .collect()
+}
+
+fn last_error(client: &mut Client, outbox: &Outbox, key: &str) -> Option<String> {
+    client
+        .query_one(
+            &format!("SELECT last_error FROM {} WHERE key = $1", quoted(outbox)),
+            &[&key],
+        )
+        .unwrap()
+        .get(0)
+}
+
+/// Backend pids of listeners LISTENing on this outbox's channel. A listener's last statement
+/// is its `LISTEN "<channel>"`, which tells it apart from other tests' listeners.
+fn listener_pids(client: &mut Client, outbox: &Outbox) -> Vec<i32> {
+    client
+        .query(
+            "SELECT pid FROM pg_stat_activity
+             WHERE application_name = 'postgres-outbox listener'
+               AND datname = current_database() AND query = $1",
+            &[&format!("LISTEN \"{}\"", outbox.channel())],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Delivery
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn committed_publishes_once_and_rolled_back_never() {
+    let (outbox, mut client) = common::outbox("rl_commit");
+    let sink = Sink::default();
+    let relay = Relay::spawn(relay_config(&outbox, 3, sink.collect())).unwrap();
+
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", "never").key("rolled-back"))
+        .unwrap();
+    tx.rollback().unwrap();
+    let key = enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("order.created", b"{\"id\":1}".to_vec())
+            .key("committed")
+            .aggregate_key("order-1")
+            .content_type("application/json")
+            .header("tenant", "acme")
+            .header("trace", "abc"),
+    );
+    assert_eq!(key, "committed");
+    // Enqueued after both: once it is out, everything before it has been claimable.
+    enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "marker").key("marker"),
+    );
+
+    wait_until("the marker is published", || sink.contains("marker"));
+    wait_until("both are recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 2
+    });
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 2);
+    assert_eq!(report.abandoned, 0);
+
+    let records = sink.records();
+    assert!(
+        !sink.contains("rolled-back"),
+        "a rolled-back message was published"
+    );
+    assert_eq!(count(&mut client, &outbox, "key = 'rolled-back'"), 0);
+    let committed: Vec<&Record> = records.iter().filter(|r| r.key == "committed").collect();
+    assert_eq!(committed.len(), 1, "published exactly once");
+    let r = committed[0];
+    assert_eq!(r.topic, "order.created");
+    assert_eq!(r.payload, b"{\"id\":1}");
+    assert_eq!(r.aggregate_key.as_deref(), Some("order-1"));
+    assert_eq!(r.content_type.as_deref(), Some("application/json"));
+    assert_eq!(
+        r.headers,
+        vec![
+            ("tenant".to_owned(), "acme".to_owned()),
+            ("trace".to_owned(), "abc".to_owned())
+        ]
+    );
+    assert_eq!(r.attempt, 1);
+    assert_eq!(records.len(), 2);
+    assert_eq!(
+        row_state(&mut client, &outbox, "committed"),
+        ("sent".into(), 1)
+    );
+}
+
+#[test]
+fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
+    let (outbox, mut client) = common::outbox("rl_crash");
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    let deliveries = Sink::default();
+
+    // The first relay publishes, then "crashes": its publisher never returns, so the outcome
+    // is never recorded. It claims once at start and never again (no notify, hourly polls).
+    let stuck = Gate::default();
+    let first = {
+        let (deliveries, stuck) = (deliveries.clone(), stuck.clone());
+        relay_config(&outbox, 3, move |record| {
+            deliveries.push(record);
+            stuck.pass();
+            Ok(())
+        })
+    }
+    .lease(Duration::from_secs(2))
+    .batch_size(1)
+    .concurrency(1)
+    .notify(false)
+    .poll_interval(Duration::from_secs(3600));
+    let first = Relay::spawn(first).unwrap();
+    wait_until("the first relay published", || deliveries.len() == 1);
+    wait_until("the first publisher is stuck", || stuck.waiting() == 1);
+
+    // The second relay finds the row once the first one's lease runs out.
+    let second = relay_config(&outbox, 3, deliveries.collect())
+        .notify(false)
+        .poll_interval(Duration::from_millis(50));
+    let second = Relay::spawn(second).unwrap();
+    wait_until("the second relay republished", || deliveries.len() == 2);
+    wait_until("the second relay recorded it", || {
+        row_state(&mut client, &outbox, &key).0 == "sent"
+    });
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+
+    let seen = deliveries.records();
+    assert_eq!(seen[0].key, key);
+    assert_eq!(seen[1].key, key);
+    assert_eq!((seen[0].attempt, seen[1].attempt), (1, 2));
+
+    // The consumer deduplicates on the key: the first delivery is fresh, the second is not.
+    let fresh: Vec<bool> = seen
+        .iter()
+        .map(|record| {
+            let mut tx = client.transaction().unwrap();
+            let fresh = outbox.dedupe(&mut tx, "consumer", &record.key).unwrap();
+            tx.commit().unwrap();
+            fresh
+        })
+        .collect();
+    assert_eq!(fresh, [true, false]);
+
+    // The first relay comes back to life and records its stale outcome: fenced, it changes
+    // nothing.
+    stuck.open();
+    let report = first.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 0, "a lost lease must not be recorded");
+    assert_eq!(report.abandoned, 0);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    let report = second.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 1);
+    assert_eq!(deliveries.len(), 2);
+}
+
+#[test]
+fn four_relays_publish_every_key_exactly_once() {
+    let (outbox, mut client) = common::outbox("rl_many");
+    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let relays: Vec<Relay> = (0..4)
+        .map(|_| {
+            let seen = seen.clone();
+            let config = relay_config(&outbox, 3, move |record| {
+                *seen.lock().unwrap().entry(record.key.clone()).or_default() += 1;
+                Ok(())
+            })
+            .concurrency(4)
+            .batch_size(20);
+            Relay::spawn(config).unwrap()
+        })
+        .collect();
+
+    let mut keys = Vec::new();
+    for part in 0..4 {
+        let mut tx = client.transaction().unwrap();
+        keys.extend(
+            outbox
+                .enqueue_all(&mut tx, numbered(&format!("k{part}"), 100))
+                .unwrap(),
+        );
+        tx.commit().unwrap();
+    }
+    wait_until("400 keys published", || seen.lock().unwrap().len() == 400);
+    wait_until("400 rows recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 400
+    });
+    let published: u64 = relays
+        .into_iter()
+        .map(|r| r.shutdown(Duration::from_secs(10)).unwrap().published)
+        .sum();
+    assert_eq!(published, 400);
+
+    let seen = seen.lock().unwrap();
+    let twice: Vec<_> = seen.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "published more than once: {twice:?}");
+    let expected: HashSet<&String> = keys.iter().collect();
+    assert_eq!(seen.keys().collect::<HashSet<_>>(), expected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Retries and dead letters
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
+    let (outbox, mut client) = common::outbox("rl_dead");
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let metrics = Counters::default();
+    let failing = {
+        let attempts = attempts.clone();
+        relay_config(&outbox, 3, move |record| {
+            attempts.lock().unwrap().push(record.attempt);
+            Err(PublishError::transient("broker says no"))
+        })
+    }
+    .max_attempts(3)
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .poll_interval(Duration::from_millis(20))
+    .notify(false)
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(failing).unwrap();
+    wait_until("the row is dead", || {
+        row_state(&mut client, &outbox, &key).0 == "dead"
+    });
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 0);
+
+    assert_eq!(*attempts.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("dead".into(), 3));
+    assert_eq!(metrics.failed(), 3);
+    assert_eq!(metrics.dead_lettered(), 1);
+    assert_eq!(metrics.published(), 0);
+    assert_eq!(metrics.claimed(), 3);
+    assert_eq!(outbox.stats(&mut client).unwrap().dead, 1);
+    let dead = outbox.dead_letters(&mut client, 10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].record.key, key);
+    assert_eq!(dead[0].record.attempt, 3);
+    assert_eq!(dead[0].last_error.as_deref(), Some("broker says no"));
+
+    assert_eq!(outbox.redrive(&mut client, Redrive::All).unwrap(), 1);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 0));
+    assert!(outbox.dead_letters(&mut client, 10).unwrap().is_empty());
+
+    // A permanent error dead-letters at once: one call each, for the redriven row (which
+    // shows it is claimable again) and for a fresh one.
+    let fresh = enqueue_one(&mut client, &outbox, Message::new("t", "p2"));
+    let calls: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let metrics = Counters::default();
+    let rejecting = {
+        let calls = calls.clone();
+        relay_config(&outbox, 2, move |record| {
+            *calls.lock().unwrap().entry(record.key.clone()).or_default() += 1;
+            Err(PublishError::permanent("schema rejected"))
+        })
+    }
+    .max_attempts(3)
+    .metrics(metrics.clone());
+    assert_eq!(Relay::run_until_idle(&rejecting).unwrap(), 2);
+    assert_eq!(
+        *calls.lock().unwrap(),
+        HashMap::from([(key.clone(), 1), (fresh.clone(), 1)])
+    );
+    assert_eq!(row_state(&mut client, &outbox, &key), ("dead".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, &fresh), ("dead".into(), 1));
+    assert_eq!(
+        last_error(&mut client, &outbox, &fresh).as_deref(),
+        Some("schema rejected")
+    );
+    assert_eq!((metrics.failed(), metrics.dead_lettered()), (2, 2));
+}
+
+#[test]
+fn panicking_publisher_is_a_failed_attempt() {
+    let (outbox, mut client) = common::outbox("rl_panic");
+    let sink = Sink::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let metrics = Counters::default();
+    let config = {
+        let (sink, calls) = (sink.clone(), calls.clone());
+        relay_config(&outbox, 3, move |record| {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("publisher bug");
+            }
+            sink.push(record);
+            Ok(())
+        })
+    }
+    .concurrency(1)
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .poll_interval(Duration::from_millis(20))
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(config).unwrap();
+
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("the retry is published", || sink.contains(&key));
+    wait_until("it is recorded sent", || {
+        row_state(&mut client, &outbox, &key).0 == "sent"
+    });
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(sink.records()[0].attempt, 2);
+    assert_eq!(metrics.failed(), 1);
+    assert!(last_error(&mut client, &outbox, &key)
+        .unwrap()
+        .contains("panicked"));
+
+    // The relay is still alive and publishing.
+    let next = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("the next message is published", || sink.contains(&next));
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    wait_until("both recorded", || {
+        count(&mut client, &outbox, "status = 'sent'") == 2
+    });
+    assert_eq!(report.published, 2);
+    assert_eq!(sink.keys(), [key, next]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shutdown
+// ---------------------------------------------------------------------------------------------
+
+/// Publishes 50 ms a record; after 20 records it also waits at `pause`. Notes every key it
+/// is handed, published yet or not.
+struct Slow {
+    sink: Sink,
+    pause: Gate,
+    handed: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Publisher for Slow {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        self.handed
+            .lock()
+            .unwrap()
+            .extend(batch.iter().map(|r| r.key.clone()));
+        batch
+            .iter()
+            .map(|record| {
+                if self.sink.len() >= 20 {
+                    self.pause.pass();
+                }
+                self.sink.push(record);
+                thread::sleep(Duration::from_millis(50));
+                Ok(())
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
+    let (outbox, mut client) = common::outbox("rl_shutdown");
+    let mut tx = client.transaction().unwrap();
+    let keys = outbox.enqueue_all(&mut tx, numbered("s", 200)).unwrap();
+    tx.commit().unwrap();
+
+    // A slow publisher (50 ms a record) that, after 20 records, also pauses until the test
+    // has begun the shutdown, so the relay is caught with claimed rows still queued.
+    let first = Sink::default();
+    let pause = Gate::default();
+    let handed: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let metrics = Counters::default();
+    let slow = {
+        let (first, pause, handed) = (first.clone(), pause.clone(), handed.clone());
+        RelayConfig::new(outbox.clone(), common::pool(3), move || {
+            Ok::<_, Infallible>(Slow {
+                sink: first.clone(),
+                pause: pause.clone(),
+                handed: handed.clone(),
+            })
+        })
+    }
+    .concurrency(2)
+    .batch_size(10)
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(slow).unwrap();
+
+    wait_until("both workers are paused", || pause.waiting() == 2);
+    // With both workers paused, a leased row no publisher was handed is queued (or about to
+    // be: the dispatcher queues what it claimed before it looks at the stop flag).
+    wait_until("claimed rows are queued behind the workers", || {
+        let handed = handed.lock().unwrap();
+        client
+            .query(
+                &format!(
+                    "SELECT key FROM {} WHERE status = 'pending' AND lease_until > now()",
+                    quoted(&outbox)
+                ),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .any(|row| !handed.contains(row.get::<_, &str>(0)))
+    });
+    let stopping = thread::spawn(move || relay.shutdown(Duration::from_secs(10)));
+    wait_until("the queued rows are released", || metrics.released() > 0);
+    pause.open();
+    let report = stopping.join().unwrap().unwrap();
+
+    let delivered = first.keys();
+    assert_eq!(report.abandoned, 0);
+    assert!(report.released > 0);
+    assert_eq!(report.released as usize, metrics.released());
+    assert_eq!(report.published as usize, delivered.len());
+    assert_eq!(
+        metrics.claimed(),
+        delivered.len() + metrics.released(),
+        "every claimed row was either published or released"
+    );
+    assert_eq!(
+        delivered.iter().collect::<HashSet<_>>().len(),
+        delivered.len()
+    );
+    // Every finished publish is recorded, and nothing else is.
+    let sent_of_delivered: i64 = client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE status = 'sent' AND key = ANY($1)",
+                quoted(&outbox)
+            ),
+            &[&delivered],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(sent_of_delivered as usize, delivered.len());
+    assert_eq!(
+        count(&mut client, &outbox, "status = 'sent'") as usize,
+        delivered.len()
+    );
+    // Nothing stays leased, and released rows have their attempt count restored.
+    assert_eq!(count(&mut client, &outbox, "lease_until IS NOT NULL"), 0);
+    assert_eq!(
+        count(&mut client, &outbox, "status = 'pending' AND attempts <> 0"),
+        0
+    );
+    assert_eq!(
+        count(&mut client, &outbox, "status = 'pending'") as usize,
+        200 - delivered.len()
+    );
+
+    // The next relay publishes the rest, each as its first attempt.
+    let second = Sink::default();
+    let relay = Relay::spawn(relay_config(&outbox, 3, second.collect()).batch_size(50)).unwrap();
+    wait_until("the rest is published", || {
+        second.len() + delivered.len() >= 200
+    });
+    wait_until("everything is recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 200
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    let rest = second.records();
+    assert!(
+        rest.iter().all(|r| r.attempt == 1),
+        "released rows come back as attempt 1"
+    );
+    let mut all: Vec<String> = delivered;
+    all.extend(rest.into_iter().map(|r| r.key));
+    assert_eq!(all.len(), 200, "no duplicates");
+    assert_eq!(
+        all.into_iter().collect::<HashSet<_>>(),
+        keys.into_iter().collect::<HashSet<_>>()
+    );
+}
+
+#[test]
+fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later() {
+    let (outbox, mut client) = common::outbox("rl_abandon");
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    let sink = Sink::default();
+    let stuck = Gate::default();
+    let config = {
+        let (sink, stuck) = (sink.clone(), stuck.clone());
+        relay_config(&outbox, 2, move |record| {
+            sink.push(record);
+            stuck.pass();
+            Ok(())
+        })
+    }
+    .lease(Duration::from_secs(3))
+    .concurrency(1)
+    .notify(false);
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the publisher is stuck", || stuck.waiting() == 1);
+
+    let report = relay.shutdown(Duration::from_millis(300)).unwrap();
+    assert_eq!(report.abandoned, 1);
+    assert_eq!((report.published, report.released), (0, 0));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+
+    // Its outcome is unknown, so once the lease runs out the row goes out again.
+    wait_until("the abandoned lease has run out", || {
+        count(&mut client, &outbox, "lease_until <= now()") == 1
+    });
+    let again = relay_config(&outbox, 2, sink.collect());
+    assert_eq!(Relay::run_until_idle(&again).unwrap(), 1);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(sink.keys(), [key.as_str(), key.as_str()]);
+    stuck.open();
+}
+
+#[test]
+fn a_record_whose_lease_ran_out_in_the_queue_is_handed_back_unpublished() {
+    let (outbox, mut client) = common::outbox("rl_queued");
+    enqueue(
+        &mut client,
+        &outbox,
+        vec![
+            Message::new("t", "p").key("first"),
+            Message::new("t", "p").key("second"),
+        ],
+    );
+    // One worker, batches of one: "first" goes to the worker, which stalls on it, while
+    // "second" is claimed behind it and waits in the queue.
+    let sink = Sink::default();
+    let stall = Gate::default();
+    let metrics = Counters::default();
+    let config = {
+        let (sink, stall) = (sink.clone(), stall.clone());
+        relay_config(&outbox, 2, move |record| {
+            if record.key == "first" {
+                stall.pass();
+            }
+            sink.push(record);
+            Ok(())
+        })
+    }
+    .lease(Duration::from_secs(2))
+    .batch_size(1)
+    .concurrency(1)
+    .notify(false)
+    .poll_interval(Duration::from_millis(20))
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the worker is stalled", || stall.waiting() == 1);
+    wait_until("the queued row's lease has run out", || {
+        count(
+            &mut client,
+            &outbox,
+            "key = 'second' AND lease_until <= now()",
+        ) == 1
+    });
+    stall.open();
+
+    wait_until("both are recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 2
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    // The expired claim of "second" was handed back, never published. The row was then
+    // claimed afresh, either after the hand-back was recorded (attempt 1 again) or, since its
+    // lease had run out, just before (attempt 2, and the hand-back was fenced off); either
+    // way it went out once. ("first" ran past its lease too, so it may legitimately go out
+    // twice: that is at-least-once delivery, not what this test is about.)
+    assert_eq!(metrics.released(), 1, "the expired claim was handed back");
+    let second = sink
+        .records()
+        .into_iter()
+        .filter(|r| r.key == "second")
+        .count();
+    assert_eq!(second, 1, "published once, from a fresh claim");
+    assert_eq!(row_state(&mut client, &outbox, "second").0, "sent");
+}
+
+#[test]
+fn dropping_a_relay_stops_its_threads() {
+    let (outbox, mut client) = common::outbox("rl_drop");
+    // Held by the factory, which lives as long as any relay thread does.
+    let token = Arc::new(());
+    let config = {
+        let token = token.clone();
+        relay_config(&outbox, 3, move |_| {
+            let _held = &token;
+            Ok(())
+        })
+    }
+    .drain_timeout(Duration::from_secs(5));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("listening", || relay.is_listening());
+    wait_until("its listener shows in pg_stat_activity", || {
+        listener_pids(&mut client, &outbox).len() == 1
+    });
+    assert!(Arc::strong_count(&token) > 1);
+
+    drop(relay);
+    wait_until("the listener's backend is gone", || {
+        listener_pids(&mut client, &outbox).is_empty()
+    });
+    wait_until("every relay thread has ended", || {
+        Arc::strong_count(&token) == 1
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ordering and fencing
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn each_aggregate_arrives_in_order_despite_a_failed_head() {
+    let (outbox, mut client) = common::outbox("rl_order");
+    let mut messages = Vec::new();
+    for seq in 0..5 {
+        for agg in ["a", "b", "c"] {
+            messages.push(
+                Message::new("t", seq.to_string())
+                    .key(format!("{agg}-{seq}"))
+                    .aggregate_key(agg),
+            );
+        }
+    }
+    enqueue(&mut client, &outbox, messages);
+
+    let arrived: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
+    let head_attempts = Arc::new(Mutex::new(Vec::new()));
+    let config = {
+        let (arrived, head_attempts) = (arrived.clone(), head_attempts.clone());
+        relay_config(&outbox, 3, move |record| {
+            if record.key == "a-0" {
+                head_attempts.lock().unwrap().push(record.attempt);
+                if record.attempt == 1 {
+                    return Err(PublishError::transient("first try fails"));
+                }
+            }
+            let seq = String::from_utf8(record.payload.clone())
+                .unwrap()
+                .parse()
+                .unwrap();
+            let agg = record.aggregate_key.clone().unwrap();
+            arrived.lock().unwrap().entry(agg).or_default().push(seq);
+            Ok(())
+        })
+    }
+    .concurrency(8)
+    .batch_size(10)
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .poll_interval(Duration::from_millis(20));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("15 published", || {
+        arrived
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>()
+            == 15
+    });
+    wait_until("15 recorded", || {
+        count(&mut client, &outbox, "status = 'sent'") == 15
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+
+    let arrived = arrived.lock().unwrap();
+    for agg in ["a", "b", "c"] {
+        assert_eq!(
+            arrived[agg],
+            [0, 1, 2, 3, 4],
+            "aggregate {agg} out of order"
+        );
+    }
+    assert_eq!(*head_attempts.lock().unwrap(), [1, 2]);
+}
+
+#[test]
+fn a_handler_whose_lease_was_taken_changes_nothing() {
+    let table = common::unique_name("rl_fence");
+    let outbox = Outbox::builder()
+        .table(&table)
+        .lease(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut client = common::client();
+    outbox.migrate(&mut client).unwrap();
+    let effects = format!("\"{table}_effects\"");
+    client
+        .batch_execute(&format!("CREATE TABLE {effects} (who text NOT NULL)"))
+        .unwrap();
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+
+    // The first worker claims the row and its handler stalls past the lease.
+    let stalled = Gate::default();
+    let first = {
+        let (outbox, stalled, effects) = (outbox.clone(), stalled.clone(), effects.clone());
+        let mut client = common::client();
+        thread::spawn(move || {
+            outbox
+                .process(&mut client, 1, |tx, _record| {
+                    tx.execute(&format!("INSERT INTO {effects} VALUES ('first')"), &[])
+                        .map_err(HandlerError::transient)?;
+                    stalled.pass();
+                    Ok(())
+                })
+                .unwrap()
+        })
+    };
+    wait_until("the first handler is stalled", || stalled.waiting() == 1);
+    wait_until("its lease has run out", || {
+        count(&mut client, &outbox, "lease_until <= now()") == 1
+    });
+
+    // A second worker takes the row over and finishes it.
+    let report = outbox
+        .process(&mut client, 1, |tx, _record| {
+            tx.execute(&format!("INSERT INTO {effects} VALUES ('second')"), &[])
+                .map_err(HandlerError::transient)?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(report.processed, 1);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+
+    // The first one wakes up: its ack is fenced off and its writes are rolled back.
+    stalled.open();
+    let report = first.join().unwrap();
+    assert_eq!(report.lease_lost, 1);
+    assert_eq!(report.processed, 0);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    let who: Vec<String> = client
+        .query(&format!("SELECT who FROM {effects}"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(who, ["second"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wake-up
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn notify_wakes_an_idle_relay_and_survives_a_killed_listener() {
+    let (outbox, mut client) = common::outbox("rl_notify");
+    let sink = Sink::default();
+    // Polling once an hour: within wait_until's 60 s, only a notification can wake it.
+    let config = relay_config(&outbox, 4, sink.collect()).poll_interval(Duration::from_secs(3600));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("listening", || relay.is_listening());
+
+    for key in ["n1", "n2"] {
+        enqueue_one(&mut client, &outbox, Message::new("t", "p").key(key));
+        wait_until("the notified row is published", || sink.contains(key));
+    }
+
+    // Kill this relay's listener connection (and only this one: others LISTEN elsewhere).
+    let mut pids = Vec::new();
+    wait_until("the listener shows in pg_stat_activity", || {
+        pids = listener_pids(&mut client, &outbox);
+        pids.len() == 1
+    });
+    let killed = pids[0];
+    let terminated: bool = client
+        .query_one("SELECT pg_terminate_backend($1)", &[&killed])
+        .unwrap()
+        .get(0);
+    assert!(terminated);
+    wait_until("the listener is back on a new connection", || {
+        let pids = listener_pids(&mut client, &outbox);
+        relay.is_listening() && pids.len() == 1 && pids[0] != killed
+    });
+    wait_until("the killed backend is gone", || {
+        client
+            .query_opt("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&killed])
+            .unwrap()
+            .is_none()
+    });
+
+    for key in ["n3", "n4"] {
+        enqueue_one(&mut client, &outbox, Message::new("t", "p").key(key));
+        wait_until("the notified row is published after reconnecting", || {
+            sink.contains(key)
+        });
+    }
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(sink.keys(), ["n1", "n2", "n3", "n4"]);
+    wait_until("all recorded", || {
+        count(&mut client, &outbox, "status = 'sent'") == 4
+    });
+    assert_eq!(report.published, 4);
+}
+
+#[test]
+fn without_notify_polling_picks_rows_up() {
+    let (outbox, mut client) = common::outbox("rl_poll");
+    let sink = Sink::default();
+    let config = relay_config(&outbox, 2, sink.collect())
+        .notify(false)
+        .poll_interval(Duration::from_millis(100));
+    let relay = Relay::spawn(config).unwrap();
+    assert!(!relay.is_listening());
+
+    for key in ["p1", "p2"] {
+        enqueue_one(&mut client, &outbox, Message::new("t", "p").key(key));
+        wait_until("the polled row is published", || sink.contains(key));
+    }
+    assert!(!relay.is_listening());
+    assert!(listener_pids(&mut client, &outbox).is_empty());
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 2);
+    assert_eq!(sink.keys(), ["p1", "p2"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Synchronous runs and the transactional handler
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn delayed_messages_wait_and_run_once_counts() {
+    let (outbox, mut client) = common::outbox("rl_delay");
+    let sink = Sink::default();
+    let config = relay_config(&outbox, 2, sink.collect()).batch_size(2);
+
+    let later = enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "later").delay(Duration::from_secs(3600)),
+    );
+    let now = enqueue_one(&mut client, &outbox, Message::new("t", "now"));
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 0);
+    assert_eq!(sink.keys(), [now.as_str()]);
+    assert_eq!(
+        row_state(&mut client, &outbox, &later),
+        ("pending".into(), 0)
+    );
+    assert_eq!(row_state(&mut client, &outbox, &now), ("sent".into(), 1));
+
+    enqueue(&mut client, &outbox, numbered("r", 3));
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 0);
+    assert_eq!(sink.keys(), [now.as_str(), "r-0", "r-1", "r-2"]);
+    assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 4);
+    assert_eq!(
+        row_state(&mut client, &outbox, &later),
+        ("pending".into(), 0)
+    );
+}
+
+#[test]
+fn process_commits_writes_with_the_ack_and_rolls_both_back_on_error() {
+    // Failed rows back off for an hour, so each process() call below sees only new rows.
+    let outbox = Outbox::builder()
+        .table(common::unique_name("rl_process"))
+        .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let mut client = common::client();
+    outbox.migrate(&mut client).unwrap();
+    let effects = format!("\"{}_effects\"", outbox.table());
+    client
+        .batch_execute(&format!("CREATE TABLE {effects} (key text PRIMARY KEY)"))
+        .unwrap();
+    let good = enqueue_one(&mut client, &outbox, Message::new("ok", "p"));
+    let bad = enqueue_one(&mut client, &outbox, Message::new("fail", "p"));
+
+    let insert = format!("INSERT INTO {effects} (key) VALUES ($1)");
+    let report = outbox
+        .process(&mut client, 10, |tx, record| {
+            tx.execute(&insert, &[&record.key])
+                .map_err(HandlerError::transient)?;
+            if record.topic == "fail" {
+                return Err(HandlerError::transient("handler refused"));
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!((report.processed, report.retried, report.dead), (1, 1, 0));
+    assert_eq!(report.lease_lost, 0);
+
+    let written: Vec<String> = client
+        .query(&format!("SELECT key FROM {effects}"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(written, [good.as_str()]);
+    assert_eq!(row_state(&mut client, &outbox, &good), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, &bad), ("pending".into(), 1));
+    assert_eq!(
+        last_error(&mut client, &outbox, &bad).as_deref(),
+        Some("handler refused")
+    );
+    assert_eq!(count(&mut client, &outbox, "lease_until IS NOT NULL"), 0);
+
+    // A permanent handler error dead-letters, and still rolls the writes back.
+    let doomed = enqueue_one(&mut client, &outbox, Message::new("doomed", "p"));
+    let report = outbox
+        .process(&mut client, 10, |tx, record| {
+            tx.execute(&insert, &[&record.key])
+                .map_err(HandlerError::transient)?;
+            Err(HandlerError::permanent("cannot ever work"))
+        })
+        .unwrap();
+    // Only the doomed row is due; the failed one is backing off for an hour.
+    assert_eq!((report.processed, report.dead), (0, 1));
+    assert_eq!(row_state(&mut client, &outbox, &doomed), ("dead".into(), 1));
+    assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 1);
+    let n: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {effects}"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+}
+
+#[test]
+fn a_dead_head_stops_blocking_its_aggregate() {
+    let (outbox, mut client) = common::outbox("rl_deadhead");
+    enqueue(
+        &mut client,
+        &outbox,
+        vec![
+            Message::new("poison", "p").key("x-0").aggregate_key("x"),
+            Message::new("t", "p").key("x-1").aggregate_key("x"),
+        ],
+    );
+    let sink = Sink::default();
+    let config = {
+        let sink = sink.clone();
+        relay_config(&outbox, 2, move |record| {
+            sink.push(record);
+            if record.topic == "poison" {
+                return Err(PublishError::permanent("cannot be routed"));
+            }
+            Ok(())
+        })
+    }
+    .batch_size(10);
+    // The first cycle can only claim the head; once it is dead, the next one is due.
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    assert_eq!(row_state(&mut client, &outbox, "x-0"), ("dead".into(), 1));
+    assert_eq!(
+        row_state(&mut client, &outbox, "x-1"),
+        ("pending".into(), 0)
+    );
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
+    assert_eq!(row_state(&mut client, &outbox, "x-1"), ("sent".into(), 1));
+    assert_eq!(sink.keys(), ["x-0", "x-1"]);
+}
+
+/// Publishes what it is given, then reports itself broken.
+struct OneShot {
+    sink: Sink,
+    used: bool,
+}
+
+impl Publisher for OneShot {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        self.used = true;
+        batch
+            .iter()
+            .map(|record| {
+                self.sink.push(record);
+                Ok(())
+            })
+            .collect()
+    }
+
+    fn is_broken(&self) -> bool {
+        self.used
+    }
+}
+
+#[test]
+fn publishers_are_rebuilt_after_factory_failures_and_breakage() {
+    let (outbox, mut client) = common::outbox("rl_factory");
+    let sink = Sink::default();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let metrics = Counters::default();
+    let config = {
+        let (sink, builds) = (sink.clone(), builds.clone());
+        RelayConfig::new(outbox.clone(), common::pool(2), move || {
+            if builds.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err(std::io::Error::other("broker unreachable"));
+            }
+            Ok(OneShot {
+                sink: sink.clone(),
+                used: false,
+            })
+        })
+    }
+    .concurrency(1)
+    .notify(false)
+    .poll_interval(Duration::from_millis(20))
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(config).unwrap();
+
+    let first = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("published once a publisher could be built", || {
+        sink.contains(&first)
+    });
+    let second = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("published by a rebuilt publisher", || {
+        sink.contains(&second)
+    });
+    wait_until("both recorded", || {
+        count(&mut client, &outbox, "status = 'sent'") == 2
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+
+    // The failed build cost no attempt: the rows it could not publish were handed back.
+    assert!(metrics.released() >= 1);
+    assert_eq!(metrics.failed(), 0);
+    assert!(sink.records().iter().all(|r| r.attempt == 1));
+    assert_eq!(row_state(&mut client, &outbox, &first), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, &second), ("sent".into(), 1));
+    // One failed build, one for the first row, one after that publisher broke.
+    assert_eq!(builds.load(Ordering::SeqCst), 3);
+}
+
+#[test]
+fn spawn_rejects_a_small_pool_and_an_unmigrated_table() {
+    let (outbox, _client) = common::outbox("rl_spawn");
+    let sink = Sink::default();
+    let err = Relay::spawn(relay_config(&outbox, 2, sink.collect())).unwrap_err();
+    assert!(err.to_string().contains("pool"), "{err}");
+    let err = Relay::spawn(relay_config(&outbox, 1, sink.collect()).notify(false)).unwrap_err();
+    assert!(err.to_string().contains("pool"), "{err}");
+
+    let missing = Outbox::new(&common::unique_name("rl_never_migrated")).unwrap();
+    let err = Relay::spawn(relay_config(&missing, 3, sink.collect())).unwrap_err();
+    assert!(err.is_not_migrated(), "{err}");
+}
+
+#[test]
+fn join_returns_when_the_table_is_dropped() {
+    let (outbox, mut client) = common::outbox("rl_join");
+    let sink = Sink::default();
+    let config = relay_config(&outbox, 2, sink.collect())
+        .notify(false)
+        .poll_interval(Duration::from_millis(20));
+    let relay = Relay::spawn(config).unwrap();
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("published", || sink.contains(&key));
+
+    client
+        .batch_execute(&format!("DROP TABLE {}", quoted(&outbox)))
+        .unwrap();
+    let joined = thread::spawn(move || relay.join());
+    wait_until("the relay stops on its own", || joined.is_finished());
+    let err = joined.join().unwrap().unwrap_err();
+    assert!(err.is_not_migrated(), "{err}");
+}
