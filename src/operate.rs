@@ -104,8 +104,8 @@ impl Outbox {
             .map(|row| {
                 Ok(DeadLetter {
                     record: Record::from_row(row)?,
-                    last_error: row.try_get(10)?,
-                    dead_at: row.try_get(11)?,
+                    last_error: row.try_get(11)?,
+                    dead_at: row.try_get(12)?,
                 })
             })
             .collect::<Result<_, postgres::Error>>()

@@ -28,6 +28,8 @@ pub struct Record {
     pub max_attempts: Option<u32>,
     /// When the message was enqueued (the database's clock).
     pub created_at: SystemTime,
+    /// The lease the claim stamped: with `attempt`, the fencing token of every outcome.
+    pub(crate) lease: Option<SystemTime>,
 }
 
 impl Record {
@@ -52,6 +54,7 @@ impl Record {
             attempt: u32::try_from(attempt).unwrap_or(0),
             max_attempts: max_attempts.and_then(|n| u32::try_from(n).ok()),
             created_at: row.try_get(9)?,
+            lease: row.try_get(10)?,
         })
     }
 

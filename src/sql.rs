@@ -22,7 +22,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
 const RECORD_COLUMNS: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
-     t.headers, t.attempts, t.max_attempts, t.created_at";
+     t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until";
 
 /// How many rows one purge statement deletes, so no statement holds locks for long.
 pub(crate) const PURGE_BATCH: i64 = 1000;
@@ -181,14 +181,16 @@ impl Statements {
                  RETURNING {RECORD_COLUMNS}"
             ),
             // Every outcome of a batch in one statement, each row fenced on id + the attempt it
-            // was claimed at + still pending, so a relay whose lease was lost changes nothing.
+            // was claimed at + still pending + the lease its claim stamped, so a relay whose
+            // lease was lost changes nothing. The lease stamp matters when a row was reclaimed
+            // and then released: release restores the attempt count, the stamp is gone.
             // $1 ids, $2 claimed attempts, $3 outcome ('sent' | 'retry' | 'dead' | 'release'),
-            // $4 retry delay in microseconds, $5 error text, $6 counter slot.
+            // $4 retry delay in microseconds, $5 error text, $6 counter slot, $7 lease stamps.
             record_outcomes: format!(
                 "WITH o AS (
                    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::bigint[],
-                                        $5::text[])
-                     AS o(id, attempts, outcome, delay_us, error)),
+                                        $5::text[], $7::timestamptz[])
+                     AS o(id, attempts, outcome, delay_us, error, lease)),
                  upd AS (
                    UPDATE {t} t SET
                      status = CASE o.outcome WHEN 'sent' THEN 'sent'
@@ -205,6 +207,7 @@ impl Statements {
                      last_error = COALESCE(o.error, t.last_error)
                    FROM o
                    WHERE t.id = o.id AND t.attempts = o.attempts AND t.status = 'pending'
+                     AND t.lease_until = o.lease
                    RETURNING t.status),
                  c AS (SELECT count(*) AS n, count(*) FILTER (WHERE status = 'sent') AS sent
                        FROM upd),

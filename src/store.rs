@@ -115,8 +115,10 @@ pub(crate) fn record(
     let mut labels = Vec::with_capacity(n);
     let mut delays = Vec::with_capacity(n);
     let mut errors: Vec<Option<&str>> = Vec::with_capacity(n);
+    let mut leases = Vec::with_capacity(n);
     for (record, outcome) in outcomes {
         ids.push(record.id);
+        leases.push(record.lease);
         attempts.push(record.attempt_param());
         labels.push(outcome.label());
         match outcome {
@@ -145,6 +147,7 @@ pub(crate) fn record(
                 (&delays, Type::INT8_ARRAY),
                 (&errors, Type::TEXT_ARRAY),
                 (&slot, Type::INT2),
+                (&leases, Type::TIMESTAMPTZ_ARRAY),
             ],
         )
         .map_err(|e| outbox.db_error(e))?;

@@ -911,6 +911,53 @@ fn a_handler_whose_lease_was_taken_changes_nothing() {
     assert_eq!(who, ["second"]);
 }
 
+#[test]
+fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
+    let table = common::unique_name("rl_aba");
+    let outbox = Outbox::builder()
+        .table(&table)
+        .lease(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut client = common::client();
+    outbox.migrate(&mut client).unwrap();
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+
+    let stalled = Gate::default();
+    let first = {
+        let (outbox, stalled) = (outbox.clone(), stalled.clone());
+        let mut client = common::client();
+        thread::spawn(move || {
+            outbox
+                .process(&mut client, 1, |_tx, _record| {
+                    stalled.pass();
+                    Ok(())
+                })
+                .unwrap()
+        })
+    };
+    wait_until("the first handler is stalled", || stalled.waiting() == 1);
+    wait_until("its lease has run out", || {
+        count(&mut client, &outbox, "lease_until <= now()") == 1
+    });
+    // Another worker claims the row and hands it back unstarted, as a shutdown does: the
+    // attempt count is back where the stale worker's claim left it.
+    client
+        .batch_execute(&format!(
+            "UPDATE {t} SET attempts = attempts + 1, lease_until = now() + interval '1 minute', \
+                            available_at = now() + interval '1 minute';
+             UPDATE {t} SET attempts = attempts - 1, lease_until = NULL, available_at = now();",
+            t = common::quoted(&outbox)
+        ))
+        .unwrap();
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+
+    stalled.open();
+    let report = first.join().unwrap();
+    assert_eq!(report.lease_lost, 1);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Wake-up
 // ---------------------------------------------------------------------------------------------

@@ -117,6 +117,7 @@ mod tests {
             attempt: 1,
             max_attempts: None,
             created_at: std::time::SystemTime::now(),
+            lease: None,
         }
     }
 
