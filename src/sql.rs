@@ -63,6 +63,18 @@ impl Statements {
             ", n AS (SELECT count(pg_notify('{channel}', '')) FROM (SELECT 1 FROM ins LIMIT 1) one)"
         );
         let from_notify = ", n";
+        // One bounded batch of finished rows older than $1 microseconds, oldest first.
+        let purge_batch = |status: &str| {
+            format!(
+                "DELETE FROM {t} WHERE id IN (
+                   SELECT id FROM {t}
+                   WHERE status = '{status}'
+                     AND done_at < now() - $1::bigint * interval '1 microsecond'
+                   ORDER BY status, done_at LIMIT {PURGE_BATCH}
+                   FOR UPDATE SKIP LOCKED)
+                 RETURNING 1"
+            )
+        };
 
         // $1 key, $2 topic, $3 aggregate key, $4 payload, $5 content type, $6 headers,
         // $7 absolute available_at (or NULL), $8 delay in microseconds, $9 max attempts.
@@ -137,27 +149,16 @@ impl Statements {
                  WHERE status = 'dead' AND key = ANY($1)"
             ),
             purge_sent: format!(
-                "WITH gone AS (
-                   DELETE FROM {t} WHERE id IN (
-                     SELECT id FROM {t}
-                     WHERE status = 'sent' AND done_at < now() - $1::bigint * interval '1 microsecond'
-                     ORDER BY status, done_at LIMIT {PURGE_BATCH}
-                     FOR UPDATE SKIP LOCKED)
-                   RETURNING 1),
+                "WITH gone AS ({}),
                  c AS (SELECT count(*) AS n FROM gone),
                  bump AS (UPDATE {counts} SET sent = sent - c.n FROM c
                           WHERE slot = $2 AND c.n > 0)
-                 SELECT n FROM c"
+                 SELECT n FROM c",
+                purge_batch("sent")
             ),
             purge_dead: format!(
-                "WITH gone AS (
-                   DELETE FROM {t} WHERE id IN (
-                     SELECT id FROM {t}
-                     WHERE status = 'dead' AND done_at < now() - $1::bigint * interval '1 microsecond'
-                     ORDER BY status, done_at LIMIT {PURGE_BATCH}
-                     FOR UPDATE SKIP LOCKED)
-                   RETURNING 1)
-                 SELECT count(*) FROM gone"
+                "WITH gone AS ({}) SELECT count(*) FROM gone",
+                purge_batch("dead")
             ),
             // Due, not leased (a lease pushes available_at forward), and the oldest pending row
             // of its aggregate. The lease is stamped into available_at so an abandoned claim
