@@ -1,0 +1,449 @@
+//! Producer and relay throughput against the local PostgreSQL.
+//!
+//! ```text
+//! cargo bench --bench outbox              # everything
+//! cargo bench --bench outbox enqueue      # only benchmarks whose name contains "enqueue"
+//! ```
+//!
+//! Prints one line per measurement, `bench=<name> key=value ... rate=<operations per second>`:
+//! - `business`: a business transaction alone (insert one order, commit), per thread count;
+//! - `enqueue notify=on|off`: the same transaction plus `Outbox::enqueue` of a 512-byte
+//!   message, with `ratio=` its rate over `business` at the same thread count (the three
+//!   take turns in 5 rounds, so load changes during the run hit them alike);
+//! - `enqueue_all`: 1,000 messages per `enqueue_all` transaction, in rows per second;
+//! - `relay`: `Relay` draining pre-filled rows into an in-process no-op publisher, rows/s.
+//!
+//! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
+//! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`), `OUTBOX_BENCH_SECS` (seconds per producer
+//! variant and thread count, default 5), `OUTBOX_BENCH_THREADS` (default `1,4,16`), `OUTBOX_BENCH_ROWS`
+//! (rows the relay drains, default 100000).
+
+use std::error::Error;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use postgres::{Client, NoTls};
+use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig};
+use r2d2_postgres::PostgresConnectionManager;
+
+type Result<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
+
+const PAYLOAD_BYTES: usize = 512;
+const PRODUCER_ROUNDS: u32 = 5;
+const ENQUEUE_ALL_ROWS: usize = 1_000;
+const ENQUEUE_ALL_REPS: usize = 20;
+const RELAY_BATCHES: [usize; 2] = [100, 500];
+const RELAY_CONCURRENCY: usize = 4;
+const RELAY_POOL_SIZE: u32 = 8;
+const RELAY_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn main() -> Result<()> {
+    let settings = Settings::from_env()?;
+    let scratch = Scratch::create(&settings.url)?;
+    let enqueue = settings.wants("enqueue");
+    if enqueue || settings.wants("business") {
+        producers(&settings, &scratch, enqueue)?;
+    }
+    if settings.wants("enqueue_all") {
+        enqueue_all(&scratch)?;
+    }
+    if settings.wants("relay") {
+        for batch in RELAY_BATCHES {
+            relay(&settings, &scratch, batch)?;
+        }
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------ settings
+
+struct Settings {
+    url: String,
+    secs: Duration,
+    threads: Vec<usize>,
+    relay_rows: usize,
+    filter: Option<String>,
+}
+
+impl Settings {
+    fn from_env() -> Result<Settings> {
+        let url = ["OUTBOX_BENCH_DATABASE_URL", "DATABASE_URL"]
+            .iter()
+            .find_map(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+            .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+        let threads = env_or("OUTBOX_BENCH_THREADS", "1,4,16".to_owned())?;
+        Ok(Settings {
+            url,
+            secs: Duration::from_secs_f64(env_or("OUTBOX_BENCH_SECS", 5.0)?),
+            threads: threads
+                .split(',')
+                .map(|t| t.trim().parse())
+                .collect::<std::result::Result<_, _>>()?,
+            relay_rows: env_or("OUTBOX_BENCH_ROWS", 100_000)?,
+            // `cargo bench` passes `--bench`; the first other argument is the filter.
+            filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
+        })
+    }
+
+    /// Whether the benchmark `name` passes the command line filter (a substring).
+    fn wants(&self, name: &str) -> bool {
+        self.filter.as_deref().is_none_or(|f| name.contains(f))
+    }
+}
+
+fn env_or<T>(name: &str, default: T) -> Result<T>
+where
+    T: FromStr,
+    T::Err: Error + Send + Sync + 'static,
+{
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => Ok(v.parse()?),
+        _ => Ok(default),
+    }
+}
+
+// ------------------------------------------------------------------ scratch tables
+
+/// A schema of fresh tables for one run, dropped (with everything in it) at the end.
+struct Scratch {
+    url: String,
+    schema: String,
+    next: AtomicU32,
+}
+
+impl Scratch {
+    fn create(url: &str) -> Result<Scratch> {
+        let schema = format!("outbox_bench_{}", std::process::id());
+        let mut client = Client::connect(url, NoTls)?;
+        client.batch_execute(&format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+        ))?;
+        Ok(Scratch {
+            url: url.to_owned(),
+            schema,
+            next: AtomicU32::new(0),
+        })
+    }
+
+    fn client(&self) -> Result<Client> {
+        Ok(Client::connect(&self.url, NoTls)?)
+    }
+
+    /// A table name not used before in this run.
+    fn fresh_name(&self, base: &str) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        format!("{}.{base}_{n}", self.schema)
+    }
+
+    /// A fresh, empty business table.
+    fn orders(&self) -> Result<String> {
+        let table = self.fresh_name("orders");
+        self.client()?.batch_execute(&format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, customer text, amount bigint, \
+             created_at timestamptz DEFAULT now())"
+        ))?;
+        Ok(table)
+    }
+
+    /// A fresh, migrated outbox.
+    fn outbox(&self, notify: bool) -> Result<Outbox> {
+        let outbox = Outbox::builder()
+            .table(self.fresh_name("outbox"))
+            .notify(notify)
+            .build()?;
+        outbox.migrate(&mut self.client()?)?;
+        Ok(outbox)
+    }
+
+    fn pool(&self, size: u32) -> Result<r2d2::Pool<PostgresConnectionManager<NoTls>>> {
+        let manager = PostgresConnectionManager::new(self.url.parse()?, NoTls);
+        Ok(r2d2::Pool::builder().max_size(size).build(manager)?)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let dropped = self.client().and_then(|mut c| {
+            Ok(c.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema))?)
+        });
+        if let Err(e) = dropped {
+            eprintln!("could not drop the bench schema {}: {e}", self.schema);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ output
+
+/// One output line: `bench=<name> key=value ... rate=<n>`.
+struct Line(String);
+
+impl Line {
+    fn new(name: &str) -> Line {
+        Line(format!("bench={name}"))
+    }
+
+    fn kv(mut self, key: &str, value: impl std::fmt::Display) -> Line {
+        self.0.push_str(&format!(" {key}={value}"));
+        self
+    }
+
+    fn rate(self, ops: u64, took: Duration) -> Line {
+        self.kv("secs", format!("{:.2}", took.as_secs_f64()))
+            .kv("rate", format!("{:.0}", rate(ops, took)))
+    }
+
+    fn print(self) {
+        println!("{}", self.0);
+    }
+}
+
+fn rate(ops: u64, took: Duration) -> f64 {
+    ops as f64 / took.as_secs_f64()
+}
+
+fn payload() -> Vec<u8> {
+    vec![b'x'; PAYLOAD_BYTES]
+}
+
+fn event(aggregate: i64) -> Message {
+    Message::new("order.created", payload())
+        .aggregate_key(format!("order-{aggregate}"))
+        .content_type("application/json")
+}
+
+// ------------------------------------------------------------------ producers
+
+/// One kind of producer transaction, on its own fresh tables, and what it has done so far.
+struct Producer {
+    name: &'static str,
+    notify: Option<bool>,
+    insert: String,
+    outbox: Option<Outbox>,
+    tx: u64,
+    took: Duration,
+}
+
+impl Producer {
+    /// The business transaction alone, or with one enqueued message (`notify` on or off).
+    fn new(scratch: &Scratch, notify: Option<bool>) -> Result<Producer> {
+        let orders = scratch.orders()?;
+        Ok(Producer {
+            name: if notify.is_some() {
+                "enqueue"
+            } else {
+                "business"
+            },
+            notify,
+            insert: format!("INSERT INTO {orders} (customer, amount) VALUES ($1, $2) RETURNING id"),
+            outbox: notify.map(|n| scratch.outbox(n)).transpose()?,
+            tx: 0,
+            took: Duration::ZERO,
+        })
+    }
+
+    /// Runs its transaction on `threads` threads, one connection each, for `secs`.
+    fn run(&mut self, scratch: &Scratch, threads: usize, secs: Duration) -> Result<()> {
+        let (insert, outbox) = (&self.insert, self.outbox.as_ref());
+        let (tx, took) = run_threads(threads, secs, || {
+            let mut client = scratch.client()?;
+            let insert = client.prepare(insert)?;
+            Ok(move || -> Result<()> {
+                let mut tx = client.transaction()?;
+                let id: i64 = tx.query_one(&insert, &[&"acme", &4200_i64])?.get(0);
+                if let Some(outbox) = outbox {
+                    outbox.enqueue(&mut tx, event(id))?;
+                }
+                tx.commit()?;
+                Ok(())
+            })
+        })?;
+        self.tx += tx;
+        self.took += took;
+        Ok(())
+    }
+
+    fn rate(&self) -> f64 {
+        rate(self.tx, self.took)
+    }
+
+    fn print(&self, threads: usize, business: f64) {
+        let mut line = Line::new(self.name);
+        if let Some(notify) = self.notify {
+            line = line.kv("notify", if notify { "on" } else { "off" });
+        }
+        line = line
+            .kv("threads", threads)
+            .kv("rounds", PRODUCER_ROUNDS)
+            .kv("tx", self.tx)
+            .rate(self.tx, self.took);
+        if self.notify.is_some() {
+            line = line.kv("ratio", format!("{:.2}", self.rate() / business));
+        }
+        line.print();
+    }
+}
+
+/// `business`, and `enqueue notify=on` and `notify=off` against it, at each thread count.
+/// The variants take turns in short rounds, so a change in the machine's load during the
+/// run (other processes, checkpoints) weighs on all of them alike and the ratios hold.
+fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()> {
+    let notify: &[Option<bool>] = if enqueue {
+        &[None, Some(true), Some(false)]
+    } else {
+        &[None]
+    };
+    let slice = settings.secs / PRODUCER_ROUNDS;
+    for &threads in &settings.threads {
+        let mut producers = notify
+            .iter()
+            .map(|&n| Producer::new(scratch, n))
+            .collect::<Result<Vec<_>>>()?;
+        for _ in 0..PRODUCER_ROUNDS {
+            for producer in &mut producers {
+                producer.run(scratch, threads, slice)?;
+            }
+        }
+        let business = producers[0].rate();
+        for producer in &producers {
+            producer.print(threads, business);
+        }
+    }
+    Ok(())
+}
+
+/// Runs `threads` threads for `secs`: each calls `setup` once, then, once every thread is
+/// ready, its operation until time is up. Returns the operations done and the time taken.
+fn run_threads<S, Op>(threads: usize, secs: Duration, setup: S) -> Result<(u64, Duration)>
+where
+    S: Fn() -> Result<Op> + Sync,
+    Op: FnMut() -> Result<()>,
+{
+    let ready = Barrier::new(threads + 1);
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| -> Result<u64> {
+                    let op = setup();
+                    ready.wait(); // even after a failed setup, so nobody waits forever
+                    let mut op = op?;
+                    let deadline = Instant::now() + secs;
+                    let mut done = 0;
+                    while Instant::now() < deadline {
+                        op()?;
+                        done += 1;
+                    }
+                    Ok(done)
+                })
+            })
+            .collect();
+        ready.wait();
+        let started = Instant::now();
+        let mut total = 0;
+        for handle in handles {
+            total += handle.join().expect("bench thread panicked")?;
+        }
+        Ok((total, started.elapsed()))
+    })
+}
+
+// ------------------------------------------------------------------ enqueue_all
+
+fn enqueue_all(scratch: &Scratch) -> Result<()> {
+    let outbox = scratch.outbox(true)?;
+    let mut client = scratch.client()?;
+    let started = Instant::now();
+    for rep in 0..ENQUEUE_ALL_REPS {
+        let first = (rep * ENQUEUE_ALL_ROWS) as i64;
+        let mut tx = client.transaction()?;
+        outbox.enqueue_all(
+            &mut tx,
+            (0..ENQUEUE_ALL_ROWS as i64).map(|i| event(first + i)),
+        )?;
+        tx.commit()?;
+    }
+    let took = started.elapsed();
+    Line::new("enqueue_all")
+        .kv("rows", ENQUEUE_ALL_ROWS)
+        .kv("tx", ENQUEUE_ALL_REPS)
+        .kv(
+            "ms_per_tx",
+            format!("{:.1}", took.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64),
+        )
+        .rate((ENQUEUE_ALL_REPS * ENQUEUE_ALL_ROWS) as u64, took)
+        .print();
+    Ok(())
+}
+
+// ------------------------------------------------------------------ relay
+
+/// Drains `relay_rows` pre-filled rows with a relay and a no-op publisher.
+fn relay(settings: &Settings, scratch: &Scratch, batch: usize) -> Result<()> {
+    let rows = settings.relay_rows;
+    let outbox = scratch.outbox(false)?;
+    let mut client = scratch.client()?;
+    prefill(&mut client, &outbox, rows)?;
+
+    let published = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&published);
+    let config = RelayConfig::new(outbox.clone(), scratch.pool(RELAY_POOL_SIZE)?, move || {
+        let counter = Arc::clone(&counter);
+        Ok::<_, std::io::Error>(publisher_fn(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }))
+    })
+    .batch_size(batch)
+    .concurrency(RELAY_CONCURRENCY);
+    let started = Instant::now();
+    let relay = Relay::spawn(config)?;
+    let drained = wait_until_sent(&mut client, &outbox, &published, rows as u64);
+    let took = started.elapsed();
+    relay.shutdown(Duration::from_secs(10))?;
+    drained?;
+    Line::new("relay")
+        .kv("batch", batch)
+        .kv("concurrency", RELAY_CONCURRENCY)
+        .kv("rows", rows)
+        .rate(rows as u64, took)
+        .print();
+    Ok(())
+}
+
+/// Fills the outbox with `rows` pending messages, a thousand per transaction.
+fn prefill(client: &mut Client, outbox: &Outbox, rows: usize) -> Result<()> {
+    for first in (0..rows).step_by(ENQUEUE_ALL_ROWS) {
+        let last = rows.min(first + ENQUEUE_ALL_ROWS);
+        let mut tx = client.transaction()?;
+        outbox.enqueue_all(&mut tx, (first as i64..last as i64).map(event))?;
+        tx.commit()?;
+    }
+    // What autovacuum would have done by now after so many inserts.
+    client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
+    Ok(())
+}
+
+/// Waits until `stats` counts every row sent, polling every 10 ms. `stats` reads every
+/// pending row, so it is only asked once the publisher has seen `rows` records: polling it
+/// from the start would keep a backend busy scanning the backlog and slow the relay down.
+fn wait_until_sent(
+    client: &mut Client,
+    outbox: &Outbox,
+    published: &AtomicU64,
+    rows: u64,
+) -> Result<()> {
+    let deadline = Instant::now() + RELAY_TIMEOUT;
+    loop {
+        if published.load(Ordering::Relaxed) >= rows && outbox.stats(client)?.sent >= rows {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let sent = outbox.stats(client)?.sent;
+            return Err(format!("relay stalled: {sent} of {rows} rows sent").into());
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
