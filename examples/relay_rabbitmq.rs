@@ -40,7 +40,8 @@ fn main() -> Result<(), Box<dyn Error>> {
             RabbitPublisher::connect(&url, EXCHANGE).map(|p| p.mandatory(true))
         })
         .batch_size(100)
-        .concurrency(2),
+        .concurrency(2)
+        .listen_connection(database_url.parse()?, NoTls),
     )?;
 
     // The business write and its event commit together, or not at all.

@@ -963,6 +963,24 @@ fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
 // ---------------------------------------------------------------------------------------------
 
 #[test]
+fn a_listener_on_its_own_connection_wakes_the_relay_and_takes_none_from_the_pool() {
+    let (outbox, mut client) = common::outbox("rl_own_listener");
+    let sink = Sink::default();
+    // Two pooled connections: enough for claiming and recording, none for listening.
+    let config = relay_config(&outbox, 2, sink.collect())
+        .poll_interval(Duration::from_secs(3600))
+        .listen_connection(common::database_url().parse().unwrap(), postgres::NoTls);
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("listening", || relay.is_listening());
+    enqueue_one(&mut client, &outbox, Message::new("t", "p").key("own"));
+    wait_until("the notified row is published", || sink.contains("own"));
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    wait_until("the listener's own connection is closed", || {
+        listener_pids(&mut client, &outbox).is_empty()
+    });
+}
+
+#[test]
 fn notify_wakes_an_idle_relay_and_survives_a_killed_listener() {
     let (outbox, mut client) = common::outbox("rl_notify");
     let sink = Sink::default();

@@ -18,6 +18,7 @@ use crate::retry::RetryPolicy;
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;
+pub(crate) type Connect = dyn Fn() -> Result<postgres::Client, postgres::Error> + Send + Sync;
 
 /// How a [`Relay`](crate::Relay) runs: which outbox, which pool, how to build publishers, and
 /// its batching, leasing and retry settings. Consuming setters, like `r2d2::Builder`.
@@ -54,6 +55,7 @@ pub struct RelayConfig {
     pub(crate) retry: RetryPolicy,
     pub(crate) notify: bool,
     pub(crate) metrics: Arc<dyn Metrics>,
+    pub(crate) listener: Option<Arc<Connect>>,
 }
 
 impl fmt::Debug for RelayConfig {
@@ -107,6 +109,7 @@ impl RelayConfig {
             drain_timeout: Duration::from_secs(10),
             notify: true,
             metrics: Arc::new(NoMetrics),
+            listener: None,
         }
     }
 
@@ -164,15 +167,46 @@ impl RelayConfig {
         self
     }
 
+    /// LISTEN on a connection of its own, opened from `config` with `tls` and never part of
+    /// the pool (recommended). Without it, the listener checks one connection out of the
+    /// pool and keeps it for its whole life (an r2d2 pool cannot open a connection outside
+    /// itself), UNLISTENing and draining it before handing it back.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{publisher_fn, Outbox, RelayConfig};
+    /// # use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let url = "postgres://postgres@localhost/app";
+    /// let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
+    /// let config = RelayConfig::new(Outbox::new("orders_outbox")?, pool, || {
+    ///     Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())))
+    /// })
+    /// .listen_connection(url.parse()?, NoTls);
+    /// # let _ = config;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn listen_connection<T>(mut self, config: postgres::Config, tls: T) -> RelayConfig
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.listener = Some(Arc::new(move || config.connect(tls.clone())));
+        self
+    }
+
     /// Where to report what the relay does.
     pub fn metrics(mut self, metrics: impl Metrics + 'static) -> RelayConfig {
         self.metrics = Arc::new(metrics);
         self
     }
 
-    /// The connections a running relay keeps: claiming, recording, and listening if on.
+    /// The pooled connections a running relay keeps: claiming, recording, and listening
+    /// unless it has a connection of its own.
     pub(crate) fn connections_needed(&self) -> u32 {
-        2 + u32::from(self.notify)
+        2 + u32::from(self.notify && self.listener.is_none())
     }
 
     pub(crate) fn validate(&self) -> Result<()> {

@@ -7,6 +7,7 @@ use crossbeam_channel::Sender;
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
+use super::pool::{Dedicated, Pooled};
 use super::Shared;
 use crate::retry::reconnect_delay;
 
@@ -17,15 +18,22 @@ const LIVENESS_CHECK: Duration = Duration::from_secs(10);
 
 /// Listens until the relay stops, reconnecting with capped backoff.
 ///
-/// The connection is checked out of the pool and kept for the listener's whole life, so no
-/// other borrower shares it while it LISTENs; before going back it UNLISTENs and drops its
-/// buffered notifications, so it returns clean.
+/// The connection is the relay's own when `listen_connection` was set. Otherwise it is
+/// checked out of the pool and kept for the listener's whole life, so no other borrower
+/// shares it while it LISTENs; before going back it UNLISTENs and drops its buffered
+/// notifications, so it returns clean.
 pub(crate) fn run(shared: &Shared, wake: &Sender<()>) {
     let config = &shared.config;
     let table = config.outbox.table();
     let mut failures = 0u32;
     while !shared.stopping() {
-        match config.pool.get() {
+        let connection = match &config.listener {
+            Some(connect) => connect()
+                .map(|client| Box::new(Dedicated(client)) as Pooled)
+                .map_err(crate::Error::Db),
+            None => config.pool.get(),
+        };
+        match connection {
             Ok(mut conn) => {
                 if let Err(e) = listen(shared, &mut conn, wake, &mut failures) {
                     log::warn!("outbox {table}: listener connection lost: {e}");

@@ -36,6 +36,23 @@ where
     }
 }
 
+/// A connection opened outside the pool, as the pool's connections are used.
+pub(crate) struct Dedicated(pub(crate) Client);
+
+impl std::ops::Deref for Dedicated {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.0
+    }
+}
+
+impl DerefMut for Dedicated {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.0
+    }
+}
+
 /// A connection a relay thread keeps checked out, with its prepared statements; a broken
 /// connection is dropped and the next call checks out a fresh one.
 pub(crate) struct Session {
