@@ -444,6 +444,17 @@ fn handled_table(client: &mut postgres::Client) -> String {
     table
 }
 
+/// The handler's own write: one row per message it handled.
+fn record_handled(
+    tx: &mut postgres::Transaction<'_>,
+    table: &str,
+    key: &str,
+) -> Result<(), HandlerError> {
+    tx.execute(&format!("INSERT INTO {table} (key) VALUES ($1)"), &[&key])
+        .map_err(HandlerError::transient)?;
+    Ok(())
+}
+
 #[test]
 fn the_consumer_skips_redeliveries_of_processed_messages() {
     let (outbox, mut client) = outbox("rmq_consume");
@@ -461,12 +472,7 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
         pool(2),
         move |tx, delivery| {
             handler_calls.fetch_add(1, Ordering::SeqCst);
-            tx.execute(
-                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
-                &[&delivery.key],
-            )
-            .map_err(HandlerError::transient)?;
-            Ok(())
+            record_handled(tx, &handler_table, &delivery.key)
         },
     )
     .unwrap();
@@ -557,12 +563,7 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
         move |tx, delivery| {
             let _ = started_tx.send(());
             std::thread::sleep(Duration::from_millis(20));
-            tx.execute(
-                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
-                &[&delivery.key],
-            )
-            .map_err(HandlerError::transient)?;
-            Ok(())
+            record_handled(tx, &handler_table, &delivery.key)
         },
     )
     .unwrap();
