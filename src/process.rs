@@ -64,22 +64,17 @@ impl Outbox {
         let claimed_at = Instant::now();
         let records = store::claim(&mut Conn::uncached(client), self, limit, lease)?;
         let mut report = ProcessReport::default();
+        // Failures and hand-backs are written together, in one statement, at the end.
+        let mut outcomes = Vec::new();
         for (i, record) in records.iter().enumerate() {
             // Leave a tenth of the lease as margin: past it, another worker may take the row.
             if claimed_at.elapsed() > lease - lease / 10 {
-                let rest: Vec<_> = records[i..]
-                    .iter()
-                    .map(|r| (r, &Outcome::Release))
-                    .collect();
-                store::record(&mut Conn::uncached(client), self, &rest)?;
-                report.released = rest.len();
+                report.released = records.len() - i;
+                outcomes.extend(records[i..].iter().map(|r| (r, Outcome::Release)));
                 break;
             }
-            let error = match self.handle_one(client, record, &mut handler)? {
-                Handled::Committed => {
-                    report.processed += 1;
-                    continue;
-                }
+            match self.handle_one(client, record, &mut handler)? {
+                Handled::Committed => report.processed += 1,
                 Handled::LeaseLost => {
                     log::warn!(
                         "outbox {}: lease on {} lost while its handler ran; rolled back",
@@ -87,33 +82,19 @@ impl Outbox {
                         record.key
                     );
                     report.lease_lost += 1;
-                    continue;
                 }
-                Handled::Failed(error) => error,
-            };
-            let outcome = self.retry().after_failure(record, &error);
-            match &outcome {
-                Outcome::Dead { .. } => {
-                    log::error!(
-                        "outbox {}: {} dead after attempt {}: {error}",
-                        self.table(),
-                        record.key,
-                        record.attempt
-                    );
-                    report.dead += 1;
-                }
-                _ => {
-                    log::warn!(
-                        "outbox {}: handler failed on {} (attempt {}): {error}",
-                        self.table(),
-                        record.key,
-                        record.attempt
-                    );
-                    report.retried += 1;
+                Handled::Failed(error) => {
+                    let outcome = self.retry().after_failure(self.table(), record, &error);
+                    match outcome {
+                        Outcome::Dead { .. } => report.dead += 1,
+                        _ => report.retried += 1,
+                    }
+                    outcomes.push((record, outcome));
                 }
             }
-            store::record(&mut Conn::uncached(client), self, &[(record, &outcome)])?;
         }
+        let outcomes: Vec<_> = outcomes.iter().map(|(r, o)| (*r, o)).collect();
+        store::record(&mut Conn::uncached(client), self, &outcomes)?;
         Ok(report)
     }
 

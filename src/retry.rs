@@ -54,15 +54,25 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// Dead when the error is permanent or the record used its last attempt; otherwise a
     /// retry after a backoff. The delay is relative: the database adds it to its own `now()`.
-    pub(crate) fn after_failure(&self, record: &Record, error: &PublishError) -> Outcome {
+    /// Logs the failure: a dead letter at error level, a retry at warn.
+    pub(crate) fn after_failure(
+        &self,
+        table: &str,
+        record: &Record,
+        error: &PublishError,
+    ) -> Outcome {
         let limit = record.max_attempts.unwrap_or(self.max_attempts);
-        let text = error.to_string();
-        if error.is_permanent() || record.attempt >= limit {
-            Outcome::Dead { error: text }
+        let (key, attempt) = (&record.key, record.attempt);
+        if error.is_permanent() || attempt >= limit {
+            log::error!("outbox {table}: {key} dead after attempt {attempt}: {error}");
+            Outcome::Dead {
+                error: error.to_string(),
+            }
         } else {
+            log::warn!("outbox {table}: {key} failed (attempt {attempt}): {error}");
             Outcome::Retry {
-                delay: self.backoff(record.attempt),
-                error: text,
+                delay: self.backoff(attempt),
+                error: error.to_string(),
             }
         }
     }

@@ -41,23 +41,15 @@ pub(crate) fn run(
         // one publish slower than half the lease would otherwise make this worker hand back
         // every later job, fresh ones included, forever.
         let margin = (typical * 2).max(config.lease / 10).min(config.lease / 2);
-        let now = Instant::now();
-        let (records, expired): (Vec<Record>, Vec<Record>) = if now + margin < job.deadline {
-            (job.records, Vec::new())
-        } else {
-            (Vec::new(), job.records)
-        };
-        if !expired.is_empty() {
+        if Instant::now() + margin >= job.deadline {
             log::debug!(
-                "outbox {table}: {} records waited too long for a worker; handing them back",
-                expired.len()
+                "outbox {table}: {n} records waited too long for a worker; handing them back"
             );
-            release(shared, outcomes, expired);
-        }
-        if records.is_empty() {
+            release(shared, outcomes, job.records);
             let _ = done.send(n);
             continue;
         }
+        let records = job.records;
 
         let live = match &mut publisher {
             Some(p) => p,
@@ -149,20 +141,9 @@ pub(crate) fn attempt(
                 }
                 Err(error) => {
                     config.metrics.failed(record, &error);
-                    let outcome = config.retry.after_failure(record, &error);
+                    let outcome = config.retry.after_failure(table, record, &error);
                     if let Outcome::Dead { .. } = outcome {
-                        log::error!(
-                            "outbox {table}: {} dead after attempt {}: {error}",
-                            record.key,
-                            record.attempt
-                        );
                         config.metrics.dead_lettered(record);
-                    } else {
-                        log::warn!(
-                            "outbox {table}: publishing {} failed (attempt {}): {error}",
-                            record.key,
-                            record.attempt
-                        );
                     }
                     outcome
                 }
