@@ -73,6 +73,17 @@ impl Broker {
         }
     }
 
+    /// A fresh exchange and a fresh queue bound to it for every routing key.
+    fn routed(&self, name: &str, arguments: FieldTable) -> (String, String) {
+        let (exchange, queue) = (
+            unique_name(&format!("x_{name}")),
+            unique_name(&format!("q_{name}")),
+        );
+        self.exchange(&exchange);
+        self.queue(&queue, &exchange, arguments);
+        (exchange, queue)
+    }
+
     fn ready(&self, queue: &str) -> u32 {
         self.channel
             .queue_declare_passive(queue)
@@ -129,10 +140,7 @@ fn header<'a>(properties: &'a AmqpProperties, name: &str) -> Option<&'a AmqpValu
 fn a_published_record_carries_every_property_and_header() {
     let (outbox, mut client) = outbox("rmq_props");
     let broker = Broker::new();
-    let exchange = unique_name("x_props");
-    let queue = unique_name("q_props");
-    broker.exchange(&exchange);
-    broker.queue(&queue, &exchange, FieldTable::new());
+    let (exchange, queue) = broker.routed("props", FieldTable::new());
 
     let keys = enqueue(
         &mut client,
@@ -224,16 +232,13 @@ fn an_unroutable_mandatory_message_is_a_failed_attempt() {
 fn forced_nacks_fail_exactly_the_overflowed_records() {
     let (outbox, mut client) = outbox("rmq_nack");
     let broker = Broker::new();
-    let exchange = unique_name("x_nack");
-    let queue = unique_name("q_nack");
-    broker.exchange(&exchange);
     let mut arguments = FieldTable::new();
     arguments.insert("x-max-length".into(), AmqpValue::LongInt(5));
     arguments.insert(
         "x-overflow".into(),
         AmqpValue::LongString("reject-publish".into()),
     );
-    broker.queue(&queue, &exchange, arguments);
+    let (exchange, queue) = broker.routed("nack", arguments);
 
     let keys = enqueue(
         &mut client,
@@ -277,10 +282,7 @@ fn forced_nacks_fail_exactly_the_overflowed_records() {
 fn an_over_long_topic_is_rejected_before_sending_and_the_batch_still_goes() {
     let (outbox, mut client) = outbox("rmq_long");
     let broker = Broker::new();
-    let exchange = unique_name("x_long");
-    let queue = unique_name("q_long");
-    broker.exchange(&exchange);
-    broker.queue(&queue, &exchange, FieldTable::new());
+    let (exchange, queue) = broker.routed("long", FieldTable::new());
 
     let mut keys = enqueue(
         &mut client,
