@@ -386,6 +386,7 @@ fn relay(settings: &Settings, scratch: &Scratch, batch: usize) -> Result<()> {
     let outbox = scratch.outbox(false)?;
     let mut client = scratch.client()?;
     prefill(&mut client, &outbox, rows)?;
+    stats_cost(&mut client, &outbox, "pending", rows, "after_fill")?;
 
     let published = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&published);
@@ -409,6 +410,37 @@ fn relay(settings: &Settings, scratch: &Scratch, batch: usize) -> Result<()> {
         .kv("concurrency", RELAY_CONCURRENCY)
         .kv("rows", rows)
         .rate(rows as u64, took)
+        .print();
+    // Right after the drain the due index still points at every dead row version; once
+    // (auto)vacuum has run, only the counters stand for the sent rows.
+    stats_cost(&mut client, &outbox, "sent", rows, "before_vacuum")?;
+    client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
+    stats_cost(&mut client, &outbox, "sent", rows, "after_vacuum")
+}
+
+/// Times `stats()` with `rows` rows in one state: it reads pending rows, but sent rows only
+/// through the counters, so its cost should not grow with them.
+fn stats_cost(
+    client: &mut Client,
+    outbox: &Outbox,
+    state: &str,
+    rows: usize,
+    when: &str,
+) -> Result<()> {
+    const CALLS: u32 = 20;
+    let started = Instant::now();
+    for _ in 0..CALLS {
+        outbox.stats(client)?;
+    }
+    let took = started.elapsed();
+    Line::new("stats")
+        .kv(state, rows)
+        .kv("when", when)
+        .kv(
+            "ms_per_call",
+            format!("{:.2}", took.as_secs_f64() * 1e3 / f64::from(CALLS)),
+        )
+        .rate(u64::from(CALLS), took)
         .print();
     Ok(())
 }
