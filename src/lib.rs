@@ -46,11 +46,13 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod clock;
 mod error;
 mod message;
 mod metrics;
 mod operate;
 mod outbox;
+mod pool;
 mod process;
 mod publish;
 mod record;
@@ -71,4 +73,4 @@ pub use outbox::{Outbox, OutboxBuilder};
 pub use process::ProcessReport;
 pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
 pub use record::Record;
-pub use relay::{Relay, RelayConfig, ShutdownReport};
+pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};

@@ -1,5 +1,7 @@
 //! Hooks for counters and histograms; every method does nothing unless overridden.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::publish::PublishError;
@@ -40,3 +42,37 @@ pub trait Metrics: Send + Sync {
 pub struct NoMetrics;
 
 impl Metrics for NoMetrics {}
+
+/// Runs every callback of the wrapped `Metrics` under `catch_unwind`: a panicking callback is
+/// logged (once) and otherwise ignored, so observing the relay can never stop it.
+pub(crate) struct Guarded<M>(pub(crate) M);
+
+static PANIC_LOGGED: AtomicBool = AtomicBool::new(false);
+
+impl<M: Metrics> Guarded<M> {
+    fn call(&self, name: &str, f: impl FnOnce(&M)) {
+        if catch_unwind(AssertUnwindSafe(|| f(&self.0))).is_err()
+            && !PANIC_LOGGED.swap(true, Ordering::Relaxed)
+        {
+            log::error!("a Metrics callback ({name}) panicked; ignoring it and any later panics");
+        }
+    }
+}
+
+impl<M: Metrics> Metrics for Guarded<M> {
+    fn claimed(&self, n: usize) {
+        self.call("claimed", |m| m.claimed(n));
+    }
+    fn published(&self, record: &Record, took: Duration) {
+        self.call("published", |m| m.published(record, took));
+    }
+    fn failed(&self, record: &Record, error: &PublishError) {
+        self.call("failed", |m| m.failed(record, error));
+    }
+    fn dead_lettered(&self, record: &Record) {
+        self.call("dead_lettered", |m| m.dead_lettered(record));
+    }
+    fn released(&self, n: usize) {
+        self.call("released", |m| m.released(n));
+    }
+}

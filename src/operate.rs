@@ -16,10 +16,15 @@ use crate::sql::PURGE_BATCH;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Rows waiting to be claimed: due now, delayed, or backing off after a failure.
+    /// Rows waiting to be claimed: due now, delayed, backing off after a failure, or
+    /// blocked behind an earlier message of their aggregate.
     pub pending: u64,
-    /// Of `pending`, those due now.
+    /// Of `pending`, those a relay could claim now: due, and (for a row with an aggregate
+    /// key) the oldest pending row of its aggregate. Blocked rows are not due.
     pub due: u64,
+    /// Of `pending`, rows waiting behind an earlier pending message of their aggregate.
+    /// They move as soon as the messages before them are sent or dead.
+    pub blocked: u64,
     /// Rows claimed by a relay whose lease has not run out.
     pub in_flight: u64,
     /// Rows published and not yet purged (kept as a counter, so this costs no scan).
@@ -28,6 +33,10 @@ pub struct Stats {
     pub dead: u64,
     /// Age of the oldest row not yet sent or dead (pending or in flight).
     pub oldest_pending_age: Option<Duration>,
+    /// Age of the oldest message that holds others back: the head of an aggregate with
+    /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying
+    /// or delayed); alert on it.
+    pub oldest_blocked_age: Option<Duration>,
 }
 
 /// A row that will not be published unless redriven.
@@ -67,8 +76,11 @@ pub enum Purge {
 }
 
 impl Outbox {
-    /// Counts rows by state. Reads only pending rows, the dead-letter index and a counter
-    /// table, so it stays fast however many sent rows are retained.
+    /// Counts rows by state. Reads only pending rows (through the two claim indexes), the
+    /// dead-letter index and a counter table, so it stays fast however many sent rows are
+    /// retained. It groups pending rows by aggregate to tell heads from blocked rows, so it
+    /// costs about as much as reading every pending row once: call it for monitoring, not
+    /// per message.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -83,14 +95,19 @@ impl Outbox {
             .query_one(&self.statements().stats, &[])
             .map_err(|e| self.db_error(e))?;
         let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
-        let age: Option<f64> = row.get(5);
+        let age = |i: usize| -> Option<Duration> {
+            row.get::<_, Option<f64>>(i)
+                .map(|secs| Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(Duration::MAX))
+        };
         Ok(Stats {
             pending: count(0),
             in_flight: count(1),
             due: count(2),
             sent: count(3),
             dead: count(4),
-            oldest_pending_age: age.map(|secs| Duration::from_secs_f64(secs.max(0.0))),
+            oldest_pending_age: age(5),
+            blocked: count(6),
+            oldest_blocked_age: age(7),
         })
     }
 

@@ -1,5 +1,6 @@
 //! The transactional handler: in-process consumers that need no broker.
 
+use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
@@ -8,9 +9,9 @@ use postgres::{Client, Transaction};
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::publish::{HandlerError, PublishError};
-use crate::record::Record;
+use crate::record::{Fence, Record};
 use crate::retry::Outcome;
-use crate::store::{self, Conn};
+use crate::store::{self, ClaimRequest, Conn};
 
 /// What one [`Outbox::process`] call did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -25,7 +26,8 @@ pub struct ProcessReport {
     /// The lease ran out while the handler worked and another worker took the row; the
     /// handler's writes were rolled back.
     pub lease_lost: usize,
-    /// Claimed but not started because the lease was nearly over; handed back.
+    /// Claimed but not started, and handed back: the lease was nearly over, or an earlier
+    /// record of the same aggregate did not commit in this call.
     pub released: usize,
 }
 
@@ -62,19 +64,37 @@ impl Outbox {
     {
         let lease = self.lease();
         let claimed_at = Instant::now();
-        let records = store::claim(&mut Conn::uncached(client), self, limit, lease)?;
-        let mut report = ProcessReport::default();
+        let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts);
+        let claimed = store::claim(&mut Conn::uncached(client), self, &request)?;
+        let mut report = ProcessReport {
+            dead: claimed.dead.len() + claimed.undecodable.len(),
+            ..ProcessReport::default()
+        };
         // Failures and hand-backs are written together, in one statement, at the end.
-        let mut outcomes = Vec::new();
-        for (i, record) in records.iter().enumerate() {
+        let mut outcomes: Vec<(Fence, Outcome)> = claimed
+            .undecodable
+            .iter()
+            .map(|(fence, reason)| {
+                let error = reason.clone();
+                (*fence, Outcome::Dead { error })
+            })
+            .collect();
+        // An aggregate whose record did not commit: its later records wait for the next call.
+        let mut stopped: HashSet<&str> = HashSet::new();
+        for record in &claimed.records {
+            let aggregate = record.aggregate_key.as_deref();
             // Leave a tenth of the lease as margin: past it, another worker may take the row.
-            if claimed_at.elapsed() > lease - lease / 10 {
-                report.released = records.len() - i;
-                outcomes.extend(records[i..].iter().map(|r| (r, Outcome::Release)));
-                break;
+            let late = claimed_at.elapsed() > lease - lease / 10;
+            if late || aggregate.is_some_and(|a| stopped.contains(a)) {
+                report.released += 1;
+                outcomes.push((record.fence(), Outcome::Release));
+                continue;
             }
-            match self.handle_one(client, record, &mut handler)? {
-                Handled::Committed => report.processed += 1,
+            let committed = match self.handle_one(client, record, &mut handler)? {
+                Handled::Committed => {
+                    report.processed += 1;
+                    true
+                }
                 Handled::LeaseLost => {
                     log::warn!(
                         "outbox {}: lease on {} lost while its handler ran; rolled back",
@@ -82,6 +102,7 @@ impl Outbox {
                         record.key
                     );
                     report.lease_lost += 1;
+                    false
                 }
                 Handled::Failed(error) => {
                     let outcome = self.retry().after_failure(self.table(), record, &error);
@@ -89,11 +110,14 @@ impl Outbox {
                         Outcome::Dead { .. } => report.dead += 1,
                         _ => report.retried += 1,
                     }
-                    outcomes.push((record, outcome));
+                    outcomes.push((record.fence(), outcome));
+                    false
                 }
+            };
+            if let (false, Some(aggregate)) = (committed, aggregate) {
+                stopped.insert(aggregate);
             }
         }
-        let outcomes: Vec<_> = outcomes.iter().map(|(r, o)| (*r, o)).collect();
         store::record(&mut Conn::uncached(client), self, &outcomes)?;
         Ok(report)
     }
@@ -117,7 +141,7 @@ impl Outbox {
         match store::record(
             &mut Conn::uncached(&mut tx),
             self,
-            &[(record, &Outcome::Sent)],
+            &[(record.fence(), Outcome::Sent)],
         ) {
             Ok(recorded) if recorded.changed == 0 => {
                 tx.rollback()?;

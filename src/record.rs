@@ -58,8 +58,22 @@ impl Record {
         })
     }
 
-    /// The attempt count as the database stores it, for fencing.
-    pub(crate) fn attempt_param(&self) -> i32 {
-        i32::try_from(self.attempt).unwrap_or(i32::MAX)
+    /// What an outcome of this claim is fenced on.
+    pub(crate) fn fence(&self) -> Fence {
+        Fence {
+            id: self.id,
+            attempt: i32::try_from(self.attempt).unwrap_or(i32::MAX),
+            lease: self.lease,
+        }
     }
+}
+
+/// What an outcome needs to change only the claim it belongs to: the row, the attempt it was
+/// claimed at and the lease the claim stamped. A relay whose lease ran out and whose row was
+/// claimed since matches none of them and changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fence {
+    pub(crate) id: i64,
+    pub(crate) attempt: i32,
+    pub(crate) lease: Option<SystemTime>,
 }

@@ -8,7 +8,7 @@ use crate::publish::PublishError;
 use crate::record::Record;
 
 /// What happens to a claimed row after its attempt.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Outcome {
     Sent,
     Retry {

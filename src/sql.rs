@@ -14,14 +14,22 @@ pub(crate) struct Migration {
 
 /// The versioned schema files in `sql/`, oldest first. Never edit one that has shipped: add a
 /// new file instead.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_create_outbox",
-    template: include_str!("../sql/0001_create_outbox.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_create_outbox",
+        template: include_str!("../sql/0001_create_outbox.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_claim_heads",
+        template: include_str!("../sql/0002_claim_heads.sql"),
+    },
+];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
-const RECORD_COLUMNS: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
+pub(crate) const RECORD_COLUMNS: &str =
+    "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
      t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until";
 
 /// How many rows one purge statement deletes, so no statement holds locks for long.
@@ -43,7 +51,10 @@ pub(crate) struct Statements {
     pub(crate) redrive_keys: String,
     pub(crate) purge_sent: String,
     pub(crate) purge_dead: String,
+    /// The claim, its aggregate scan starting at the first aggregate key.
     pub(crate) claim: String,
+    /// The claim, its aggregate scan starting after the key in `$4`.
+    pub(crate) claim_after: String,
     pub(crate) record_outcomes: String,
     pub(crate) migrations_table: String,
     pub(crate) applied_versions: String,
@@ -123,15 +134,42 @@ impl Statements {
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING"
             ),
+            // Each half reads its own partial index. Per aggregate: its head (oldest pending
+            // row), how many rows wait (not leased) and how many are leased; every waiting row
+            // but a waiting head is blocked.
             stats: format!(
-                "SELECT
-                   count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()),
-                   count(*) FILTER (WHERE lease_until > now()),
-                   count(*) FILTER (WHERE available_at <= now()),
-                   (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
-                   (SELECT count(*) FROM {t} WHERE status = 'dead'),
-                   extract(epoch FROM now() - min(created_at))::float8
-                 FROM {t} WHERE status = 'pending'"
+                "WITH u AS (
+                   SELECT count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
+                          count(*) FILTER (WHERE lease_until > now()) AS in_flight,
+                          count(*) FILTER (WHERE available_at <= now()) AS due,
+                          min(created_at) AS oldest
+                   FROM {t} WHERE status = 'pending' AND aggregate_key IS NULL),
+                 g AS (
+                   SELECT min(id) AS head, min(created_at) AS oldest,
+                          count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
+                          count(*) FILTER (WHERE lease_until > now()) AS in_flight
+                   FROM {t} WHERE status = 'pending' AND aggregate_key IS NOT NULL
+                   GROUP BY aggregate_key),
+                 a AS (
+                   SELECT g.*, h.available_at <= now() AS head_due,
+                          g.waiting - CASE WHEN h.lease_until > now() THEN 0 ELSE 1 END AS blocked,
+                          h.created_at AS head_created
+                   FROM g JOIN {t} h ON h.id = g.head),
+                 o AS (
+                   SELECT coalesce(sum(waiting), 0)::bigint AS waiting,
+                          coalesce(sum(in_flight), 0)::bigint AS in_flight,
+                          count(*) FILTER (WHERE head_due) AS due,
+                          coalesce(sum(blocked), 0)::bigint AS blocked,
+                          min(oldest) AS oldest,
+                          min(head_created) FILTER (WHERE blocked > 0) AS blocked_head
+                   FROM a)
+                 SELECT u.waiting + o.waiting, u.in_flight + o.in_flight, u.due + o.due,
+                        (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
+                        (SELECT count(*) FROM {t} WHERE status = 'dead'),
+                        extract(epoch FROM now() - least(u.oldest, o.oldest))::float8,
+                        o.blocked,
+                        extract(epoch FROM now() - o.blocked_head)::float8
+                 FROM u, o"
             ),
             dead_letters: format!(
                 "SELECT {RECORD_COLUMNS}, t.last_error, t.done_at
@@ -160,27 +198,8 @@ impl Statements {
                 "WITH gone AS ({}) SELECT count(*) FROM gone",
                 purge_batch("dead")
             ),
-            // Due, not leased (a lease pushes available_at forward), and the oldest pending row
-            // of its aggregate. The lease is stamped into available_at so an abandoned claim
-            // becomes due again by itself.
-            claim: format!(
-                "WITH due AS (
-                   SELECT o.id FROM {t} o
-                   WHERE o.status = 'pending' AND o.available_at <= now()
-                     AND (o.aggregate_key IS NULL OR NOT EXISTS (
-                           SELECT 1 FROM {t} h
-                           WHERE h.status = 'pending' AND h.aggregate_key = o.aggregate_key
-                             AND h.id < o.id))
-                   ORDER BY o.available_at, o.id
-                   LIMIT $1
-                   FOR UPDATE SKIP LOCKED)
-                 UPDATE {t} t
-                 SET attempts = t.attempts + 1,
-                     available_at = now() + $2::bigint * interval '1 microsecond',
-                     lease_until = now() + $2::bigint * interval '1 microsecond'
-                 FROM due WHERE t.id = due.id
-                 RETURNING {RECORD_COLUMNS}"
-            ),
+            claim: claim(&t, ""),
+            claim_after: claim(&t, "AND aggregate_key > $4"),
             // Every outcome of a batch in one statement, each row fenced on id + the attempt it
             // was claimed at + still pending + the lease its claim stamped, so a relay whose
             // lease was lost changes nothing. The lease stamp matters when a row was reclaimed
@@ -232,6 +251,125 @@ impl Statements {
     }
 }
 
+/// The claim: one statement that leases up to `$1` rows and `$3` payload bytes.
+///
+/// Rows without an aggregate key come from the unordered due index, oldest due first, under
+/// `FOR UPDATE SKIP LOCKED`. Rows with one come in runs: a skip scan of the aggregate index
+/// visits one head (oldest pending row) per aggregate, starting after the caller's cursor,
+/// until it has seen `$1` due heads or `$5` heads in all; behind each due head it reads the
+/// consecutive due rows. A lease pushes `available_at` forward, so a leased head is not due
+/// and its aggregate is passed over. So the cost is what the claim returns plus the heads it
+/// passes, never the rows waiting behind a head.
+///
+/// Few due aggregates are shared among the `$6` workers: each claim takes about a worker's
+/// share of them, with runs long enough to fill the batch. Ordered and unordered rows split
+/// the batch so that neither starves the other.
+///
+/// The run is read from the statement's snapshot, so a concurrent claim may have taken (and
+/// a concurrent outcome finished) part of it meanwhile. Every run row is therefore locked and
+/// rechecked, and an aggregate keeps only the unbroken prefix of its run that starts at its
+/// head: a run missing its head, or any row before another, is cut there. That keeps the
+/// order strict whatever runs alongside.
+///
+/// A row claimed more often than its attempt limit (`$7` unless the row sets one) allows has
+/// crashed or lost its lease that often: it becomes dead here instead of being published
+/// again. Every row (and the one row of an empty claim) carries where the next claim's scan
+/// should start: after the last aggregate this claim took, else after the last one it
+/// visited, or at the first (NULL) once the scan has passed the last aggregate.
+fn claim(t: &str, after: &str) -> String {
+    let over = "t.attempts + 1 > coalesce(t.max_attempts, $7)";
+    format!(
+        "WITH RECURSIVE heads(aggregate_key, id, due, n, d) AS (
+           (SELECT aggregate_key, id, available_at <= now(), 1, (available_at <= now())::int
+            FROM {t}
+            WHERE status = 'pending' AND aggregate_key IS NOT NULL {after}
+            ORDER BY aggregate_key, id LIMIT 1)
+           UNION ALL
+           SELECT nx.aggregate_key, nx.id, nx.available_at <= now(), h.n + 1,
+                  h.d + (nx.available_at <= now())::int
+           FROM heads h CROSS JOIN LATERAL (
+             SELECT o.aggregate_key, o.id, o.available_at FROM {t} o
+             WHERE o.status = 'pending' AND o.aggregate_key IS NOT NULL
+               AND o.aggregate_key > h.aggregate_key
+             ORDER BY o.aggregate_key, o.id LIMIT 1) nx
+           WHERE h.n < $5 AND h.d < $1),
+         due_heads AS (SELECT aggregate_key, id, n FROM heads WHERE due),
+         run_len AS (
+           SELECT greatest(1, ceil($1::numeric
+                    / greatest(1, ceil(count(*)::numeric / $6))))::bigint AS r
+           FROM due_heads),
+         ocand AS (
+           SELECT r.id, h.aggregate_key, h.n AS hpos, r.rn
+           FROM due_heads h CROSS JOIN LATERAL (
+             SELECT s.id, s.rn FROM (
+               SELECT o.id, row_number() OVER w AS rn,
+                      bool_and(o.available_at <= now()) OVER w AS due
+               FROM (SELECT o.id, o.available_at FROM {t} o
+                     WHERE o.status = 'pending' AND o.aggregate_key = h.aggregate_key
+                       AND o.id >= h.id
+                     ORDER BY o.id LIMIT (SELECT r FROM run_len)) o
+               WINDOW w AS (ORDER BY o.id)) s
+             WHERE s.due) r
+           ORDER BY h.n, r.rn
+           LIMIT $1),
+         ulock AS (
+           SELECT o.id, o.available_at, octet_length(o.payload) AS bytes FROM {t} o
+           WHERE o.status = 'pending' AND o.aggregate_key IS NULL AND o.available_at <= now()
+           ORDER BY o.available_at, o.id
+           LIMIT $1 - least((SELECT count(*) FROM ocand), $1 / 2)
+           FOR UPDATE SKIP LOCKED),
+         ocut AS (
+           SELECT * FROM ocand ORDER BY hpos, rn
+           LIMIT $1 - (SELECT count(*) FROM ulock)),
+         olock AS (
+           SELECT o.id, octet_length(o.payload) AS bytes FROM {t} o
+           WHERE o.id IN (SELECT id FROM ocut)
+             AND o.status = 'pending' AND o.available_at <= now()
+           FOR UPDATE SKIP LOCKED),
+         ovalid AS (
+           SELECT c.id, c.aggregate_key, c.hpos, c.rn, l.bytes,
+                  row_number() OVER (PARTITION BY c.aggregate_key ORDER BY c.rn) AS pos
+           FROM ocut c JOIN olock l ON l.id = c.id),
+         picked AS (
+           SELECT id, bytes, row_number() OVER (ORDER BY hpos, rn) AS rank, 0 AS src
+           FROM ovalid WHERE pos = rn
+           UNION ALL
+           SELECT id, bytes, row_number() OVER (ORDER BY available_at, id), 1 FROM ulock),
+         take AS (
+           SELECT id FROM (
+             SELECT id, row_number() OVER k AS k,
+                    sum(coalesce(bytes, 0)) OVER k AS total
+             FROM picked WINDOW k AS (ORDER BY rank, src, id)) p
+           WHERE k = 1 OR total <= $3),
+         upd AS (
+           UPDATE {t} t SET
+             attempts = t.attempts + 1,
+             status = CASE WHEN {over} THEN 'dead' ELSE 'pending' END,
+             available_at = CASE WHEN {over} THEN t.available_at
+                                 ELSE now() + $2::bigint * interval '1 microsecond' END,
+             lease_until = CASE WHEN {over} THEN NULL
+                                ELSE now() + $2::bigint * interval '1 microsecond' END,
+             done_at = CASE WHEN {over} THEN now() END,
+             last_error = CASE WHEN {over}
+                            THEN 'claimed ' || t.attempts + 1 || ' times, more than its '
+                                 || coalesce(t.max_attempts, $7) || ' attempts allow, without '
+                                 || 'an outcome being recorded (a relay crashed or lost its '
+                                 || 'lease each time)'
+                            ELSE t.last_error END
+           FROM take WHERE t.id = take.id
+           RETURNING {RECORD_COLUMNS}, t.status),
+         scan AS (
+           SELECT coalesce(
+             (SELECT v.aggregate_key FROM ovalid v JOIN take k ON k.id = v.id
+              ORDER BY v.hpos DESC LIMIT 1),
+             CASE WHEN (SELECT count(*) FROM heads) >= $5
+                       OR (SELECT count(*) FROM due_heads) >= $1
+                  THEN (SELECT aggregate_key FROM heads ORDER BY n DESC LIMIT 1) END)
+             AS next_cursor)
+         SELECT upd.*, scan.next_cursor FROM scan LEFT JOIN upd ON true"
+    )
+}
+
 impl Migration {
     /// The migration's DDL for one table.
     pub(crate) fn render(&self, table: &TableName) -> String {
@@ -240,7 +378,9 @@ impl Migration {
             .replace("{inbox}", &table.companion("_inbox"))
             .replace("{counts}", &table.companion("_counts"))
             .replace("{key_constraint}", &table.derived("_key"))
+            .replace("{due_idx_qualified}", &table.companion("_due"))
             .replace("{due_idx}", &table.derived("_due"))
+            .replace("{unordered_idx}", &table.derived("_unordered"))
             .replace("{agg_idx}", &table.derived("_agg"))
             .replace("{done_idx}", &table.derived("_done"))
     }

@@ -1,5 +1,6 @@
 //! Running the claim and outcome statements, with or without a statement cache.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use rand::Rng;
 use crate::error::{Error, Result};
 use crate::message::micros;
 use crate::outbox::Outbox;
-use crate::record::Record;
+use crate::record::{Fence, Record};
 use crate::retry::Outcome;
 
 type Param<'a> = (&'a (dyn ToSql + Sync), Type);
@@ -65,33 +66,122 @@ pub(crate) fn probe(conn: &mut Conn<'_, impl GenericClient>, outbox: &Outbox) ->
     Ok(())
 }
 
-/// Claims up to `limit` due rows under a lease, oldest first.
+/// What one claim asks for.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimRequest<'a> {
+    /// Rows at most.
+    pub(crate) rows: usize,
+    /// Payload bytes at most, though never fewer than one row.
+    pub(crate) bytes: usize,
+    pub(crate) lease: Duration,
+    /// Where the aggregate scan starts: after this key, or at the first one.
+    pub(crate) after: Option<&'a str>,
+    /// How many workers share the due aggregates.
+    pub(crate) workers: usize,
+    /// The attempt limit of rows that set none.
+    pub(crate) max_attempts: u32,
+}
+
+impl ClaimRequest<'_> {
+    /// One claim of `rows` rows for a lone caller, with no byte limit.
+    pub(crate) fn simple(rows: usize, lease: Duration, max_attempts: u32) -> ClaimRequest<'static> {
+        ClaimRequest {
+            rows,
+            bytes: usize::MAX,
+            lease,
+            after: None,
+            workers: 1,
+            max_attempts,
+        }
+    }
+}
+
+/// What one claim returned.
+#[derive(Debug, Default)]
+pub(crate) struct Claimed {
+    /// Leased rows to publish, in id order.
+    pub(crate) records: Vec<Record>,
+    /// Rows that became dead letters instead: claimed more often than their attempts allow.
+    pub(crate) dead: Vec<Record>,
+    /// Leased rows that cannot be read into a `Record`, with the reason; the caller
+    /// dead-letters them.
+    pub(crate) undecodable: Vec<(Fence, String)>,
+    /// Where the next claim's aggregate scan should start: after this key, or at the first.
+    pub(crate) cursor: Option<String>,
+}
+
+impl Claimed {
+    /// Rows this claim leased or finished.
+    pub(crate) fn len(&self) -> usize {
+        self.records.len() + self.dead.len() + self.undecodable.len()
+    }
+}
+
+/// How many aggregate heads one claim may visit; bounds a claim's cost when many aggregates
+/// are leased or backing off.
+const MAX_HEADS_VISITED: i32 = 2_000;
+
+/// Claims due rows under a lease; see `sql::claim` for which.
 pub(crate) fn claim(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
-    limit: usize,
-    lease: Duration,
-) -> Result<Vec<Record>> {
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let lease = micros(lease);
+    request: &ClaimRequest<'_>,
+) -> Result<Claimed> {
+    let rows_max = i64::try_from(request.rows).unwrap_or(i64::MAX);
+    let bytes = i64::try_from(request.bytes).unwrap_or(i64::MAX);
+    let lease = micros(request.lease);
+    let workers = i32::try_from(request.workers).unwrap_or(i32::MAX).max(1);
+    let max_attempts = i32::try_from(request.max_attempts).unwrap_or(i32::MAX);
+    let sql = outbox.statements();
+    let (statement, after) = match request.after {
+        Some(key) => (&sql.claim_after, key),
+        None => (&sql.claim, ""),
+    };
     let rows = conn
         .query(
-            &outbox.statements().claim,
-            &[(&limit, Type::INT8), (&lease, Type::INT8)],
+            statement,
+            &[
+                (&rows_max, Type::INT8),
+                (&lease, Type::INT8),
+                (&bytes, Type::INT8),
+                (&after, Type::TEXT),
+                (&MAX_HEADS_VISITED, Type::INT4),
+                (&workers, Type::INT4),
+                (&max_attempts, Type::INT4),
+            ],
         )
         .map_err(|e| outbox.db_error(e))?;
-    let mut records = rows
-        .iter()
-        .map(Record::from_row)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(Error::Db)?;
+    let mut claimed = Claimed::default();
+    for row in &rows {
+        // The cursor rides on every row, and alone on an empty claim.
+        claimed.cursor = row.try_get(12).map_err(Error::Db)?;
+        let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
+            continue;
+        };
+        let dead = row.try_get::<_, &str>(11).map_err(Error::Db)? == "dead";
+        match Record::from_row(row) {
+            Ok(record) if dead => claimed.dead.push(record),
+            Ok(record) => claimed.records.push(record),
+            Err(_) if dead => {}
+            Err(e) => {
+                let fence = Fence {
+                    id,
+                    attempt: row.try_get(7).map_err(Error::Db)?,
+                    lease: row.try_get(10).map_err(Error::Db)?,
+                };
+                claimed
+                    .undecodable
+                    .push((fence, format!("the row cannot be read: {e}")));
+            }
+        }
+    }
     // UPDATE .. RETURNING does not keep the claim's order.
-    records.sort_unstable_by_key(|r| r.id);
-    Ok(records)
+    claimed.records.sort_unstable_by_key(|r| r.id);
+    Ok(claimed)
 }
 
 /// What one `record` call changed.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Recorded {
     /// Rows changed; fewer than given when leases were lost.
     pub(crate) changed: u64,
@@ -99,12 +189,32 @@ pub(crate) struct Recorded {
     pub(crate) sent: u64,
 }
 
-/// Records a batch of outcomes in one statement, each fenced on id, claimed attempt and
-/// status.
+/// The longest error text stored with a row.
+const MAX_ERROR_BYTES: usize = 2_000;
+
+/// An error text PostgreSQL can store: NUL (which `text` cannot hold) becomes U+FFFD, and a
+/// long text is cut at a character boundary.
+pub(crate) fn storable(error: &str) -> Cow<'_, str> {
+    if error.len() <= MAX_ERROR_BYTES && !error.contains('\0') {
+        return Cow::Borrowed(error);
+    }
+    let mut end = error.len().min(MAX_ERROR_BYTES);
+    while !error.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut text = error[..end].replace('\0', "\u{fffd}");
+    if end < error.len() {
+        text.push_str(" [cut]");
+    }
+    Cow::Owned(text)
+}
+
+/// Records a batch of outcomes in one statement, each fenced on id, claimed attempt, status
+/// and lease stamp.
 pub(crate) fn record(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
-    outcomes: &[(&Record, &Outcome)],
+    outcomes: &[(Fence, Outcome)],
 ) -> Result<Recorded> {
     if outcomes.is_empty() {
         return Ok(Recorded::default());
@@ -114,21 +224,21 @@ pub(crate) fn record(
     let mut attempts = Vec::with_capacity(n);
     let mut labels = Vec::with_capacity(n);
     let mut delays = Vec::with_capacity(n);
-    let mut errors: Vec<Option<&str>> = Vec::with_capacity(n);
+    let mut errors: Vec<Option<Cow<'_, str>>> = Vec::with_capacity(n);
     let mut leases = Vec::with_capacity(n);
-    for (record, outcome) in outcomes {
-        ids.push(record.id);
-        leases.push(record.lease);
-        attempts.push(record.attempt_param());
+    for (fence, outcome) in outcomes {
+        ids.push(fence.id);
+        leases.push(fence.lease);
+        attempts.push(fence.attempt);
         labels.push(outcome.label());
         match outcome {
             Outcome::Retry { delay, error } => {
                 delays.push(micros(*delay));
-                errors.push(Some(error));
+                errors.push(Some(storable(error)));
             }
             Outcome::Dead { error } => {
                 delays.push(0);
-                errors.push(Some(error));
+                errors.push(Some(storable(error)));
             }
             Outcome::Sent | Outcome::Release => {
                 delays.push(0);
@@ -136,6 +246,7 @@ pub(crate) fn record(
             }
         }
     }
+    let errors: Vec<Option<&str>> = errors.iter().map(|e| e.as_deref()).collect();
     let slot: i16 = rand::thread_rng().gen_range(0..16);
     let rows = conn
         .query(
@@ -159,4 +270,35 @@ pub(crate) fn record(
         changed: count(0),
         sent: count(1),
     })
+}
+
+/// True when an error says the database or the path to it is in trouble, rather than that
+/// the statement's data is bad: such a failure is retried, never blamed on a row.
+pub(crate) fn is_infrastructure(error: &Error) -> bool {
+    let Some(db) = error.as_db_error() else {
+        // No server answer at all: I/O, a closed connection, the pool.
+        return true;
+    };
+    let code = db.code().code();
+    // 08 connection, 40 serialization or deadlock, 53 resources, 55P03 lock timeout,
+    // 57 operator intervention (statement timeout, shutdown), 58 system, XX internal.
+    ["08", "40", "53", "57", "58", "XX"]
+        .iter()
+        .any(|class| code.starts_with(class))
+        || code == "55P03"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storable_replaces_nul_and_caps_length() {
+        assert_eq!(storable("fine"), "fine");
+        assert_eq!(storable("a\0b"), "a\u{fffd}b");
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let cut = storable(&long);
+        assert!(cut.len() <= MAX_ERROR_BYTES + " [cut]".len());
+        assert!(cut.ends_with(" [cut]"));
+    }
 }

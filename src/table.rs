@@ -12,6 +12,7 @@ const SUFFIXES: &[&str] = &[
     "_counts",
     "_key",
     "_due",
+    "_unordered",
     "_agg",
     "_done",
 ];

@@ -800,7 +800,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 1);
+    assert_eq!(versions, 2);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;

@@ -25,9 +25,19 @@ use postgres_outbox::{
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
+/// Pooled connections a default relay keeps: one per worker (4) and the listener's.
+const RELAY_POOL: u32 = 5;
+
 /// A relay configuration whose publishers call `publish` for every record. The closure is
 /// shared by every publisher the factory builds.
 fn relay_config(
+    outbox: &Outbox,
+    publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
+) -> RelayConfig {
+    relay_config_with_pool(outbox, RELAY_POOL, publish)
+}
+
+fn relay_config_with_pool(
     outbox: &Outbox,
     pool_size: u32,
     publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
@@ -214,7 +224,7 @@ fn listener_pids(client: &mut Client, outbox: &Outbox) -> Vec<i32> {
 fn committed_publishes_once_and_rolled_back_never() {
     let (outbox, mut client) = common::outbox("rl_commit");
     let sink = Sink::default();
-    let relay = Relay::spawn(relay_config(&outbox, 3, sink.collect())).unwrap();
+    let relay = Relay::spawn(relay_config(&outbox, sink.collect())).unwrap();
 
     let mut tx = client.transaction().unwrap();
     outbox
@@ -286,7 +296,7 @@ fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
     let stuck = Gate::default();
     let first = {
         let (deliveries, stuck) = (deliveries.clone(), stuck.clone());
-        relay_config(&outbox, 3, move |record| {
+        relay_config(&outbox, move |record| {
             deliveries.push(record);
             stuck.pass();
             Ok(())
@@ -302,7 +312,7 @@ fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
     wait_until("the first publisher is stuck", || stuck.waiting() == 1);
 
     // The second relay finds the row once the first one's lease runs out.
-    let second = relay_config(&outbox, 3, deliveries.collect())
+    let second = relay_config(&outbox, deliveries.collect())
         .notify(false)
         .poll_interval(Duration::from_millis(50));
     let second = Relay::spawn(second).unwrap();
@@ -348,7 +358,7 @@ fn four_relays_publish_every_key_exactly_once() {
     let relays: Vec<Relay> = (0..4)
         .map(|_| {
             let seen = seen.clone();
-            let config = relay_config(&outbox, 3, move |record| {
+            let config = relay_config(&outbox, move |record| {
                 *seen.lock().unwrap().entry(record.key.clone()).or_default() += 1;
                 Ok(())
             })
@@ -398,7 +408,7 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
     let metrics = Counters::default();
     let failing = {
         let attempts = attempts.clone();
-        relay_config(&outbox, 3, move |record| {
+        relay_config(&outbox, move |record| {
             attempts.lock().unwrap().push(record.attempt);
             Err(PublishError::transient("broker says no"))
         })
@@ -439,7 +449,7 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
     let metrics = Counters::default();
     let rejecting = {
         let calls = calls.clone();
-        relay_config(&outbox, 2, move |record| {
+        relay_config(&outbox, move |record| {
             *calls.lock().unwrap().entry(record.key.clone()).or_default() += 1;
             Err(PublishError::permanent("schema rejected"))
         })
@@ -468,7 +478,7 @@ fn panicking_publisher_is_a_failed_attempt() {
     let metrics = Counters::default();
     let config = {
         let (sink, calls) = (sink.clone(), calls.clone());
-        relay_config(&outbox, 3, move |record| {
+        relay_config(&outbox, move |record| {
             if calls.fetch_add(1, Ordering::SeqCst) == 0 {
                 panic!("publisher bug");
             }
@@ -540,19 +550,26 @@ impl Publisher for Slow {
 #[test]
 fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
     let (outbox, mut client) = common::outbox("rl_shutdown");
+    // Two aggregates, so each worker holds a run of one of them: ten confirm rounds a batch.
+    let messages: Vec<Message> = numbered("s", 200)
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| m.aggregate_key(if i % 2 == 0 { "a" } else { "b" }))
+        .collect();
     let mut tx = client.transaction().unwrap();
-    let keys = outbox.enqueue_all(&mut tx, numbered("s", 200)).unwrap();
+    let keys = outbox.enqueue_all(&mut tx, messages).unwrap();
     tx.commit().unwrap();
 
     // A slow publisher (50 ms a record) that, after 20 records, also pauses until the test
-    // has begun the shutdown, so the relay is caught with claimed rows still queued.
+    // has begun the shutdown, so the relay is caught with claimed rows whose rounds have not
+    // started.
     let first = Sink::default();
     let pause = Gate::default();
     let handed: Arc<Mutex<HashSet<String>>> = Arc::default();
     let metrics = Counters::default();
     let slow = {
         let (first, pause, handed) = (first.clone(), pause.clone(), handed.clone());
-        RelayConfig::new(outbox.clone(), common::pool(3), move || {
+        RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
             Ok::<_, Infallible>(Slow {
                 sink: first.clone(),
                 pause: pause.clone(),
@@ -566,9 +583,7 @@ fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
     let relay = Relay::spawn(slow).unwrap();
 
     wait_until("both workers are paused", || pause.waiting() == 2);
-    // With both workers paused, a leased row no publisher was handed is queued (or about to
-    // be: the dispatcher queues what it claimed before it looks at the stop flag).
-    wait_until("claimed rows are queued behind the workers", || {
+    wait_until("claimed rows wait for their rounds", || {
         let handed = handed.lock().unwrap();
         client
             .query(
@@ -583,7 +598,10 @@ fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
             .any(|row| !handed.contains(row.get::<_, &str>(0)))
     });
     let stopping = thread::spawn(move || relay.shutdown(Duration::from_secs(10)));
-    wait_until("the queued rows are released", || metrics.released() > 0);
+    // The listener leaves as soon as the relay is stopping: only then let the rounds go on.
+    wait_until("the relay is stopping", || {
+        listener_pids(&mut client, &outbox).is_empty()
+    });
     pause.open();
     let report = stopping.join().unwrap().unwrap();
 
@@ -630,7 +648,7 @@ fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
 
     // The next relay publishes the rest, each as its first attempt.
     let second = Sink::default();
-    let relay = Relay::spawn(relay_config(&outbox, 3, second.collect()).batch_size(50)).unwrap();
+    let relay = Relay::spawn(relay_config(&outbox, second.collect()).batch_size(50)).unwrap();
     wait_until("the rest is published", || {
         second.len() + delivered.len() >= 200
     });
@@ -646,6 +664,15 @@ fn shutdown_mid_stream_records_finished_publishes_and_releases_the_rest() {
     let mut all: Vec<String> = delivered;
     all.extend(rest.into_iter().map(|r| r.key));
     assert_eq!(all.len(), 200, "no duplicates");
+    // Within each aggregate, every message went out after the ones before it.
+    for parity in 0..2 {
+        let seqs: Vec<usize> = all
+            .iter()
+            .map(|k| k.trim_start_matches("s-").parse::<usize>().unwrap())
+            .filter(|n| n % 2 == parity)
+            .collect();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    }
     assert_eq!(
         all.into_iter().collect::<HashSet<_>>(),
         keys.into_iter().collect::<HashSet<_>>()
@@ -660,7 +687,7 @@ fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later(
     let stuck = Gate::default();
     let config = {
         let (sink, stuck) = (sink.clone(), stuck.clone());
-        relay_config(&outbox, 2, move |record| {
+        relay_config(&outbox, move |record| {
             sink.push(record);
             stuck.pass();
             Ok(())
@@ -681,7 +708,7 @@ fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later(
     wait_until("the abandoned lease has run out", || {
         count(&mut client, &outbox, "lease_until <= now()") == 1
     });
-    let again = relay_config(&outbox, 2, sink.collect());
+    let again = relay_config(&outbox, sink.collect());
     assert_eq!(Relay::run_until_idle(&again).unwrap(), 1);
     assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
     assert_eq!(sink.keys(), [key.as_str(), key.as_str()]);
@@ -689,24 +716,24 @@ fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later(
 }
 
 #[test]
-fn a_record_whose_lease_ran_out_in_the_queue_is_handed_back_unpublished() {
-    let (outbox, mut client) = common::outbox("rl_queued");
+fn a_round_that_would_outlive_the_lease_is_handed_back_unpublished() {
+    let (outbox, mut client) = common::outbox("rl_late_round");
     enqueue(
         &mut client,
         &outbox,
         vec![
-            Message::new("t", "p").key("first"),
-            Message::new("t", "p").key("second"),
+            Message::new("t", "p").key("first").aggregate_key("agg"),
+            Message::new("t", "p").key("second").aggregate_key("agg"),
         ],
     );
-    // One worker, batches of one: "first" goes to the worker, which stalls on it, while
-    // "second" is claimed behind it and waits in the queue.
+    // One worker claims both as a run: "first" goes out in the first confirm round and
+    // stalls there past the lease, so "second"'s round would start on a lease already gone.
     let sink = Sink::default();
     let stall = Gate::default();
     let metrics = Counters::default();
     let config = {
         let (sink, stall) = (sink.clone(), stall.clone());
-        relay_config(&outbox, 2, move |record| {
+        relay_config(&outbox, move |record| {
             if record.key == "first" {
                 stall.pass();
             }
@@ -715,14 +742,14 @@ fn a_record_whose_lease_ran_out_in_the_queue_is_handed_back_unpublished() {
         })
     }
     .lease(Duration::from_secs(2))
-    .batch_size(1)
+    .batch_size(2)
     .concurrency(1)
     .notify(false)
     .poll_interval(Duration::from_millis(20))
     .metrics(metrics.clone());
     let relay = Relay::spawn(config).unwrap();
     wait_until("the worker is stalled", || stall.waiting() == 1);
-    wait_until("the queued row's lease has run out", || {
+    wait_until("the waiting row's lease has run out", || {
         count(
             &mut client,
             &outbox,
@@ -735,11 +762,8 @@ fn a_record_whose_lease_ran_out_in_the_queue_is_handed_back_unpublished() {
         count(&mut client, &outbox, "status = 'sent'") == 2
     });
     relay.shutdown(Duration::from_secs(10)).unwrap();
-    // The expired claim of "second" was handed back, never published. The row was then
-    // claimed afresh, either after the hand-back was recorded (attempt 1 again) or, since its
-    // lease had run out, just before (attempt 2, and the hand-back was fenced off); either
-    // way it went out once. ("first" ran past its lease too, so it may legitimately go out
-    // twice: that is at-least-once delivery, not what this test is about.)
+    // The expired claim of "second" was handed back, never published, and the row was then
+    // claimed afresh and went out once, after "first".
     assert_eq!(metrics.released(), 1, "the expired claim was handed back");
     let second = sink
         .records()
@@ -747,7 +771,11 @@ fn a_record_whose_lease_ran_out_in_the_queue_is_handed_back_unpublished() {
         .filter(|r| r.key == "second")
         .count();
     assert_eq!(second, 1, "published once, from a fresh claim");
-    assert_eq!(row_state(&mut client, &outbox, "second").0, "sent");
+    assert_eq!(sink.keys(), ["first", "second"]);
+    assert_eq!(
+        row_state(&mut client, &outbox, "second"),
+        ("sent".into(), 1)
+    );
 }
 
 #[test]
@@ -757,7 +785,7 @@ fn dropping_a_relay_stops_its_threads() {
     let token = Arc::new(());
     let config = {
         let token = token.clone();
-        relay_config(&outbox, 3, move |_| {
+        relay_config(&outbox, move |_| {
             let _held = &token;
             Ok(())
         })
@@ -802,7 +830,7 @@ fn each_aggregate_arrives_in_order_despite_a_failed_head() {
     let head_attempts = Arc::new(Mutex::new(Vec::new()));
     let config = {
         let (arrived, head_attempts) = (arrived.clone(), head_attempts.clone());
-        relay_config(&outbox, 3, move |record| {
+        relay_config_with_pool(&outbox, 9, move |record| {
             if record.key == "a-0" {
                 head_attempts.lock().unwrap().push(record.attempt);
                 if record.attempt == 1 {
@@ -966,8 +994,9 @@ fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
 fn a_listener_on_its_own_connection_wakes_the_relay_and_takes_none_from_the_pool() {
     let (outbox, mut client) = common::outbox("rl_own_listener");
     let sink = Sink::default();
-    // Two pooled connections: enough for claiming and recording, none for listening.
-    let config = relay_config(&outbox, 2, sink.collect())
+    // Two pooled connections: enough for two workers, none for listening.
+    let config = relay_config_with_pool(&outbox, 2, sink.collect())
+        .concurrency(2)
         .poll_interval(Duration::from_secs(3600))
         .listen_connection(common::database_url().parse().unwrap(), postgres::NoTls);
     let relay = Relay::spawn(config).unwrap();
@@ -985,7 +1014,7 @@ fn notify_wakes_an_idle_relay_and_survives_a_killed_listener() {
     let (outbox, mut client) = common::outbox("rl_notify");
     let sink = Sink::default();
     // Polling once an hour: within wait_until's 60 s, only a notification can wake it.
-    let config = relay_config(&outbox, 4, sink.collect()).poll_interval(Duration::from_secs(3600));
+    let config = relay_config(&outbox, sink.collect()).poll_interval(Duration::from_secs(3600));
     let relay = Relay::spawn(config).unwrap();
     wait_until("listening", || relay.is_listening());
 
@@ -1035,7 +1064,7 @@ fn notify_wakes_an_idle_relay_and_survives_a_killed_listener() {
 fn without_notify_polling_picks_rows_up() {
     let (outbox, mut client) = common::outbox("rl_poll");
     let sink = Sink::default();
-    let config = relay_config(&outbox, 2, sink.collect())
+    let config = relay_config(&outbox, sink.collect())
         .notify(false)
         .poll_interval(Duration::from_millis(100));
     let relay = Relay::spawn(config).unwrap();
@@ -1060,7 +1089,7 @@ fn without_notify_polling_picks_rows_up() {
 fn delayed_messages_wait_and_run_once_counts() {
     let (outbox, mut client) = common::outbox("rl_delay");
     let sink = Sink::default();
-    let config = relay_config(&outbox, 2, sink.collect()).batch_size(2);
+    let config = relay_config(&outbox, sink.collect()).batch_size(2);
 
     let later = enqueue_one(
         &mut client,
@@ -1169,7 +1198,7 @@ fn a_dead_head_stops_blocking_its_aggregate() {
     let sink = Sink::default();
     let config = {
         let sink = sink.clone();
-        relay_config(&outbox, 2, move |record| {
+        relay_config(&outbox, move |record| {
             sink.push(record);
             if record.topic == "poison" {
                 return Err(PublishError::permanent("cannot be routed"));
@@ -1178,13 +1207,15 @@ fn a_dead_head_stops_blocking_its_aggregate() {
         })
     }
     .batch_size(10);
-    // The first cycle can only claim the head; once it is dead, the next one is due.
-    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    // The first cycle claims both as a run; the head dies, so the rest of its run goes back
+    // untried (handled: one dead, one handed back), and is due now that its head is dead.
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
     assert_eq!(row_state(&mut client, &outbox, "x-0"), ("dead".into(), 1));
     assert_eq!(
         row_state(&mut client, &outbox, "x-1"),
         ("pending".into(), 0)
     );
+    assert_eq!(sink.keys(), ["x-0"]);
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
     assert_eq!(row_state(&mut client, &outbox, "x-1"), ("sent".into(), 1));
     assert_eq!(sink.keys(), ["x-0", "x-1"]);
@@ -1221,7 +1252,7 @@ fn publishers_are_rebuilt_after_factory_failures_and_breakage() {
     let metrics = Counters::default();
     let config = {
         let (sink, builds) = (sink.clone(), builds.clone());
-        RelayConfig::new(outbox.clone(), common::pool(2), move || {
+        RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
             if builds.fetch_add(1, Ordering::SeqCst) == 0 {
                 return Err(std::io::Error::other("broker unreachable"));
             }
@@ -1264,13 +1295,22 @@ fn publishers_are_rebuilt_after_factory_failures_and_breakage() {
 fn spawn_rejects_a_small_pool_and_an_unmigrated_table() {
     let (outbox, _client) = common::outbox("rl_spawn");
     let sink = Sink::default();
-    let err = Relay::spawn(relay_config(&outbox, 2, sink.collect())).unwrap_err();
+    // Four workers and a listener need five pooled connections; four workers alone, four.
+    let err = Relay::spawn(relay_config_with_pool(&outbox, 4, sink.collect())).unwrap_err();
     assert!(err.to_string().contains("pool"), "{err}");
-    let err = Relay::spawn(relay_config(&outbox, 1, sink.collect()).notify(false)).unwrap_err();
+    let err =
+        Relay::spawn(relay_config_with_pool(&outbox, 3, sink.collect()).notify(false)).unwrap_err();
     assert!(err.to_string().contains("pool"), "{err}");
+    // Connections of its own need none from the pool.
+    let own = relay_config_with_pool(&outbox, 1, sink.collect())
+        .connections(common::database_url().parse().unwrap(), postgres::NoTls);
+    Relay::spawn(own)
+        .unwrap()
+        .shutdown(Duration::from_secs(10))
+        .unwrap();
 
     let missing = Outbox::new(&common::unique_name("rl_never_migrated")).unwrap();
-    let err = Relay::spawn(relay_config(&missing, 3, sink.collect())).unwrap_err();
+    let err = Relay::spawn(relay_config(&missing, sink.collect())).unwrap_err();
     assert!(err.is_not_migrated(), "{err}");
 }
 
@@ -1278,7 +1318,7 @@ fn spawn_rejects_a_small_pool_and_an_unmigrated_table() {
 fn join_returns_when_the_table_is_dropped() {
     let (outbox, mut client) = common::outbox("rl_join");
     let sink = Sink::default();
-    let config = relay_config(&outbox, 2, sink.collect())
+    let config = relay_config(&outbox, sink.collect())
         .notify(false)
         .poll_interval(Duration::from_millis(20));
     let relay = Relay::spawn(config).unwrap();

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use amiquip::{AmqpValue, Channel, ConsumerMessage, ConsumerOptions, FieldTable};
 use crossbeam_channel::{after, bounded, select, Receiver, RecvTimeoutError, Sender};
@@ -19,8 +19,8 @@ use super::connect::{close_within, Endpoint};
 use super::publisher::ATTEMPT_HEADER;
 use super::Error;
 use crate::outbox::Outbox;
+use crate::pool::Pool;
 use crate::publish::HandlerError;
-use crate::relay::pool::Pool;
 use crate::retry::reconnect_delay;
 
 /// A delivery as the handler sees it.
@@ -272,7 +272,7 @@ impl Consumer {
         if self.stop.take().is_none() {
             return;
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::clock::deadline(timeout);
         loop {
             match self.done.recv_deadline(deadline) {
                 Ok(()) => continue,

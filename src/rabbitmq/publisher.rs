@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::time::{Duration, Instant, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use amiquip::{
     AmqpProperties, AmqpValue, Channel, Confirm, Connection, FieldTable, Publish, Return,
@@ -185,7 +185,7 @@ impl RabbitPublisher {
         tags: &mut HashMap<u64, usize>,
         results: &mut [Option<Result<(), PublishError>>],
     ) {
-        let deadline = Instant::now() + self.confirm_timeout;
+        let deadline = crate::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
             let confirm = match self.confirms.recv_deadline(deadline) {
                 Ok(confirm) => confirm,

@@ -10,15 +10,17 @@ use postgres::Socket;
 use r2d2_postgres::PostgresConnectionManager;
 
 use crate::error::{Error, Result};
-use crate::metrics::{Metrics, NoMetrics};
+use crate::metrics::{Guarded, Metrics, NoMetrics};
 use crate::outbox::{check_lease, check_retry, Outbox};
+use crate::pool::{connector, Connect, Pool, Source};
 use crate::publish::Publisher;
-use crate::relay::pool::Pool;
 use crate::retry::RetryPolicy;
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;
-pub(crate) type Connect = dyn Fn() -> Result<postgres::Client, postgres::Error> + Send + Sync;
+
+/// The default [`RelayConfig::max_in_flight_bytes`]: 64 MiB.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 
 /// How a [`Relay`](crate::Relay) runs: which outbox, which pool, how to build publishers, and
 /// its batching, leasing and retry settings. Consuming setters, like `r2d2::Builder`.
@@ -49,13 +51,17 @@ pub struct RelayConfig {
     pub(crate) factory: Arc<Factory>,
     pub(crate) batch_size: usize,
     pub(crate) concurrency: usize,
+    pub(crate) max_in_flight_bytes: usize,
     pub(crate) lease: Duration,
     pub(crate) poll_interval: Duration,
     pub(crate) drain_timeout: Duration,
     pub(crate) retry: RetryPolicy,
     pub(crate) notify: bool,
     pub(crate) metrics: Arc<dyn Metrics>,
+    /// Where the listener's connection comes from, when not from `connections` or the pool.
     pub(crate) listener: Option<Arc<Connect>>,
+    /// Where every relay connection comes from, when not from the pool.
+    pub(crate) own: Option<Arc<Connect>>,
 }
 
 impl fmt::Debug for RelayConfig {
@@ -64,6 +70,7 @@ impl fmt::Debug for RelayConfig {
             .field("outbox", &self.outbox)
             .field("batch_size", &self.batch_size)
             .field("concurrency", &self.concurrency)
+            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("lease", &self.lease)
             .field("poll_interval", &self.poll_interval)
             .field("drain_timeout", &self.drain_timeout)
@@ -105,23 +112,37 @@ impl RelayConfig {
             factory: Arc::new(factory),
             batch_size: 100,
             concurrency: 4,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             poll_interval: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(10),
             notify: true,
-            metrics: Arc::new(NoMetrics),
+            metrics: Arc::new(Guarded(NoMetrics)),
             listener: None,
+            own: None,
         }
     }
 
-    /// Rows claimed per statement (default 100). At most two batches are in the relay at once.
+    /// Rows one worker claims at most per claim (default 100). A worker holds one batch at a
+    /// time, from its claim until its outcomes are recorded, so the relay holds at most
+    /// `concurrency x batch_size` rows.
     pub fn batch_size(mut self, batch_size: usize) -> RelayConfig {
         self.batch_size = batch_size;
         self
     }
 
-    /// Publishing workers, each with its own publisher (default 4).
+    /// Workers (default 4). Each claims, publishes with a publisher of its own and records
+    /// the outcomes, on a database connection of its own; a worker whose publisher is busy
+    /// or stuck claims nothing more.
     pub fn concurrency(mut self, concurrency: usize) -> RelayConfig {
         self.concurrency = concurrency;
+        self
+    }
+
+    /// Payload bytes the relay holds at most between claim and recorded outcome (default
+    /// 64 MiB), shared evenly by the workers. A row larger than a worker's share is claimed
+    /// alone, so one huge message still moves; memory then peaks at one such row per worker.
+    pub fn max_in_flight_bytes(mut self, bytes: usize) -> RelayConfig {
+        self.max_in_flight_bytes = bytes;
         self
     }
 
@@ -129,6 +150,7 @@ impl RelayConfig {
     /// inside the relay counts against it; a record whose lease is nearly over is handed back
     /// rather than published.
     pub fn lease(mut self, lease: Duration) -> RelayConfig {
+        // (The time a record waits for its confirm round counts against the lease too.)
         self.lease = lease;
         self
     }
@@ -140,7 +162,8 @@ impl RelayConfig {
         self
     }
 
-    /// How long dropping the relay waits for publishes under way (default 10 s);
+    /// How long dropping the relay waits for publishes under way (default 10 s; any value,
+    /// `Duration::MAX` included, means at most that long);
     /// [`Relay::shutdown`](crate::Relay::shutdown) takes its own timeout.
     pub fn drain_timeout(mut self, drain_timeout: Duration) -> RelayConfig {
         self.drain_timeout = drain_timeout;
@@ -167,10 +190,46 @@ impl RelayConfig {
         self
     }
 
-    /// LISTEN on a connection of its own, opened from `config` with `tls` and never part of
-    /// the pool (recommended). Without it, the listener checks one connection out of the
-    /// pool and keeps it for its whole life (an r2d2 pool cannot open a connection outside
-    /// itself), UNLISTENing and draining it before handing it back.
+    /// Opens every connection the relay holds (each worker's, and the listener's) from
+    /// `config` with `tls`, outside the pool: recommended for production. The relay sets
+    /// TCP keepalives (probes after 10 s idle, every 5 s, three of them),
+    /// `tcp_user_timeout` 30 s and a 10 s connect timeout unless `config` is stricter, so a
+    /// dead or half-open database connection is noticed within about 30 s and replaced.
+    ///
+    /// With the pool instead, those TCP settings are whatever the pool's `Config` has;
+    /// either way the relay sets `statement_timeout` on its sessions (the lease, at most
+    /// 30 s), so a statement stuck behind a lock is cancelled and retried.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{publisher_fn, Outbox, RelayConfig};
+    /// # use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let url = "postgres://postgres@localhost/app";
+    /// let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
+    /// let config = RelayConfig::new(Outbox::new("orders_outbox")?, pool, || {
+    ///     Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())))
+    /// })
+    /// .connections(url.parse()?, NoTls);
+    /// # let _ = config;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> RelayConfig
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.own = Some(connector(config, tls));
+        self
+    }
+
+    /// LISTEN on a connection of its own, opened from `config` with `tls` (with the
+    /// liveness settings of [`connections`](RelayConfig::connections)) and never part of
+    /// the pool. Without it (or `connections`), the listener checks one connection out of
+    /// the pool and keeps it for its whole life, UNLISTENing and draining it before
+    /// handing it back.
     ///
     /// ```no_run
     /// # use postgres_outbox::{publisher_fn, Outbox, RelayConfig};
@@ -193,20 +252,48 @@ impl RelayConfig {
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        self.listener = Some(Arc::new(move || config.connect(tls.clone())));
+        self.listener = Some(connector(config, tls));
         self
     }
 
-    /// Where to report what the relay does.
+    /// Where to report what the relay does. A callback that panics is logged and ignored:
+    /// metrics never stop the relay.
     pub fn metrics(mut self, metrics: impl Metrics + 'static) -> RelayConfig {
-        self.metrics = Arc::new(metrics);
+        self.metrics = Arc::new(Guarded(metrics));
         self
     }
 
-    /// The pooled connections a running relay keeps: claiming, recording, and listening
-    /// unless it has a connection of its own.
+    /// Where the workers' connections come from.
+    pub(crate) fn worker_source(&self) -> Source {
+        match &self.own {
+            Some(connect) => Source::Own(connect.clone()),
+            None => Source::Pool(self.pool.clone()),
+        }
+    }
+
+    /// Where the listener's connection comes from.
+    pub(crate) fn listener_source(&self) -> Source {
+        match self.listener.as_ref().or(self.own.as_ref()) {
+            Some(connect) => Source::Own(connect.clone()),
+            None => Source::Pool(self.pool.clone()),
+        }
+    }
+
+    /// The pooled connections a running relay keeps: one per worker, and the listener's,
+    /// unless they are opened outside the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
-        2 + u32::from(self.notify && self.listener.is_none())
+        let workers = if self.own.is_some() {
+            0
+        } else {
+            u32::try_from(self.concurrency).unwrap_or(u32::MAX)
+        };
+        let listener = self.notify && self.listener_source().is_pool();
+        workers.saturating_add(u32::from(listener))
+    }
+
+    /// Payload bytes one worker may claim at once.
+    pub(crate) fn worker_bytes(&self) -> usize {
+        (self.max_in_flight_bytes / self.concurrency.max(1)).max(1)
     }
 
     pub(crate) fn validate(&self) -> Result<()> {

@@ -1,14 +1,15 @@
-//! The listener: waits on LISTEN/NOTIFY and wakes the dispatcher.
+//! The listener: waits on LISTEN/NOTIFY and wakes an idle worker.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{at, select};
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
-use super::pool::{Dedicated, Pooled};
 use super::Shared;
+use crate::clock;
 use crate::retry::reconnect_delay;
 
 /// How often the wait is cut short to see whether the relay is stopping.
@@ -16,54 +17,54 @@ const STOP_CHECK: Duration = Duration::from_millis(200);
 /// How often an idle connection is checked, to catch a peer that vanished silently.
 const LIVENESS_CHECK: Duration = Duration::from_secs(10);
 
-/// Listens until the relay stops, reconnecting with capped backoff.
+/// Listens until the relay stops, reconnecting with capped backoff. A panic (in the driver,
+/// say) is logged and the listener starts over; polling covers the gap meanwhile.
 ///
-/// The connection is the relay's own when `listen_connection` was set. Otherwise it is
-/// checked out of the pool and kept for the listener's whole life, so no other borrower
-/// shares it while it LISTENs; before going back it UNLISTENs and drops its buffered
-/// notifications, so it returns clean.
-pub(crate) fn run(shared: &Shared, wake: &Sender<()>) {
-    let config = &shared.config;
-    let table = config.outbox.table();
+/// The connection is the relay's own when `connections` or `listen_connection` was set.
+/// Otherwise it is checked out of the pool and kept for the listener's whole life, so no
+/// other borrower shares it while it LISTENs; before going back it UNLISTENs and drops its
+/// buffered notifications, so it returns clean.
+pub(crate) fn run(shared: &Shared) {
+    let table = shared.config.outbox.table();
     let mut failures = 0u32;
     while !shared.stopping() {
-        let connection = match &config.listener {
-            Some(connect) => connect()
-                .map(|client| Box::new(Dedicated(client)) as Pooled)
-                .map_err(crate::Error::Db),
-            None => config.pool.get(),
-        };
-        match connection {
-            Ok(mut conn) => {
-                if let Err(e) = listen(shared, &mut conn, wake, &mut failures) {
-                    log::warn!("outbox {table}: listener connection lost: {e}");
-                }
-                shared.listening.store(false, Ordering::SeqCst);
-                if !conn.is_closed() {
-                    let _ = conn.batch_execute("UNLISTEN *; RESET application_name");
-                    let _ = conn.notifications().iter().count();
-                }
-            }
-            Err(e) => log::warn!("outbox {table}: listener cannot get a connection: {e}"),
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            connect_and_listen(shared, &mut failures)
+        }));
+        shared.listening.store(false, Ordering::SeqCst);
+        if outcome.is_err() {
+            log::error!("outbox {table}: the listener panicked; starting it again");
         }
         if shared.stopping() {
             break;
         }
         failures += 1;
-        let until = Instant::now() + reconnect_delay(failures);
-        while Instant::now() < until && !shared.stopping() {
-            std::thread::sleep(STOP_CHECK.min(until.saturating_duration_since(Instant::now())));
+        select! {
+            recv(shared.stop) -> _ => {},
+            recv(at(clock::deadline(reconnect_delay(failures)))) -> _ => {},
         }
     }
     shared.listening.store(false, Ordering::SeqCst);
 }
 
-fn listen(
-    shared: &Shared,
-    client: &mut Client,
-    wake: &Sender<()>,
-    failures: &mut u32,
-) -> Result<(), String> {
+fn connect_and_listen(shared: &Shared, failures: &mut u32) {
+    let table = shared.config.outbox.table();
+    match shared.config.listener_source().connect() {
+        Ok(mut conn) => {
+            if let Err(e) = listen(shared, &mut conn, failures) {
+                log::warn!("outbox {table}: listener connection lost: {e}");
+            }
+            shared.listening.store(false, Ordering::SeqCst);
+            if !conn.is_closed() {
+                let _ = conn.batch_execute("UNLISTEN *; RESET application_name");
+                let _ = conn.notifications().iter().count();
+            }
+        }
+        Err(e) => log::warn!("outbox {table}: listener cannot get a connection: {e}"),
+    }
+}
+
+fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<(), String> {
     let config = &shared.config;
     let listen = &config.outbox.statements().listen;
     let db = |e: postgres::Error| crate::Error::Db(e).to_string();
@@ -78,8 +79,8 @@ fn listen(
         config.outbox.table(),
         config.outbox.channel()
     );
-    // Anything committed while we were not listening was not announced: poll once now.
-    let _ = wake.try_send(());
+    // Anything committed while we were not listening was not announced: look once now.
+    shared.wake_one();
     let mut last_check = Instant::now();
     while !shared.stopping() {
         let mut woken = false;
@@ -98,7 +99,7 @@ fn listen(
             while queued.next().map_err(db)?.is_some() {}
         }
         if woken {
-            let _ = wake.try_send(());
+            shared.wake_one();
         }
         // The iterator ends quietly on a closed connection as well as on a timeout.
         if client.is_closed() {

@@ -1,64 +1,97 @@
-//! The relay: threads that claim committed rows, publish them and record the outcomes.
+//! The relay: independent workers that each claim a batch, publish it and record the
+//! outcomes, and a listener that wakes them.
 //!
 //! ```text
-//!  listener ──wake──▶ dispatcher ──jobs──▶ worker × concurrency ──outcomes──▶ recorder
-//!  (LISTEN)           (claims)             (one publisher each)               (batched, fenced)
+//!  listener ──wake──▶ worker × concurrency
+//!  (LISTEN)           claim ─▶ publish in confirm rounds ─▶ record (fenced), on its own
+//!                     connection, with its own publisher
 //! ```
 //!
-//! The dispatcher claims the next batch while workers are still publishing the previous one,
-//! but never holds more than two batches, so memory stays bounded whatever the backlog.
+//! A worker holds one batch from claim to recorded outcome, so flow control is end to end:
+//! a relay whose workers are all busy (or stuck) claims nothing, and what it holds is bounded
+//! in rows (`concurrency x batch_size`) and bytes (`max_in_flight_bytes`). Several workers
+//! overlap one another's database and broker waits, which is what a pipeline between
+//! dedicated threads bought before, without the queues between them.
 
 mod config;
-mod dispatcher;
 mod listener;
-pub(crate) mod pool;
-mod recorder;
+mod rounds;
 mod worker;
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, never, unbounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{at, bounded, select, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use rand::Rng;
 
-pub use config::RelayConfig;
+pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 
+use crate::clock;
 use crate::error::{Error, Result};
-use crate::publish::Publisher;
-use crate::record::Record;
-use crate::retry::Outcome;
-use crate::store::{self, Conn};
-use pool::Session;
+use crate::pool::Session;
+use crate::retry::reconnect_delay;
+use crate::store;
+use worker::{Alone, Control, Cycle, Worker};
 
-/// A claimed slice of a batch, on its way to a worker.
-pub(crate) struct Job {
-    records: Vec<Record>,
-    claimed_at: Instant,
-    /// When the lease runs out, by this host's monotonic clock; conservative, since it is
-    /// measured from before the claim was sent.
-    deadline: Instant,
-}
+/// Panics in a row, with no cycle finishing in between, after which a worker gives up and
+/// stops the relay with an error rather than spin.
+const MAX_PANICS_IN_A_ROW: u32 = 5;
 
 /// State every relay thread shares.
 pub(crate) struct Shared {
     config: RelayConfig,
-    stopping: AtomicBool,
+    /// The one stop signal: dropped by shutdown or by a worker that cannot go on, after which
+    /// every thread's `stop` receiver reports disconnection.
+    stop_tx: Mutex<Option<Sender<()>>>,
+    stop: Receiver<()>,
+    /// Set by shutdown: when the threads must be done.
+    deadline: Mutex<Option<Instant>>,
+    /// Why the relay stopped on its own, if it did.
+    fatal: Mutex<Option<Error>>,
+    wake_tx: Sender<()>,
+    wake: Receiver<()>,
     listening: AtomicBool,
     published: AtomicU64,
     released: AtomicU64,
-    /// Records handed to a publisher whose outcome is not yet known.
-    publishing: AtomicU64,
-    /// Set by shutdown: when the threads must be done.
-    deadline: Mutex<Option<Instant>>,
+    /// Claimed rows whose outcomes are not recorded yet.
+    holding: AtomicU64,
 }
 
 impl Shared {
     fn stopping(&self) -> bool {
-        self.stopping.load(Ordering::SeqCst)
+        matches!(self.stop.try_recv(), Err(TryRecvError::Disconnected))
     }
 
-    /// True once shutting down and past its deadline.
+    /// Stops the relay; `fatal` is kept for `join` and `shutdown` (the first one wins).
+    fn stop_relay(&self, fatal: Option<Error>) {
+        if let Some(error) = fatal {
+            if let Ok(mut slot) = self.fatal.lock() {
+                slot.get_or_insert(error);
+            }
+        }
+        if let Ok(mut stop) = self.stop_tx.lock() {
+            stop.take();
+        }
+    }
+
+    fn take_fatal(&self) -> Option<Error> {
+        self.fatal.lock().ok().and_then(|mut slot| slot.take())
+    }
+
+    /// Wakes one idle worker (if none is idle, a busy one claims again anyway).
+    fn wake_one(&self) {
+        let _ = self.wake_tx.try_send(());
+    }
+}
+
+impl Control for Shared {
+    fn stopping(&self) -> bool {
+        Shared::stopping(self)
+    }
+
     fn out_of_time(&self) -> bool {
         self.stopping()
             && self
@@ -66,6 +99,26 @@ impl Shared {
                 .lock()
                 .map(|d| d.is_some_and(|d| Instant::now() >= d))
                 .unwrap_or(true)
+    }
+
+    fn holding(&self, n: usize, more: bool) {
+        if more {
+            self.holding.fetch_add(n as u64, Ordering::SeqCst);
+        } else {
+            self.holding.fetch_sub(n as u64, Ordering::SeqCst);
+        }
+    }
+
+    fn recorded(&self, sent: u64) {
+        self.published.fetch_add(sent, Ordering::SeqCst);
+    }
+
+    fn released(&self, n: usize) {
+        self.released.fetch_add(n as u64, Ordering::SeqCst);
+    }
+
+    fn more_due(&self) {
+        self.wake_one();
     }
 }
 
@@ -77,7 +130,8 @@ pub struct ShutdownReport {
     pub published: u64,
     /// Claimed records handed back unpublished, attempt counts restored.
     pub released: u64,
-    /// Records still inside a publisher when the timeout ran out. Their outcome is unknown:
+    /// Claimed records whose outcome was not recorded when the timeout ran out (their
+    /// worker was still inside a publisher, or still writing). Their outcome is unknown:
     /// their leases will expire and another relay will publish them again.
     pub abandoned: u64,
 }
@@ -104,15 +158,11 @@ pub struct ShutdownReport {
 /// ```
 pub struct Relay {
     shared: Arc<Shared>,
-    stop: Option<Sender<()>>,
-    dispatcher: Option<JoinHandle<Result<()>>>,
-    dispatcher_done: Receiver<()>,
     threads: Vec<JoinHandle<()>>,
+    /// Disconnected once every worker has ended.
     workers_done: Receiver<()>,
-    recorder_done: Receiver<()>,
     listener_done: Receiver<()>,
-    work: Receiver<Job>,
-    outcomes: Option<Sender<Vec<(Record, Outcome)>>>,
+    stopped: bool,
 }
 
 impl std::fmt::Debug for Relay {
@@ -124,10 +174,7 @@ impl std::fmt::Debug for Relay {
     }
 }
 
-fn spawn_named<T: Send + 'static>(
-    name: String,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<JoinHandle<T>> {
+fn spawn_named(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     thread::Builder::new()
         .name(name)
         .spawn(f)
@@ -138,82 +185,66 @@ impl Relay {
     /// Starts the relay's threads and returns at once.
     ///
     /// Fails if the configuration is invalid, the pool is too small for the relay's own
-    /// connections (two, three with notify), or the outbox table has not been migrated.
+    /// connections (one per worker, and the listener's, unless
+    /// [`RelayConfig::connections`] opens them outside the pool), or the outbox table has
+    /// not been migrated.
     pub fn spawn(config: RelayConfig) -> Result<Relay> {
         config.validate()?;
         let needed = config.connections_needed();
         if config.pool.max_size() < needed {
             return Err(Error::InvalidConfig(format!(
-                "the pool holds {} connections; the relay keeps {needed} checked out",
+                "the pool holds {} connections; the relay keeps {needed} checked out (one per \
+                 worker and the listener's), or open them outside it with connections()",
                 config.pool.max_size()
             )));
         }
-        let mut session = Session::new(config.pool.clone());
-        session.run(|conn| store::probe(conn, &config.outbox))?;
+        Session::new(config.worker_source(), String::new(), "")
+            .run(|conn| store::probe(conn, &config.outbox))?;
 
+        let (stop_tx, stop) = bounded::<()>(0);
+        let (wake_tx, wake) = bounded::<()>(config.concurrency);
         let shared = Arc::new(Shared {
             config,
-            stopping: AtomicBool::new(false),
+            stop_tx: Mutex::new(Some(stop_tx)),
+            stop,
+            deadline: Mutex::new(None),
+            fatal: Mutex::new(None),
+            wake_tx,
+            wake,
             listening: AtomicBool::new(false),
             published: AtomicU64::new(0),
             released: AtomicU64::new(0),
-            publishing: AtomicU64::new(0),
-            deadline: Mutex::new(None),
+            holding: AtomicU64::new(0),
         });
         let config = &shared.config;
-        let (stop_tx, stop_rx) = bounded::<()>(0);
-        let (work_tx, work_rx) = unbounded::<Job>();
-        let (done_tx, done_rx) = unbounded::<usize>();
-        let (outcome_tx, outcome_rx) = unbounded::<Vec<(Record, Outcome)>>();
-        let (dispatcher_alive, dispatcher_done) = bounded::<()>(0);
         let (workers_alive, workers_done) = bounded::<()>(0);
-        let (recorder_alive, recorder_done) = bounded::<()>(0);
         let (listener_alive, listener_done) = bounded::<()>(0);
-        let mut threads = Vec::new();
-
-        let wake_rx = if config.notify {
-            let (wake_tx, wake_rx) = bounded::<()>(1);
-            let shared = shared.clone();
-            threads.push(spawn_named("outbox-listener".into(), move || {
-                let _alive = listener_alive;
-                listener::run(&shared, &wake_tx);
-            })?);
-            wake_rx
-        } else {
-            drop(listener_alive);
-            never()
+        let mut relay = Relay {
+            shared: shared.clone(),
+            threads: Vec::new(),
+            workers_done,
+            listener_done,
+            stopped: false,
         };
-
-        {
+        if config.notify {
             let shared = shared.clone();
-            let mut session = session;
-            threads.push(spawn_named("outbox-recorder".into(), move || {
-                let _alive = recorder_alive;
-                recorder::run(&shared, &mut session, &outcome_rx);
-            })?);
+            relay
+                .threads
+                .push(spawn_named("outbox-listener".into(), move || {
+                    let _alive = listener_alive;
+                    listener::run(&shared);
+                })?);
         }
-
         for i in 0..config.concurrency {
             let shared = shared.clone();
-            let work_rx = work_rx.clone();
-            let stop_rx = stop_rx.clone();
-            let outcome_tx = outcome_tx.clone();
-            let done_tx = done_tx.clone();
             let alive = workers_alive.clone();
-            threads.push(spawn_named(format!("outbox-worker-{i}"), move || {
-                let _alive = alive;
-                worker::run(&shared, &work_rx, &stop_rx, &outcome_tx, &done_tx);
-            })?);
+            relay
+                .threads
+                .push(spawn_named(format!("outbox-worker-{i}"), move || {
+                    let _alive = alive;
+                    run_worker(&shared);
+                })?);
         }
-        drop(workers_alive);
-
-        let dispatcher = {
-            let shared = shared.clone();
-            spawn_named("outbox-dispatcher".into(), move || {
-                let _alive = dispatcher_alive;
-                dispatcher::run(&shared, &work_tx, &done_rx, &wake_rx, &stop_rx)
-            })?
-        };
         log::info!(
             "outbox {}: relay started (batch {}, concurrency {}, notify {})",
             config.outbox.table(),
@@ -221,18 +252,7 @@ impl Relay {
             config.concurrency,
             config.notify
         );
-        Ok(Relay {
-            shared,
-            stop: Some(stop_tx),
-            dispatcher: Some(dispatcher),
-            dispatcher_done,
-            threads,
-            workers_done,
-            recorder_done,
-            listener_done,
-            work: work_rx,
-            outcomes: Some(outcome_tx),
-        })
+        Ok(relay)
     }
 
     /// True while the listener holds a live LISTEN connection. Always false with
@@ -242,69 +262,55 @@ impl Relay {
     }
 
     /// Stops the relay: no more claims; claimed rows not yet handed to a publisher are
-    /// released at once with their attempt counts restored; publishes under way get until
-    /// `timeout` to finish and be recorded; then every thread is joined.
+    /// released with their attempt counts restored as soon as the confirm round under way
+    /// returns (idle workers hold none); publishes under way get until
+    /// `timeout` (any duration; `Duration::MAX` waits as long as it takes) to finish and be
+    /// recorded; then every thread is joined.
     ///
-    /// A publisher still running at the timeout cannot be interrupted: its records are
-    /// counted in [`ShutdownReport::abandoned`], their leases will expire, and its thread is
-    /// left to end when the publisher returns.
+    /// A publisher still running at the timeout cannot be interrupted: its worker's batch is
+    /// counted in [`ShutdownReport::abandoned`], its leases will expire, and its thread is
+    /// left to end when the publisher returns (recording what it can).
+    ///
+    /// Returns the error that stopped the relay on its own, if one did (a panic it could
+    /// not contain, say); a dropped table only ends the relay and is not an error here.
     pub fn shutdown(mut self, timeout: Duration) -> Result<ShutdownReport> {
         let report = self.stop(timeout);
-        match self.dispatcher_result() {
-            Err(e) if !e.is_not_migrated() => Err(e),
+        match self.shared.take_fatal() {
+            Some(e) if !e.is_not_migrated() => Err(e),
             _ => Ok(report),
         }
     }
 
-    /// Blocks until the relay stops on its own, which it does only on a fatal error (such
-    /// as its table being dropped), then shuts the rest down and returns that error.
+    /// Blocks until the relay stops on its own, which it does only on a fatal error (its
+    /// table was dropped, or a worker kept panicking), then shuts the rest down and returns
+    /// that error.
     pub fn join(mut self) -> Result<()> {
-        let _ = self.dispatcher_done.recv();
+        // Nothing is ever sent: this returns once the stop signal is dropped.
+        let _ = self.shared.stop.recv();
         let timeout = self.shared.config.drain_timeout;
         self.stop(timeout);
-        self.dispatcher_result()
-    }
-
-    fn dispatcher_result(&mut self) -> Result<()> {
-        match self.dispatcher.take() {
-            Some(handle) if handle.is_finished() => handle
-                .join()
-                .unwrap_or_else(|_| Err(Error::RelayDied("the dispatcher panicked".into()))),
-            _ => Ok(()),
+        match self.shared.take_fatal() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
     fn stop(&mut self, timeout: Duration) -> ShutdownReport {
-        let deadline = Instant::now() + timeout;
-        let shared = &self.shared;
-        if self.stop.take().is_none() {
+        if std::mem::replace(&mut self.stopped, true) {
             return self.report(0);
         }
+        let deadline = clock::deadline(timeout);
+        let shared = &self.shared;
         if let Ok(mut d) = shared.deadline.lock() {
             *d = Some(deadline);
         }
-        shared.stopping.store(true, Ordering::SeqCst);
+        shared.stop_relay(None);
         log::info!("outbox {}: relay stopping", shared.config.outbox.table());
-        wait(&self.dispatcher_done, deadline);
-
-        // Claimed but not started: hand back at once.
-        let mut queued = Vec::new();
-        while let Ok(job) = self.work.try_recv() {
-            queued.extend(job.records);
-        }
-        if let Some(outcomes) = &self.outcomes {
-            release(shared, outcomes, queued);
-        }
         wait(&self.workers_done, deadline);
-        let abandoned = shared.publishing.load(Ordering::SeqCst);
-
-        // The recorder ends once every outcome sender is gone; a stuck worker still holds
-        // one, so it is also told to finish by the deadline.
-        self.outcomes = None;
-        wait(&self.recorder_done, deadline);
+        let abandoned = shared.holding.load(Ordering::SeqCst);
         wait(
             &self.listener_done,
-            deadline.max(Instant::now() + Duration::from_secs(1)),
+            deadline.max(clock::deadline(Duration::from_secs(1))),
         );
         for handle in std::mem::take(&mut self.threads) {
             if handle.is_finished() {
@@ -331,12 +337,13 @@ impl Relay {
     }
 
     /// Claims one batch on the calling thread, publishes it with a fresh publisher from the
-    /// factory and records the outcomes; returns how many rows it handled (sent, retried or
-    /// dead). For cron jobs and tests; a running [`Relay`] needs no help.
+    /// factory and records the outcomes; returns how many rows it handled (sent, retried,
+    /// dead or handed back). For cron jobs and tests; a running [`Relay`] needs no help.
     pub fn run_once(config: &RelayConfig) -> Result<usize> {
         config.validate()?;
-        let mut publisher = (config.factory)().map_err(Error::Publisher)?;
-        cycle(config, publisher.as_mut())
+        let publisher = (config.factory)().map_err(Error::Publisher)?;
+        let mut worker = Worker::new(config, Some(publisher));
+        once(&mut worker)
     }
 
     /// Runs claim, publish and record cycles on the calling thread, with one publisher,
@@ -344,18 +351,26 @@ impl Relay {
     /// again once its backoff has passed, which may still be within this call.
     pub fn run_until_idle(config: &RelayConfig) -> Result<usize> {
         config.validate()?;
-        let mut publisher = (config.factory)().map_err(Error::Publisher)?;
+        let publisher = (config.factory)().map_err(Error::Publisher)?;
+        let mut worker = Worker::new(config, Some(publisher));
         let mut total = 0;
         loop {
-            let n = cycle(config, publisher.as_mut())?;
-            if n == 0 {
-                return Ok(total);
-            }
-            total += n;
-            if publisher.is_broken() {
-                publisher = (config.factory)().map_err(Error::Publisher)?;
+            match once(&mut worker)? {
+                0 => return Ok(total),
+                n => total += n,
             }
         }
+    }
+}
+
+/// One cycle for a lone caller: trouble that a running relay would wait out is an error here.
+fn once(worker: &mut Worker<'_>) -> Result<usize> {
+    match worker.cycle(&Alone)? {
+        Cycle::Idle => Ok(0),
+        Cycle::Worked(n) => Ok(n),
+        Cycle::Pause(_) => Err(Error::RelayDied(
+            "the database or the publisher factory failed; see the log".into(),
+        )),
     }
 }
 
@@ -366,35 +381,62 @@ impl Drop for Relay {
     }
 }
 
-/// One synchronous claim, publish and record.
-fn cycle(config: &RelayConfig, publisher: &mut dyn Publisher) -> Result<usize> {
-    let mut client = config.pool.get()?;
-    let mut conn = Conn::uncached(&mut **client);
-    let claimed_at = Instant::now();
-    let records = store::claim(&mut conn, &config.outbox, config.batch_size, config.lease)?;
-    if records.is_empty() {
-        return Ok(0);
+/// A worker thread: cycles until the relay stops. Between cycles it waits for a wake-up, its
+/// poll (jittered, so relays started together drift apart) or a pause to pass. A panic that
+/// escapes a cycle is contained: the worker starts over with a fresh connection and
+/// publisher, and only after several in a row stops the relay with an error.
+fn run_worker(shared: &Shared) {
+    let config = &shared.config;
+    let table = config.outbox.table();
+    let mut worker = Worker::new(config, None);
+    let mut panics = 0u32;
+    while !shared.stopping() {
+        let next = match catch_unwind(AssertUnwindSafe(|| worker.cycle(shared))) {
+            Ok(Ok(cycle)) => {
+                panics = 0;
+                cycle
+            }
+            Ok(Err(e)) => {
+                log::error!("outbox {table}: relay stopping: {e}");
+                shared.stop_relay(Some(e));
+                return;
+            }
+            Err(panic) => {
+                panics += 1;
+                let what = panic_message(panic.as_ref());
+                if panics >= MAX_PANICS_IN_A_ROW {
+                    log::error!("outbox {table}: a worker panicked {panics} times in a row ({what}); relay stopping");
+                    shared.stop_relay(Some(Error::RelayDied(format!(
+                        "a worker panicked {panics} times in a row: {what}"
+                    ))));
+                    return;
+                }
+                log::error!("outbox {table}: a worker panicked ({what}); starting it again");
+                worker.recover();
+                Cycle::Pause(reconnect_delay(panics))
+            }
+        };
+        let wait = match next {
+            Cycle::Worked(_) => continue,
+            Cycle::Pause(pause) => pause,
+            Cycle::Idle => config
+                .poll_interval
+                .mul_f64(rand::thread_rng().gen_range(0.5..=1.0)),
+        };
+        select! {
+            recv(shared.stop) -> _ => {},
+            recv(shared.wake) -> _ => {},
+            recv(at(clock::deadline(wait))) -> _ => {},
+        }
     }
-    config.metrics.claimed(records.len());
-    let outcomes = worker::attempt(config, publisher, &records, claimed_at);
-    let pairs: Vec<_> = records.iter().zip(outcomes.iter()).collect();
-    store::record(&mut conn, &config.outbox, &pairs)?;
-    Ok(records.len())
 }
 
-/// Hands records back unpublished through the recorder.
-fn release(shared: &Shared, outcomes: &Sender<Vec<(Record, Outcome)>>, records: Vec<Record>) {
-    if records.is_empty() {
-        return;
-    }
-    let n = records.len();
-    shared.released.fetch_add(n as u64, Ordering::SeqCst);
-    shared.config.metrics.released(n);
-    log::debug!(
-        "outbox {}: releasing {n} claimed rows",
-        shared.config.outbox.table()
-    );
-    let _ = outcomes.send(records.into_iter().map(|r| (r, Outcome::Release)).collect());
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".to_owned())
 }
 
 /// Waits until every holder of the channel's sender has gone, or the deadline passes.

@@ -1,114 +1,438 @@
-//! Workers: each owns a publisher and turns jobs into outcomes.
+//! A worker: claims a batch, publishes it in confirm rounds and records the outcomes, on a
+//! connection and with a publisher of its own.
+//!
+//! A worker holds one batch at a time, from its claim until its outcomes are recorded, so the
+//! relay's memory and the rows it keeps from other relays are bounded by its workers: a
+//! worker whose publisher or database is stuck claims nothing more.
 
+use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{after, select, Receiver, Sender};
-
 use super::config::RelayConfig;
-use super::{release, Job, Shared};
+use super::rounds::rounds;
+use crate::error::Result;
+use crate::pool::Session;
 use crate::publish::{PublishError, Publisher};
-use crate::record::Record;
-use crate::retry::reconnect_delay;
-use crate::retry::Outcome;
+use crate::record::{Fence, Record};
+use crate::retry::{reconnect_delay, Outcome};
+use crate::store::{self, ClaimRequest, Claimed};
 
-/// Publishes jobs until the work channel closes (the dispatcher stopped and the queue is
-/// empty). Once the relay is stopping, jobs not yet started are released instead.
-pub(crate) fn run(
-    shared: &Shared,
-    work: &Receiver<Job>,
-    stop: &Receiver<()>,
-    outcomes: &Sender<Vec<(Record, Outcome)>>,
-    done: &Sender<usize>,
-) {
-    let config = &shared.config;
-    let table = config.outbox.table();
-    let mut publisher: Option<Box<dyn Publisher>> = None;
-    let mut factory_failures = 0u32;
-    // How long a publish of one job takes, smoothed: a record whose lease would run out
-    // before a publish this long could finish is not worth starting.
-    let mut typical = Duration::ZERO;
+/// What the worker reports to whoever runs it; a lone caller (`Relay::run_once`) ignores it.
+pub(crate) trait Control {
+    /// True once the relay is shutting down: claim nothing, start no more rounds.
+    fn stopping(&self) -> bool {
+        false
+    }
+    /// True once shutting down and past the deadline: stop retrying anything.
+    fn out_of_time(&self) -> bool {
+        false
+    }
+    /// The worker now holds `n` more (`true`) or fewer (`false`) claimed rows whose
+    /// outcomes are not recorded yet.
+    fn holding(&self, _n: usize, _more: bool) {}
+    /// Outcomes were recorded: `sent` rows marked sent.
+    fn recorded(&self, _sent: u64) {}
+    /// `n` claimed rows were handed back unpublished.
+    fn released(&self, _n: usize) {}
+    /// A claim came back full: more may be due, so another idle worker should look too.
+    fn more_due(&self) {}
+}
 
-    while let Ok(job) = work.recv() {
-        let n = job.records.len();
-        if shared.stopping() {
-            release(shared, outcomes, job.records);
-            let _ = done.send(n);
-            continue;
+/// A lone caller: never stopping, counting nothing.
+pub(crate) struct Alone;
+
+impl Control for Alone {}
+
+/// What one cycle did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cycle {
+    /// Nothing was due.
+    Idle,
+    /// Rows were claimed and their outcomes decided (sent, retried, dead or released).
+    Worked(usize),
+    /// The database or the publisher factory is in trouble: wait this long first.
+    Pause(Duration),
+}
+
+pub(crate) struct Worker<'a> {
+    config: &'a RelayConfig,
+    session: Session,
+    publisher: Option<Box<dyn Publisher>>,
+    /// Where the next claim's aggregate scan starts.
+    cursor: Option<String>,
+    db_failures: u32,
+    factory_failures: u32,
+}
+
+/// Session settings of a relay connection. The statement timeout bounds a statement stuck
+/// behind a lock (or a server that stopped answering on a live socket): it is cancelled and
+/// retried rather than holding the worker's batch past its lease.
+fn session_setup(config: &RelayConfig) -> String {
+    let timeout = config.lease.min(Duration::from_secs(30)).as_millis();
+    format!(
+        "SET application_name = 'postgres-outbox relay'; \
+         SET statement_timeout = {timeout}; \
+         SET idle_in_transaction_session_timeout = {timeout}"
+    )
+}
+
+const SESSION_RESET: &str =
+    "RESET application_name; RESET statement_timeout; RESET idle_in_transaction_session_timeout";
+
+impl<'a> Worker<'a> {
+    pub(crate) fn new(config: &'a RelayConfig, publisher: Option<Box<dyn Publisher>>) -> Self {
+        Worker {
+            config,
+            session: Session::new(config.worker_source(), session_setup(config), SESSION_RESET),
+            publisher,
+            cursor: None,
+            db_failures: 0,
+            factory_failures: 0,
         }
-        // Capped at half the lease: `typical` only changes when something is published, so
-        // one publish slower than half the lease would otherwise make this worker hand back
-        // every later job, fresh ones included, forever.
-        let margin = (typical * 2).max(config.lease / 10).min(config.lease / 2);
-        if Instant::now() + margin >= job.deadline {
-            log::debug!(
-                "outbox {table}: {n} records waited too long for a worker; handing them back"
-            );
-            release(shared, outcomes, job.records);
-            let _ = done.send(n);
-            continue;
-        }
-        let records = job.records;
+    }
 
-        let live = match &mut publisher {
-            Some(p) => p,
-            None => {
-                match (config.factory)() {
-                    Ok(p) => {
-                        factory_failures = 0;
-                        publisher.insert(p)
-                    }
-                    Err(e) => {
-                        // No attempt was made, so none is counted: hand the rows back and wait
-                        // before trying the factory again.
-                        factory_failures += 1;
-                        let pause =
-                            reconnect_delay(factory_failures).max(Duration::from_millis(500));
-                        log::warn!("outbox {table}: could not build a publisher, retrying in {pause:?}: {e}");
-                        release(shared, outcomes, records);
-                        let _ = done.send(n);
-                        select! {
-                            recv(stop) -> _ => {},
-                            recv(after(pause)) -> _ => {},
-                        }
-                        continue;
-                    }
-                }
+    /// After a panic escaped a cycle: start again with a fresh connection and publisher.
+    /// The rows of that cycle stay leased and come back when the lease runs out.
+    pub(crate) fn recover(&mut self) {
+        self.publisher = None;
+        self.session.reset();
+    }
+
+    /// Claims one batch, publishes it and records the outcomes. Errors only when the relay
+    /// cannot go on (its table is gone); trouble with the database or the publisher comes
+    /// back as a pause.
+    pub(crate) fn cycle(&mut self, control: &dyn Control) -> Result<Cycle> {
+        if control.stopping() {
+            return Ok(Cycle::Idle);
+        }
+        let config = self.config;
+        let claimed_at = Instant::now();
+        let claimed = match self.claim() {
+            Ok(claimed) => claimed,
+            Err(e) if e.is_not_migrated() => return Err(e),
+            Err(e) => {
+                self.db_failures += 1;
+                let pause = reconnect_delay(self.db_failures);
+                log::warn!(
+                    "outbox {}: claim failed, retrying in {pause:?}: {e}",
+                    config.outbox.table()
+                );
+                self.session.reset();
+                return Ok(Cycle::Pause(pause));
             }
         };
-
-        shared
-            .publishing
-            .fetch_add(records.len() as u64, Ordering::SeqCst);
-        let started = Instant::now();
-        let results = attempt(config, live.as_mut(), &records, job.claimed_at);
-        let took = started.elapsed();
-        typical = if typical.is_zero() {
-            took
-        } else {
-            (typical * 7 + took) / 8
-        };
-        if live.is_broken() {
-            log::warn!("outbox {table}: publisher broke; building a new one");
-            publisher = None;
+        self.db_failures = 0;
+        let n = claimed.len();
+        if n == 0 {
+            return Ok(Cycle::Idle);
         }
-        let sent = results
-            .iter()
-            .filter(|o| matches!(o, Outcome::Sent))
-            .count();
-        log::debug!(
-            "outbox {table}: published {sent} of {} in {took:?}",
-            records.len()
+        log::debug!("outbox {}: claimed {n} rows", config.outbox.table());
+        let _held = Held::new(control, n);
+        config.metrics.claimed(n);
+        if n >= config.batch_size {
+            control.more_due();
+        }
+        // A lease is stamped by the database after the claim was sent, so measuring it from
+        // before is conservative.
+        let deadline = claimed_at + config.lease;
+        let mut outcomes = self.finish_unpublishable(&claimed);
+        let pause = self.publish(
+            claimed.records,
+            claimed_at,
+            deadline,
+            control,
+            &mut outcomes,
         );
-        let _ = outcomes.send(records.into_iter().zip(results).collect());
-        shared.publishing.fetch_sub(n as u64, Ordering::SeqCst);
-        let _ = done.send(n);
+        self.record(&outcomes, deadline, control)?;
+        Ok(match pause {
+            Some(pause) => Cycle::Pause(pause),
+            None => Cycle::Worked(n),
+        })
+    }
+
+    /// One claim; when a scan that started mid-way finds nothing, once more from the first
+    /// aggregate, so aggregates before the cursor are never skipped for a whole poll.
+    fn claim(&mut self) -> Result<Claimed> {
+        let config = self.config;
+        loop {
+            let request = ClaimRequest {
+                rows: config.batch_size,
+                bytes: config.worker_bytes(),
+                lease: config.lease,
+                after: self.cursor.as_deref(),
+                workers: config.concurrency,
+                max_attempts: config.retry.max_attempts,
+            };
+            let from_start = request.after.is_none();
+            let claimed = self
+                .session
+                .run(|conn| store::claim(conn, &config.outbox, &request))?;
+            self.cursor = claimed.cursor.clone();
+            if claimed.len() > 0 || from_start {
+                return Ok(claimed);
+            }
+        }
+    }
+
+    /// Rows the claim finished itself (dead after too many claims) and rows that cannot be
+    /// read: the latter become dead letters with the reason.
+    fn finish_unpublishable(&self, claimed: &Claimed) -> Vec<(Fence, Outcome)> {
+        let config = self.config;
+        let table = config.outbox.table();
+        for record in &claimed.dead {
+            log::error!(
+                "outbox {table}: {} dead: claimed {} times without an outcome",
+                record.key,
+                record.attempt
+            );
+            config.metrics.dead_lettered(record);
+        }
+        claimed
+            .undecodable
+            .iter()
+            .map(|(fence, reason)| {
+                log::error!("outbox {table}: row {} dead: {reason}", fence.id);
+                (
+                    *fence,
+                    Outcome::Dead {
+                        error: reason.clone(),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Publishes the batch in confirm rounds, adding an outcome for every record. A failed
+    /// record ends its aggregate's run: the rest of that run goes back unpublished, attempts
+    /// restored. So do all remaining records when the relay stops, when the lease is nearly
+    /// over, or when the publisher breaks. Returns a pause when no publisher could be built.
+    fn publish(
+        &mut self,
+        records: Vec<Record>,
+        claimed_at: Instant,
+        deadline: Instant,
+        control: &dyn Control,
+        outcomes: &mut Vec<(Fence, Outcome)>,
+    ) -> Option<Duration> {
+        let config = self.config;
+        let table = config.outbox.table();
+        let mut release = Vec::new();
+        let mut pause = None;
+        let mut failed: HashSet<String> = HashSet::new();
+        // Not worth starting a round that may outlive the lease: whoever claims the rows
+        // next would publish them again, and maybe ahead of this round's confirms.
+        let margin = config.lease / 10;
+        let mut rounds = rounds(records).into_iter();
+        for round in rounds.by_ref() {
+            let (go, held): (Vec<Record>, Vec<Record>) = round.into_iter().partition(|r| {
+                r.aggregate_key
+                    .as_ref()
+                    .is_none_or(|aggregate| !failed.contains(aggregate))
+            });
+            release.extend(held.iter().map(Record::fence));
+            if go.is_empty() {
+                continue;
+            }
+            if control.stopping() || Instant::now() + margin >= deadline {
+                release.extend(go.iter().map(Record::fence));
+                break;
+            }
+            let publisher = match self.publisher() {
+                Ok(publisher) => publisher,
+                Err(wait) => {
+                    pause = Some(wait);
+                    release.extend(go.iter().map(Record::fence));
+                    break;
+                }
+            };
+            let results = attempt(config, publisher.as_mut(), &go, claimed_at);
+            for (record, outcome) in go.iter().zip(results) {
+                if !matches!(outcome, Outcome::Sent) {
+                    if let Some(aggregate) = &record.aggregate_key {
+                        failed.insert(aggregate.clone());
+                    }
+                }
+                outcomes.push((record.fence(), outcome));
+            }
+            let broken = catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true);
+            if broken {
+                log::warn!("outbox {table}: publisher broke; building a new one");
+                self.publisher = None;
+                break;
+            }
+        }
+        release.extend(rounds.flatten().map(|r| r.fence()));
+        if !release.is_empty() {
+            log::debug!("outbox {table}: handing {} rows back", release.len());
+            control.released(release.len());
+            config.metrics.released(release.len());
+            outcomes.extend(release.into_iter().map(|fence| (fence, Outcome::Release)));
+        }
+        pause
+    }
+
+    /// The worker's publisher, built by the factory when there is none. A factory that fails
+    /// (or panics) costs no attempt: the rows go back and the worker waits before trying again.
+    fn publisher(&mut self) -> Result<&mut Box<dyn Publisher>, Duration> {
+        let config = self.config;
+        if self.publisher.is_none() {
+            let built = catch_unwind(AssertUnwindSafe(|| (config.factory)()))
+                .unwrap_or_else(|_| Err("the publisher factory panicked".into()));
+            match built {
+                Ok(publisher) => {
+                    self.factory_failures = 0;
+                    self.publisher = Some(publisher);
+                }
+                Err(e) => {
+                    self.factory_failures += 1;
+                    let pause =
+                        reconnect_delay(self.factory_failures).max(Duration::from_millis(500));
+                    log::warn!(
+                        "outbox {}: could not build a publisher, retrying in {pause:?}: {e}",
+                        config.outbox.table()
+                    );
+                    return Err(pause);
+                }
+            }
+        }
+        self.publisher.as_mut().ok_or(Duration::ZERO)
+    }
+
+    /// Records the batch's outcomes, retrying through database trouble while the lease
+    /// could still hold. If the batched statement is refused for its data, the outcomes are
+    /// written one by one, so one bad outcome never costs the others theirs.
+    fn record(
+        &mut self,
+        outcomes: &[(Fence, Outcome)],
+        deadline: Instant,
+        control: &dyn Control,
+    ) -> Result<()> {
+        let config = self.config;
+        let table = config.outbox.table();
+        let mut failures = 0;
+        loop {
+            match self
+                .session
+                .run(|conn| store::record(conn, &config.outbox, outcomes))
+            {
+                Ok(recorded) => {
+                    control.recorded(recorded.sent);
+                    let lost = outcomes.len() as u64 - recorded.changed;
+                    if lost > 0 {
+                        log::warn!(
+                            "outbox {table}: {lost} outcomes not recorded: their leases ran out \
+                             and the rows were claimed again"
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(e) if e.is_not_migrated() => return Err(e),
+                Err(e) if !store::is_infrastructure(&e) => {
+                    log::warn!(
+                        "outbox {table}: the batch of {} outcomes was refused ({e}); recording \
+                         them one by one",
+                        outcomes.len()
+                    );
+                    return self.record_one_by_one(outcomes, control);
+                }
+                Err(e) => {
+                    failures += 1;
+                    let pause = reconnect_delay(failures);
+                    if control.out_of_time() || Instant::now() + pause >= deadline {
+                        log::error!(
+                            "outbox {table}: giving up recording {} outcomes; the rows will be \
+                             claimed again when their leases run out: {e}",
+                            outcomes.len()
+                        );
+                        return Ok(());
+                    }
+                    log::warn!(
+                        "outbox {table}: recording outcomes failed, retrying in {pause:?}: {e}"
+                    );
+                    self.session.reset();
+                    sleep_unless_out_of_time(pause, control);
+                }
+            }
+        }
+    }
+
+    /// One statement per outcome; an outcome the database refuses makes its row a dead
+    /// letter with the database's reason, and if even that is refused the row is left to its
+    /// lease (and to the claim's attempt limit).
+    fn record_one_by_one(
+        &mut self,
+        outcomes: &[(Fence, Outcome)],
+        control: &dyn Control,
+    ) -> Result<()> {
+        let config = self.config;
+        let table = config.outbox.table();
+        for (fence, outcome) in outcomes {
+            let one = |session: &mut Session, outcome: Outcome| {
+                session.run(|conn| store::record(conn, &config.outbox, &[(*fence, outcome)]))
+            };
+            let refused = match one(&mut self.session, outcome.clone()) {
+                Ok(recorded) => {
+                    control.recorded(recorded.sent);
+                    continue;
+                }
+                Err(e) if e.is_not_migrated() => return Err(e),
+                Err(e) if store::is_infrastructure(&e) => {
+                    log::error!(
+                        "outbox {table}: giving up recording outcomes; the rows will be claimed \
+                         again when their leases run out: {e}"
+                    );
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            let reason = format!("the outcome of this attempt could not be stored: {refused}");
+            log::error!("outbox {table}: row {} dead: {reason}", fence.id);
+            if let Err(e) = one(&mut self.session, Outcome::Dead { error: reason }) {
+                log::error!(
+                    "outbox {table}: row {} cannot be dead-lettered either; it stays leased \
+                     until its lease runs out: {e}",
+                    fence.id
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts a batch as held until its outcomes are recorded, or given up, or a panic unwinds.
+struct Held<'c> {
+    control: &'c dyn Control,
+    n: usize,
+}
+
+impl<'c> Held<'c> {
+    fn new(control: &'c dyn Control, n: usize) -> Held<'c> {
+        control.holding(n, true);
+        Held { control, n }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.control.holding(self.n, false);
+    }
+}
+
+/// Sleeps `pause`, cut short once a shutting-down relay is out of time.
+fn sleep_unless_out_of_time(pause: Duration, control: &dyn Control) {
+    let until = Instant::now() + pause;
+    while !control.out_of_time() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
     }
 }
 
 /// Publishes `records` and decides each one's outcome. A panicking publisher is a failed
-/// attempt for the whole batch, never a dead relay.
+/// attempt for the whole slice, never a dead relay.
 pub(crate) fn attempt(
     config: &RelayConfig,
     publisher: &mut dyn Publisher,

@@ -1,0 +1,24 @@
+//! Deadlines that saturate instead of overflowing.
+
+use std::time::{Duration, Instant};
+
+/// A century: "never" for any deadline a caller can mean.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `Instant::now() + after`, capped at a century so that `Duration::MAX` means "wait for
+/// ever" rather than an overflow panic.
+pub(crate) fn deadline(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after.min(FOREVER)).unwrap_or(now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_timeouts_saturate() {
+        assert!(deadline(Duration::MAX) > Instant::now() + Duration::from_secs(3600));
+        assert!(deadline(Duration::ZERO) <= Instant::now());
+    }
+}

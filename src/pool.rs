@@ -1,0 +1,182 @@
+//! Database plumbing shared by the relay and the consumer: a pool with its TLS type erased,
+//! connections opened outside it, and the long-lived sessions threads hold.
+
+use std::ops::DerefMut;
+use std::sync::Arc;
+use std::time::Duration;
+
+use postgres::tls::{MakeTlsConnect, TlsConnect};
+use postgres::{Client, Socket};
+use r2d2_postgres::PostgresConnectionManager;
+
+use crate::error::{Error, Result};
+use crate::store::{Conn, StatementCache};
+
+/// A checked-out connection.
+pub(crate) type Pooled = Box<dyn DerefMut<Target = Client> + Send>;
+
+/// Opens a connection outside any pool.
+pub(crate) type Connect = dyn Fn() -> Result<Client, postgres::Error> + Send + Sync;
+
+/// A pool of PostgreSQL connections, whatever its TLS connector.
+pub(crate) trait Pool: Send + Sync {
+    fn get(&self) -> Result<Pooled>;
+    fn max_size(&self) -> u32;
+}
+
+impl<T> Pool for r2d2::Pool<PostgresConnectionManager<T>>
+where
+    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    fn get(&self) -> Result<Pooled> {
+        Ok(Box::new(r2d2::Pool::get(self)?))
+    }
+
+    fn max_size(&self) -> u32 {
+        r2d2::Pool::max_size(self)
+    }
+}
+
+/// How long the kernel may wait on an unacknowledged send, or on an idle connection's
+/// keepalive probes, before it declares the peer gone.
+pub(crate) const TCP_DEAD_AFTER: Duration = Duration::from_secs(30);
+
+/// A connector for connections of our own, with the liveness settings a long-lived relay
+/// connection needs unless the caller chose stricter ones: keepalive probes after 10 s idle,
+/// every 5 s, three of them; `tcp_user_timeout` 30 s; a 10 s connect timeout. A peer that
+/// vanished (or a half-open connection) is then noticed within about 30 s.
+pub(crate) fn connector<T>(mut config: postgres::Config, tls: T) -> Arc<Connect>
+where
+    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    config.keepalives(true);
+    if config.get_keepalives_idle() > Duration::from_secs(10) {
+        config.keepalives_idle(Duration::from_secs(10));
+    }
+    if config
+        .get_keepalives_interval()
+        .is_none_or(|d| d > Duration::from_secs(5))
+    {
+        config.keepalives_interval(Duration::from_secs(5));
+    }
+    if config.get_keepalives_retries().is_none_or(|n| n > 3) {
+        config.keepalives_retries(3);
+    }
+    if config
+        .get_tcp_user_timeout()
+        .is_none_or(|d| d.is_zero() || *d > TCP_DEAD_AFTER)
+    {
+        config.tcp_user_timeout(TCP_DEAD_AFTER);
+    }
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(10));
+    }
+    Arc::new(move || config.connect(tls.clone()))
+}
+
+/// A connection opened outside the pool, handled as the pool's connections are.
+pub(crate) struct Dedicated(pub(crate) Client);
+
+impl std::ops::Deref for Dedicated {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.0
+    }
+}
+
+impl DerefMut for Dedicated {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.0
+    }
+}
+
+/// Where a session's connections come from.
+#[derive(Clone)]
+pub(crate) enum Source {
+    Pool(Arc<dyn Pool>),
+    Own(Arc<Connect>),
+}
+
+impl Source {
+    pub(crate) fn connect(&self) -> Result<Pooled> {
+        match self {
+            Source::Pool(pool) => pool.get(),
+            Source::Own(connect) => Ok(Box::new(Dedicated(connect().map_err(Error::Db)?))),
+        }
+    }
+
+    pub(crate) fn is_pool(&self) -> bool {
+        matches!(self, Source::Pool(_))
+    }
+}
+
+/// A connection a thread keeps, with its prepared statements and session settings. A broken
+/// connection is dropped and the next call opens (or checks out) a fresh one. A pooled
+/// connection gets its settings reset before it goes back.
+pub(crate) struct Session {
+    source: Source,
+    /// Run on every new connection, as one simple query.
+    setup: String,
+    /// Run before a pooled connection goes back.
+    reset: &'static str,
+    conn: Option<(Pooled, StatementCache)>,
+}
+
+impl Session {
+    /// A session whose connections run `setup` first and `reset` before going back.
+    pub(crate) fn new(source: Source, setup: String, reset: &'static str) -> Session {
+        Session {
+            source,
+            setup,
+            reset,
+            conn: None,
+        }
+    }
+
+    /// Runs `f` on the session's connection, opening one first if needed.
+    pub(crate) fn run<R>(
+        &mut self,
+        f: impl FnOnce(&mut Conn<'_, Client>) -> Result<R>,
+    ) -> Result<R> {
+        let (client, cache) = match &mut self.conn {
+            Some(conn) => conn,
+            None => {
+                let mut client = self.source.connect()?;
+                if !self.setup.is_empty() {
+                    client.batch_execute(&self.setup).map_err(Error::Db)?;
+                }
+                self.conn.insert((client, StatementCache::default()))
+            }
+        };
+        let result = f(&mut Conn {
+            client: &mut **client,
+            cache: Some(cache),
+        });
+        if result.is_err() && client.is_closed() {
+            self.conn = None;
+        }
+        result
+    }
+
+    /// Closes (or returns) the connection, so the next call starts afresh.
+    pub(crate) fn reset(&mut self) {
+        if let Some((mut client, _)) = self.conn.take() {
+            if self.source.is_pool() && !client.is_closed() && !self.reset.is_empty() {
+                let _ = client.batch_execute(self.reset);
+            }
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.reset();
+    }
+}

@@ -1,0 +1,70 @@
+//! Confirm rounds: the order in which a claimed batch is handed to a publisher.
+
+use std::collections::HashMap;
+
+use crate::record::Record;
+
+/// Splits a batch (in id order) into rounds: round `k` holds the `k`-th record of every
+/// aggregate's run, and round 0 also every record without an aggregate key.
+///
+/// Round `k + 1` goes to the publisher only once round `k`'s outcomes are known, so no
+/// message is handed over before the one ahead of it in its aggregate is confirmed, while
+/// different aggregates (and unordered records) still share every round, pipelined.
+pub(crate) fn rounds(records: Vec<Record>) -> Vec<Vec<Record>> {
+    let mut depth: HashMap<String, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<Record>> = Vec::new();
+    for record in records {
+        let k = match &record.aggregate_key {
+            None => 0,
+            Some(aggregate) => {
+                let next = depth.entry(aggregate.clone()).or_insert(0);
+                *next += 1;
+                *next - 1
+            }
+        };
+        if rounds.len() <= k {
+            rounds.resize_with(k + 1, Vec::new);
+        }
+        rounds[k].push(record);
+    }
+    rounds
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: i64, aggregate: Option<&str>) -> Record {
+        Record {
+            id,
+            key: id.to_string(),
+            topic: "t".into(),
+            aggregate_key: aggregate.map(str::to_owned),
+            payload: Vec::new(),
+            content_type: None,
+            headers: Vec::new(),
+            attempt: 1,
+            max_attempts: None,
+            created_at: std::time::SystemTime::now(),
+            lease: None,
+        }
+    }
+
+    #[test]
+    fn each_round_holds_one_record_per_aggregate_in_order() {
+        let batch = vec![
+            record(1, Some("a")),
+            record(2, None),
+            record(3, Some("a")),
+            record(4, Some("b")),
+            record(5, None),
+            record(6, Some("a")),
+        ];
+        let ids: Vec<Vec<i64>> = rounds(batch)
+            .iter()
+            .map(|round| round.iter().map(|r| r.id).collect())
+            .collect();
+        assert_eq!(ids, vec![vec![1, 2, 4, 5], vec![3], vec![6]]);
+        assert!(rounds(Vec::new()).is_empty());
+    }
+}
