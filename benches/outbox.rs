@@ -3,6 +3,8 @@
 //! ```text
 //! cargo bench --bench outbox              # everything
 //! cargo bench --bench outbox enqueue      # only benchmarks whose name contains "enqueue"
+//! cargo bench --bench outbox ordered      # the relay on ordered backlogs, per shape
+//! cargo bench --bench outbox rss          # the relay's memory on 1 MiB payloads
 //! ```
 //!
 //! Prints one line per measurement, `bench=<name> key=value ... rate=<operations per second>`:
@@ -11,13 +13,26 @@
 //!   message, with `ratio=` its rate over `business` at the same thread count (the three
 //!   take turns in 5 rounds, so load changes during the run hit them alike);
 //! - `enqueue_all`: 1,000 messages per `enqueue_all` transaction, in rows per second;
-//! - `relay`: `Relay` draining pre-filled rows into an in-process no-op publisher, rows/s.
+//! - `relay`: `Relay` draining pre-filled rows into an in-process no-op publisher, rows/s;
+//! - `ordered shape=unordered|unique|agg40|hot1`: `Relay` with default settings draining a
+//!   backlog of 512-byte rows with no aggregate key, each row its own aggregate, rows
+//!   round-robin over 40 aggregates, or all in one aggregate, into a no-op publisher;
+//!   `vs_unordered=` is its rate over `unordered`'s. A shape still draining after the time cap
+//!   gets its rate from the rows sent so far, with `sent=<rows> capped=true`;
+//! - `rss`: `Relay` with default settings draining rows of 1 MiB payloads into a no-op
+//!   publisher: `rate=`, `peak_rss_mib=` (VmHWM) and `baseline_rss_mib=` (VmRSS after the
+//!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
+//!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
+//!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`.
 //!
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`), `OUTBOX_BENCH_SECS` (seconds per producer
 //! variant and thread count, default 5), `OUTBOX_BENCH_THREADS` (default `1,4,16`), `OUTBOX_BENCH_ROWS`
-//! (rows the relay drains, default 100000).
+//! (rows the relay drains, default 100000), `OUTBOX_BENCH_ORDERED_ROWS` (backlog per
+//! `ordered` shape, default 20000), `OUTBOX_BENCH_ORDERED_CAP_SECS` (time cap per shape,
+//! default 120), `OUTBOX_BENCH_RSS_ROWS` (1 MiB rows for `rss`, default 2000: 2 GiB through
+//! the relay, though the repeated bytes compress to a few MB on disk).
 
 use std::error::Error;
 use std::str::FromStr;
@@ -27,7 +42,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use postgres::{Client, NoTls};
-use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig};
+use postgres_outbox::{publisher_fn, Message, Metrics, Outbox, Record, Relay, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 type Result<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
@@ -40,10 +55,19 @@ const RELAY_BATCHES: [usize; 2] = [100, 500];
 const RELAY_CONCURRENCY: usize = 4;
 const RELAY_POOL_SIZE: u32 = 8;
 const RELAY_TIMEOUT: Duration = Duration::from_secs(300);
+/// Pool for the `ordered` and `rss` relays, which otherwise keep default settings.
+const DEFAULT_RELAY_POOL_SIZE: u32 = 16;
+const RSS_PAYLOAD_BYTES: usize = 1 << 20;
+/// How often `stats()` is asked whether the last rows are recorded sent.
+const STATS_POLL: Duration = Duration::from_millis(50);
 
 fn main() -> Result<()> {
     let settings = Settings::from_env()?;
     let scratch = Scratch::create(&settings.url)?;
+    // First: its peak RSS should owe nothing to the other benchmarks.
+    if settings.wants("rss") {
+        rss(&settings, &scratch)?;
+    }
     let enqueue = settings.wants("enqueue");
     if enqueue || settings.wants("business") {
         producers(&settings, &scratch, enqueue)?;
@@ -56,6 +80,9 @@ fn main() -> Result<()> {
             relay(&settings, &scratch, batch)?;
         }
     }
+    if settings.wants("ordered") {
+        ordered(&settings, &scratch)?;
+    }
     Ok(())
 }
 
@@ -66,6 +93,9 @@ struct Settings {
     secs: Duration,
     threads: Vec<usize>,
     relay_rows: usize,
+    ordered_rows: usize,
+    ordered_cap: Duration,
+    rss_rows: usize,
     filter: Option<String>,
 }
 
@@ -84,6 +114,9 @@ impl Settings {
                 .map(|t| t.trim().parse())
                 .collect::<std::result::Result<_, _>>()?,
             relay_rows: env_or("OUTBOX_BENCH_ROWS", 100_000)?,
+            ordered_rows: env_or("OUTBOX_BENCH_ORDERED_ROWS", 20_000)?,
+            ordered_cap: Duration::from_secs_f64(env_or("OUTBOX_BENCH_ORDERED_CAP_SECS", 120.0)?),
+            rss_rows: env_or("OUTBOX_BENCH_RSS_ROWS", 2_000)?,
             // `cargo bench` passes `--bench`; the first other argument is the filter.
             filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
         })
@@ -159,6 +192,27 @@ impl Scratch {
         Ok(outbox)
     }
 
+    /// Drops `outbox`'s tables: the outbox and every `<outbox>_*` table its migrations made.
+    fn drop_outbox(&self, client: &mut Client, outbox: &Outbox) -> Result<()> {
+        let name = outbox
+            .table()
+            .strip_prefix(&format!("{}.", self.schema))
+            .ok_or("outbox outside the scratch schema")?;
+        let tables: Vec<String> = client
+            .query(
+                "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
+                 WHERE schemaname = $1 AND (tablename = $2 OR starts_with(tablename, $2 || '_'))",
+                &[&self.schema, &name],
+            )?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        if !tables.is_empty() {
+            client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
+        }
+        Ok(())
+    }
+
     fn pool(&self, size: u32) -> Result<r2d2::Pool<PostgresConnectionManager<NoTls>>> {
         let manager = PostgresConnectionManager::new(self.url.parse()?, NoTls);
         Ok(r2d2::Pool::builder().max_size(size).build(manager)?)
@@ -193,7 +247,7 @@ impl Line {
 
     fn rate(self, ops: u64, took: Duration) -> Line {
         self.kv("secs", format!("{:.2}", took.as_secs_f64()))
-            .kv("rate", format!("{:.0}", rate(ops, took)))
+            .kv("rate", fmt_rate(rate(ops, took)))
     }
 
     fn print(self) {
@@ -203,6 +257,15 @@ impl Line {
 
 fn rate(ops: u64, took: Duration) -> f64 {
     ops as f64 / took.as_secs_f64()
+}
+
+/// A rate as a whole number, or with a decimal below 10 so that a crawl does not print 0.
+fn fmt_rate(rate: f64) -> String {
+    if rate < 10.0 {
+        format!("{rate:.1}")
+    } else {
+        format!("{rate:.0}")
+    }
 }
 
 fn payload() -> Vec<u8> {
@@ -388,34 +451,233 @@ fn relay(settings: &Settings, scratch: &Scratch, batch: usize) -> Result<()> {
     prefill(&mut client, &outbox, rows)?;
     stats_cost(&mut client, &outbox, "pending", rows, "after_fill")?;
 
-    let published = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&published);
-    let config = RelayConfig::new(outbox.clone(), scratch.pool(RELAY_POOL_SIZE)?, move || {
-        let counter = Arc::clone(&counter);
-        Ok::<_, std::io::Error>(publisher_fn(move |_| {
-            counter.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        }))
-    })
-    .batch_size(batch)
-    .concurrency(RELAY_CONCURRENCY);
-    let started = Instant::now();
-    let relay = Relay::spawn(config)?;
-    let drained = wait_until_sent(&mut client, &outbox, &published, rows as u64);
-    let took = started.elapsed();
-    relay.shutdown(Duration::from_secs(10))?;
-    drained?;
+    let config = RelayConfig::new(outbox.clone(), scratch.pool(RELAY_POOL_SIZE)?, no_op)
+        .batch_size(batch)
+        .concurrency(RELAY_CONCURRENCY);
+    let drained = drain(&mut client, &outbox, config, rows, RELAY_TIMEOUT)?.complete()?;
     Line::new("relay")
         .kv("batch", batch)
         .kv("concurrency", RELAY_CONCURRENCY)
         .kv("rows", rows)
-        .rate(rows as u64, took)
+        .rate(drained.sent, drained.took)
         .print();
     // Right after the drain the due index still points at every dead row version; once
     // (auto)vacuum has run, only the counters stand for the sent rows.
     stats_cost(&mut client, &outbox, "sent", rows, "before_vacuum")?;
     client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
     stats_cost(&mut client, &outbox, "sent", rows, "after_vacuum")
+}
+
+/// How messages of a backlog are spread over aggregates.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    /// No aggregate key: no ordering to keep.
+    Unordered,
+    /// Each row its own aggregate.
+    Unique,
+    /// Rows round-robin over 40 aggregates.
+    Agg40,
+    /// Every row in one aggregate.
+    Hot1,
+}
+
+impl Shape {
+    /// `Unordered` first: the others are measured against it.
+    const ALL: [Shape; 4] = [Shape::Unordered, Shape::Unique, Shape::Agg40, Shape::Hot1];
+
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Unordered => "unordered",
+            Shape::Unique => "unique",
+            Shape::Agg40 => "agg40",
+            Shape::Hot1 => "hot1",
+        }
+    }
+
+    /// The aggregate key of row `i` (1-based), as SQL.
+    fn aggregate_key_sql(self) -> &'static str {
+        match self {
+            Shape::Unordered => "NULL",
+            Shape::Unique => "'agg-' || i",
+            Shape::Agg40 => "'agg-' || (i % 40)",
+            Shape::Hot1 => "'agg-0'",
+        }
+    }
+}
+
+/// Each shape's backlog of `ordered_rows` 512-byte rows, drained by a relay with default
+/// settings into a no-op publisher, against the unordered backlog's rate.
+fn ordered(settings: &Settings, scratch: &Scratch) -> Result<()> {
+    let rows = settings.ordered_rows;
+    let mut client = scratch.client()?;
+    let mut unordered = None;
+    for shape in Shape::ALL {
+        let outbox = scratch.outbox(false)?;
+        prefill_rows(&mut client, &outbox, rows, PAYLOAD_BYTES, shape)?;
+        let config = RelayConfig::new(
+            outbox.clone(),
+            scratch.pool(DEFAULT_RELAY_POOL_SIZE)?,
+            no_op,
+        );
+        let drained = drain(&mut client, &outbox, config, rows, settings.ordered_cap)?;
+        let unordered = *unordered.get_or_insert(drained.rate());
+        let mut line = Line::new("ordered")
+            .kv("shape", shape.name())
+            .kv("rows", rows)
+            .rate(drained.sent, drained.took)
+            .kv("vs_unordered", ratio(drained.rate(), unordered));
+        if drained.capped {
+            line = line.kv("sent", drained.sent).kv("capped", true);
+        }
+        line.print();
+        scratch.drop_outbox(&mut client, &outbox)?;
+    }
+    Ok(())
+}
+
+/// `rss_rows` rows of 1 MiB drained by a relay with default settings into a no-op
+/// publisher: the relay's rate and the process's peak resident memory.
+fn rss(settings: &Settings, scratch: &Scratch) -> Result<()> {
+    let rows = settings.rss_rows;
+    let outbox = scratch.outbox(false)?;
+    let mut client = scratch.client()?;
+    prefill_rows(
+        &mut client,
+        &outbox,
+        rows,
+        RSS_PAYLOAD_BYTES,
+        Shape::Unordered,
+    )?;
+    let pool = scratch.pool(DEFAULT_RELAY_POOL_SIZE)?;
+    // VmHWM is the process's peak so far; start it again from here (Linux 4.0+).
+    if let Err(e) = std::fs::write("/proc/self/clear_refs", "5") {
+        eprintln!("could not reset VmHWM ({e}): peak_rss_mib is the whole process's peak");
+    }
+    let baseline = proc_status_mib("VmRSS")?;
+    let config = RelayConfig::new(outbox.clone(), pool, no_op);
+    let drained = drain(&mut client, &outbox, config, rows, RELAY_TIMEOUT)?.complete()?;
+    let peak = proc_status_mib("VmHWM")?;
+    Line::new("rss")
+        .kv("rows", rows)
+        .kv("payload", RSS_PAYLOAD_BYTES)
+        .kv("rate", fmt_rate(drained.rate()))
+        .kv("peak_rss_mib", format!("{peak:.0}"))
+        .kv("baseline_rss_mib", format!("{baseline:.0}"))
+        .print();
+    scratch.drop_outbox(&mut client, &outbox)
+}
+
+/// A `/proc/self/status` memory figure (reported in kB), in MiB.
+fn proc_status_mib(field: &str) -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|rest| rest.split_whitespace().next())
+        .ok_or_else(|| format!("no {field} in /proc/self/status"))?
+        .parse()?;
+    Ok(kb / 1024.0)
+}
+
+/// `a / b` with two decimals (five below 0.01, so that a crawl does not print 0), or `n/a`
+/// when `b` is zero.
+fn ratio(a: f64, b: f64) -> String {
+    match a / b {
+        _ if b <= 0.0 => "n/a".to_owned(),
+        r if r > 0.0 && r < 0.01 => format!("{r:.5}"),
+        r => format!("{r:.2}"),
+    }
+}
+
+/// The relay's publisher factory: a publisher that accepts every record and does nothing.
+fn no_op() -> std::result::Result<impl postgres_outbox::Publisher, std::io::Error> {
+    Ok(publisher_fn(|_| Ok(())))
+}
+
+/// How a drain ended.
+struct Drained {
+    /// Rows recorded sent when it ended.
+    sent: u64,
+    /// From spawning the relay to seeing the last row sent, or to the cap.
+    took: Duration,
+    /// Whether the cap ended it before every row was sent.
+    capped: bool,
+}
+
+impl Drained {
+    fn rate(&self) -> f64 {
+        rate(self.sent, self.took)
+    }
+
+    /// `self`, or an error if the cap ended it.
+    fn complete(self) -> Result<Drained> {
+        if self.capped {
+            return Err(format!("relay stalled: {} rows sent before the cap", self.sent).into());
+        }
+        Ok(self)
+    }
+}
+
+/// Counts records the publisher accepted.
+struct Published(Arc<AtomicU64>);
+
+impl Metrics for Published {
+    fn published(&self, _record: &Record, _took: Duration) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Spawns a relay from `config` and waits until all `rows` rows of `outbox` are recorded
+/// sent or `cap` has passed, then shuts the relay down.
+///
+/// `stats` reads every pending row, so it is only asked once a metrics counter has seen
+/// `rows` records published, and then every `STATS_POLL`: polling it from the start would
+/// keep a backend busy scanning the backlog and slow the relay down.
+fn drain(
+    client: &mut Client,
+    outbox: &Outbox,
+    config: RelayConfig,
+    rows: usize,
+    cap: Duration,
+) -> Result<Drained> {
+    let rows = rows as u64;
+    let published = Arc::new(AtomicU64::new(0));
+    let config = config.metrics(Published(Arc::clone(&published)));
+    let started = Instant::now();
+    let relay = Relay::spawn(config)?;
+    let drained = wait_until_sent(client, outbox, &published, rows, started, cap);
+    relay.shutdown(Duration::from_secs(10))?;
+    drained
+}
+
+/// Waits until `rows` rows are recorded sent or `cap` has passed since `started`.
+fn wait_until_sent(
+    client: &mut Client,
+    outbox: &Outbox,
+    published: &AtomicU64,
+    rows: u64,
+    started: Instant,
+    cap: Duration,
+) -> Result<Drained> {
+    loop {
+        let all_published = published.load(Ordering::Relaxed) >= rows;
+        let capped = started.elapsed() >= cap;
+        if all_published || capped {
+            let sent = outbox.stats(client)?.sent;
+            if sent >= rows || capped {
+                return Ok(Drained {
+                    sent,
+                    took: started.elapsed(),
+                    capped: sent < rows,
+                });
+            }
+        }
+        thread::sleep(if all_published {
+            STATS_POLL
+        } else {
+            Duration::from_millis(5)
+        });
+    }
 }
 
 /// Times `stats()` with `rows` rows in one state: it reads pending rows, but sent rows only
@@ -458,24 +720,27 @@ fn prefill(client: &mut Client, outbox: &Outbox, rows: usize) -> Result<()> {
     Ok(())
 }
 
-/// Waits until `stats` counts every row sent, polling every 10 ms. `stats` reads every
-/// pending row, so it is only asked once the publisher has seen `rows` records: polling it
-/// from the start would keep a backend busy scanning the backlog and slow the relay down.
-fn wait_until_sent(
+/// Fills the outbox with `rows` pending rows of `payload` bytes in one `INSERT .. SELECT`
+/// straight into the table, ids increasing with the row number within each aggregate of
+/// `shape`; then `ANALYZE`s it.
+fn prefill_rows(
     client: &mut Client,
     outbox: &Outbox,
-    published: &AtomicU64,
-    rows: u64,
+    rows: usize,
+    payload: usize,
+    shape: Shape,
 ) -> Result<()> {
-    let deadline = Instant::now() + RELAY_TIMEOUT;
-    loop {
-        if published.load(Ordering::Relaxed) >= rows && outbox.stats(client)?.sent >= rows {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            let sent = outbox.stats(client)?.sent;
-            return Err(format!("relay stalled: {sent} of {rows} rows sent").into());
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
+    let table = outbox.table();
+    client.execute(
+        &format!(
+            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', $2::int), 'hex') AS payload) \
+             INSERT INTO {table} (key, topic, aggregate_key, payload) \
+             SELECT 'bench-' || i, 'bench.event', {aggregate}, p.payload \
+             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i",
+            aggregate = shape.aggregate_key_sql(),
+        ),
+        &[&i64::try_from(rows)?, &i32::try_from(payload)?],
+    )?;
+    client.batch_execute(&format!("ANALYZE {table}"))?;
+    Ok(())
 }

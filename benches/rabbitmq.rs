@@ -1,15 +1,23 @@
 //! Relay throughput to RabbitMQ, against the textbook relay and the broker's own ceiling.
 //!
 //! ```text
-//! cargo bench --bench rabbitmq --features rabbitmq
+//! cargo bench --bench rabbitmq --features rabbitmq           # everything
+//! cargo bench --bench rabbitmq --features rabbitmq ordered   # names containing "ordered"
 //! ```
 //! Prints `bench=<name> key=value ... rate=<messages per second>` lines:
 //! - `broker-confirmed`: publishing straight to the broker, pipelined confirms, no database;
 //! - `relay-rabbitmq`: `Relay` with `RabbitPublisher` draining pre-filled rows;
-//! - `relay-naive`: one transaction per batch, publish and wait for each confirm, UPDATE each row.
+//! - `relay-naive`: one transaction per batch, publish and wait for each confirm, UPDATE each row;
+//! - `rabbitmq-ordered shape=unordered|unique|agg40|hot1`: `Relay` with default settings and
+//!   `RabbitPublisher` draining a backlog with no aggregate key, each row its own aggregate,
+//!   rows round-robin over 40 aggregates, or all in one aggregate; `vs_unordered=` is its rate
+//!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
+//!   sent so far, with `sent=<rows> capped=true`.
 //!
-//! Messages are persistent, 512 bytes, into a durable queue. Env: OUTBOX_BENCH_DATABASE_URL
-//! or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL, OUTBOX_BENCH_ROWS (default 100000).
+//! Messages are persistent, 512 bytes, into a durable queue, purged before each measurement.
+//! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
+//! OUTBOX_BENCH_ROWS (default 100000), OUTBOX_BENCH_ORDERED_ROWS (backlog per `ordered`
+//! shape, default 20000), OUTBOX_BENCH_ORDERED_CAP_SECS (time cap per shape, default 120).
 
 use std::collections::HashSet;
 use std::error::Error;
@@ -32,6 +40,12 @@ type Result<T> = std::result::Result<T, Box<dyn Error>>;
 const EXCHANGE: &str = "outbox.bench";
 const QUEUE: &str = "outbox.bench.all";
 const PAYLOAD: usize = 512;
+/// How long `relay-rabbitmq` may take before it counts as stalled.
+const RELAY_TIMEOUT: Duration = Duration::from_secs(600);
+/// Pool for the `rabbitmq-ordered` relays, which otherwise keep default settings.
+const DEFAULT_RELAY_POOL_SIZE: u32 = 16;
+/// How often `stats()` is asked whether the last rows are recorded sent.
+const STATS_POLL: Duration = Duration::from_millis(50);
 
 fn env(names: &[&str], default: &str) -> String {
     names
@@ -50,6 +64,9 @@ fn main() -> Result<()> {
         "amqp://guest:guest@127.0.0.1:5672",
     );
     let rows: usize = env(&["OUTBOX_BENCH_ROWS"], "100000").parse()?;
+    let ordered_rows: usize = env(&["OUTBOX_BENCH_ORDERED_ROWS"], "20000").parse()?;
+    let ordered_cap =
+        Duration::from_secs_f64(env(&["OUTBOX_BENCH_ORDERED_CAP_SECS"], "120").parse()?);
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
 
@@ -79,15 +96,14 @@ fn main() -> Result<()> {
         for (batch, concurrency) in [(100, 4), (500, 2), (500, 4)] {
             let outbox = prefilled(&mut client, rows)?;
             broker.purge()?;
-            let rate = relay(
-                &db_url,
-                &amqp_url,
-                &mut client,
-                &outbox,
-                rows,
-                batch,
-                concurrency,
-            )?;
+            let config = rabbit_relay(&db_url, &amqp_url, &outbox, 4)?
+                .batch_size(batch)
+                .concurrency(concurrency)
+                .notify(false)
+                .poll_interval(Duration::from_millis(100));
+            let rate = drain(&mut client, &outbox, config, rows, RELAY_TIMEOUT)?
+                .complete()?
+                .rate();
             let mut line = format!(
                 "bench=relay-rabbitmq rows={rows} batch={batch} concurrency={concurrency} rate={rate:.0}"
             );
@@ -101,16 +117,64 @@ fn main() -> Result<()> {
             drop_tables(&mut client, &outbox)?;
         }
     }
+    if wanted("rabbitmq-ordered") {
+        let mut unordered = None;
+        for shape in Shape::ALL {
+            let outbox = fresh_outbox(&mut client)?;
+            prefill_rows(&mut client, &outbox, ordered_rows, shape)?;
+            broker.purge()?;
+            let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?;
+            let drained = drain(&mut client, &outbox, config, ordered_rows, ordered_cap)?;
+            let rate = drained.rate();
+            let unordered = *unordered.get_or_insert(rate);
+            let mut line = format!(
+                "bench=rabbitmq-ordered shape={} rows={ordered_rows} rate={} vs_unordered={}",
+                shape.name(),
+                fmt_rate(rate),
+                ratio(rate, unordered),
+            );
+            if drained.capped {
+                line.push_str(&format!(" sent={} capped=true", drained.sent));
+            }
+            println!("{line}");
+            drop_tables(&mut client, &outbox)?;
+        }
+    }
     broker.purge()?;
     Ok(())
 }
 
-/// A fresh outbox holding `rows` pending 512-byte messages.
-fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
+/// A rate as a whole number, or with a decimal below 10 so that a crawl does not print 0.
+fn fmt_rate(rate: f64) -> String {
+    if rate < 10.0 {
+        format!("{rate:.1}")
+    } else {
+        format!("{rate:.0}")
+    }
+}
+
+/// `a / b` with two decimals (five below 0.01, so that a crawl does not print 0), or `n/a`
+/// when `b` is zero.
+fn ratio(a: f64, b: f64) -> String {
+    match a / b {
+        _ if b <= 0.0 => "n/a".to_owned(),
+        r if r > 0.0 && r < 0.01 => format!("{r:.5}"),
+        r => format!("{r:.2}"),
+    }
+}
+
+/// A fresh, migrated, empty outbox.
+fn fresh_outbox(client: &mut Client) -> Result<Outbox> {
     let table = format!("bench_rmq_{}", std::process::id());
     let outbox = Outbox::builder().table(table).notify(false).build()?;
     drop_tables(client, &outbox)?;
     outbox.migrate(client)?;
+    Ok(outbox)
+}
+
+/// A fresh outbox holding `rows` pending 512-byte messages.
+fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
+    let outbox = fresh_outbox(client)?;
     let payload = vec![b'x'; PAYLOAD];
     let mut left = rows;
     while left > 0 {
@@ -127,48 +191,172 @@ fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
     Ok(outbox)
 }
 
-fn drop_tables(client: &mut Client, outbox: &Outbox) -> Result<()> {
-    let t = outbox.table();
-    client.batch_execute(&format!(
-        "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_counts, {t}_migrations"
-    ))?;
+/// How messages of a backlog are spread over aggregates.
+#[derive(Debug, Clone, Copy)]
+enum Shape {
+    /// No aggregate key: no ordering to keep.
+    Unordered,
+    /// Each row its own aggregate.
+    Unique,
+    /// Rows round-robin over 40 aggregates.
+    Agg40,
+    /// Every row in one aggregate.
+    Hot1,
+}
+
+impl Shape {
+    /// `Unordered` first: the others are measured against it.
+    const ALL: [Shape; 4] = [Shape::Unordered, Shape::Unique, Shape::Agg40, Shape::Hot1];
+
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Unordered => "unordered",
+            Shape::Unique => "unique",
+            Shape::Agg40 => "agg40",
+            Shape::Hot1 => "hot1",
+        }
+    }
+
+    /// The aggregate key of row `i` (1-based), as SQL.
+    fn aggregate_key_sql(self) -> &'static str {
+        match self {
+            Shape::Unordered => "NULL",
+            Shape::Unique => "'agg-' || i",
+            Shape::Agg40 => "'agg-' || (i % 40)",
+            Shape::Hot1 => "'agg-0'",
+        }
+    }
+}
+
+/// Fills the outbox with `rows` pending 512-byte rows in one `INSERT .. SELECT` straight into
+/// the table, ids increasing with the row number within each aggregate of `shape`; then
+/// `ANALYZE`s it.
+fn prefill_rows(client: &mut Client, outbox: &Outbox, rows: usize, shape: Shape) -> Result<()> {
+    let table = outbox.table();
+    client.execute(
+        &format!(
+            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', $2::int), 'hex') AS payload) \
+             INSERT INTO {table} (key, topic, aggregate_key, payload) \
+             SELECT 'bench-' || i, 'bench.event', {aggregate}, p.payload \
+             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i",
+            aggregate = shape.aggregate_key_sql(),
+        ),
+        &[&i64::try_from(rows)?, &i32::try_from(PAYLOAD)?],
+    )?;
+    client.batch_execute(&format!("ANALYZE {table}"))?;
     Ok(())
 }
 
-fn relay(
+/// Drops `outbox`'s tables: the outbox and every `<outbox>_*` table its migrations made, in
+/// the current schema.
+fn drop_tables(client: &mut Client, outbox: &Outbox) -> Result<()> {
+    let tables: Vec<String> = client
+        .query(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
+             WHERE schemaname = current_schema() \
+               AND (tablename = $1 OR starts_with(tablename, $1 || '_'))",
+            &[&outbox.table()],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if !tables.is_empty() {
+        client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
+    }
+    Ok(())
+}
+
+/// A relay configuration with default settings: `outbox` to `RabbitPublisher`s on
+/// `EXCHANGE`, with a pool of `pool_size` connections.
+fn rabbit_relay(
     db_url: &str,
     amqp_url: &str,
+    outbox: &Outbox,
+    pool_size: u32,
+) -> Result<RelayConfig> {
+    let manager = PostgresConnectionManager::new(db_url.parse()?, NoTls);
+    let pool = r2d2::Pool::builder().max_size(pool_size).build(manager)?;
+    let url = amqp_url.to_owned();
+    Ok(RelayConfig::new(outbox.clone(), pool, move || {
+        RabbitPublisher::connect(&url, EXCHANGE)
+    }))
+}
+
+/// How a drain ended.
+struct Drained {
+    /// Rows recorded sent when it ended.
+    sent: u64,
+    /// From spawning the relay to seeing the last row sent, or to the cap.
+    took: Duration,
+    /// Whether the cap ended it before every row was sent.
+    capped: bool,
+}
+
+impl Drained {
+    fn rate(&self) -> f64 {
+        self.sent as f64 / self.took.as_secs_f64()
+    }
+
+    /// `self`, or an error if the cap ended it.
+    fn complete(self) -> Result<Drained> {
+        if self.capped {
+            return Err(format!("relay stalled: {} rows sent before the cap", self.sent).into());
+        }
+        Ok(self)
+    }
+}
+
+/// Spawns a relay from `config` and waits until all `rows` rows of `outbox` are recorded
+/// sent or `cap` has passed, then shuts the relay down.
+///
+/// Polling stats() scans the pending rows and would compete for the CPU being measured, so
+/// it waits on the confirm counter, then asks stats() every `STATS_POLL` for the last
+/// outcomes to be recorded.
+fn drain(
     client: &mut Client,
     outbox: &Outbox,
+    config: RelayConfig,
     rows: usize,
-    batch: usize,
-    concurrency: usize,
-) -> Result<f64> {
-    let manager = PostgresConnectionManager::new(db_url.parse()?, NoTls);
-    let pool = r2d2::Pool::builder().max_size(4).build(manager)?;
-    let url = amqp_url.to_owned();
+    cap: Duration,
+) -> Result<Drained> {
+    let rows = rows as u64;
     let published = Arc::new(AtomicU64::new(0));
-    let config = RelayConfig::new(outbox.clone(), pool, move || {
-        RabbitPublisher::connect(&url, EXCHANGE)
-    })
-    .batch_size(batch)
-    .concurrency(concurrency)
-    .notify(false)
-    .poll_interval(Duration::from_millis(100))
-    .metrics(Confirmed(published.clone()));
+    let config = config.metrics(Confirmed(Arc::clone(&published)));
     let started = Instant::now();
     let relay = Relay::spawn(config)?;
-    // Polling stats() scans the pending rows and would compete for the CPU being measured;
-    // wait on the confirm counter, then for the last outcomes to be recorded.
-    while published.load(Ordering::Relaxed) < rows as u64 {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    while outbox.stats(client)?.sent < rows as u64 {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let took = started.elapsed();
+    let drained = wait_until_sent(client, outbox, &published, rows, started, cap);
     relay.shutdown(Duration::from_secs(10))?;
-    Ok(rows as f64 / took.as_secs_f64())
+    drained
+}
+
+/// Waits until `rows` rows are recorded sent or `cap` has passed since `started`.
+fn wait_until_sent(
+    client: &mut Client,
+    outbox: &Outbox,
+    published: &AtomicU64,
+    rows: u64,
+    started: Instant,
+    cap: Duration,
+) -> Result<Drained> {
+    loop {
+        let all_published = published.load(Ordering::Relaxed) >= rows;
+        let capped = started.elapsed() >= cap;
+        if all_published || capped {
+            let sent = outbox.stats(client)?.sent;
+            if sent >= rows || capped {
+                return Ok(Drained {
+                    sent,
+                    took: started.elapsed(),
+                    capped: sent < rows,
+                });
+            }
+        }
+        std::thread::sleep(if all_published {
+            STATS_POLL
+        } else {
+            Duration::from_millis(5)
+        });
+    }
 }
 
 /// Counts records the broker confirmed.
