@@ -96,6 +96,15 @@ impl Error {
         }
     }
 
+    /// The error without the server's detail, which for a constraint violation quotes the
+    /// failing row, payload included: for logs and stored error texts.
+    pub(crate) fn summary(&self) -> String {
+        match self.as_db_error() {
+            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+            None => self.to_string(),
+        }
+    }
+
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
         Error::InvalidInput {
             field,

@@ -86,6 +86,8 @@ impl RetryPolicy {
             .saturating_mul(1u32 << exp)
             .min(self.backoff_max)
             .max(self.backoff_min);
+        // Past the longest delay a message may have, a timestamp would overflow in SQL.
+        let full = full.min(crate::message::MAX_DELAY);
         let half = full / 2;
         let jitter = rand::thread_rng().gen_range(0..=half.as_micros().max(1) as u64);
         half + Duration::from_micros(jitter)

@@ -1306,3 +1306,139 @@ fn database_errors_show_their_sqlstate() -> TestResult {
     }
     Ok(())
 }
+
+#[test]
+fn stats_tell_blocked_rows_from_due_heads() -> TestResult {
+    let (outbox, mut client) = common::outbox("stats_blocked");
+    let mut tx = client.transaction()?;
+    for key in ["a-1", "a-2", "a-3"] {
+        outbox.enqueue(&mut tx, Message::new(SEND, key).key(key).aggregate_key("a"))?;
+    }
+    outbox.enqueue(
+        &mut tx,
+        Message::new(SEND, "b-1").key("b-1").aggregate_key("b"),
+    )?;
+    for key in ["u-1", "u-2"] {
+        outbox.enqueue(&mut tx, Message::new(SEND, key).key(key))?;
+    }
+    // A delayed head blocks the message behind it.
+    let later = Message::new(SEND, "c-1").key("c-1").aggregate_key("c");
+    outbox.enqueue(&mut tx, later.delay(Duration::from_secs(3600)))?;
+    outbox.enqueue(
+        &mut tx,
+        Message::new(SEND, "c-2").key("c-2").aggregate_key("c"),
+    )?;
+    tx.commit()?;
+
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!(
+        (stats.pending, stats.due, stats.blocked, stats.in_flight),
+        (8, 4, 3, 0),
+        "{stats:?}"
+    );
+    assert!(stats.oldest_blocked_age.is_some(), "{stats:?}");
+
+    // One call handles the runs of a and b and the unordered rows; c waits for its head.
+    let report = outbox.process(&mut client, 100, |_, _| Ok(()))?;
+    assert_eq!(report.processed, 6, "{report:?}");
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!(
+        (stats.pending, stats.due, stats.blocked, stats.sent),
+        (2, 0, 1, 6),
+        "{stats:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn process_stops_an_aggregate_at_its_first_failure_and_keeps_the_rest_for_later() -> TestResult {
+    let (outbox, mut client) = common::outbox("process_runs");
+    let mut tx = client.transaction()?;
+    for key in ["a-1", "a-2", "a-3"] {
+        outbox.enqueue(&mut tx, Message::new(SEND, key).key(key).aggregate_key("a"))?;
+    }
+    outbox.enqueue(&mut tx, Message::new(SEND, "free").key("free"))?;
+    tx.commit()?;
+    let mut seen = Vec::new();
+    let report = outbox.process(&mut client, 100, |_, record| {
+        seen.push(record.key.clone());
+        if record.key == "a-2" {
+            return Err(HandlerError::transient("not yet"));
+        }
+        Ok(())
+    })?;
+    assert_eq!(
+        (report.processed, report.retried, report.released),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    assert_eq!(seen, ["a-1", "a-2", "free"]);
+    assert_eq!(
+        row_state(&mut client, &outbox, "a-2"),
+        ("pending".into(), 1)
+    );
+    assert_eq!(
+        row_state(&mut client, &outbox, "a-3"),
+        ("pending".into(), 0)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_version_1_table_upgrades_keeping_rows_in_every_state() -> TestResult {
+    let outbox = Outbox::new(&unique_name("upgrade"))?;
+    let mut client = common::client();
+    // The DDL up to the second migration is what version 1 created.
+    let ddl = outbox.sql();
+    let v1 = ddl
+        .split("-- 0002_claim_heads")
+        .next()
+        .expect("the DDL lists its migrations");
+    client.batch_execute(v1)?;
+    enqueue_keys(&outbox, &mut client, SEND, &["u", "flying", "sent", "dead"])?;
+    let mut tx = client.transaction()?;
+    for key in ["a-1", "a-2"] {
+        outbox.enqueue(&mut tx, Message::new(SEND, key).key(key).aggregate_key("a"))?;
+    }
+    tx.commit()?;
+    // Rows as version 1 left them: one leased, one sent, one dead.
+    let t = quoted(&outbox);
+    client.batch_execute(&format!(
+        "UPDATE {t} SET attempts = 1, available_at = now() + interval '1 hour',
+                        lease_until = now() + interval '1 hour' WHERE key = 'flying';
+         UPDATE {t} SET status = 'sent', attempts = 1, done_at = now() WHERE key = 'sent';
+         UPDATE {t} SET status = 'dead', attempts = 3, done_at = now(), last_error = 'boom'
+         WHERE key = 'dead';"
+    ))?;
+
+    let name = outbox.table();
+    assert!(exists(&mut client, &format!("{name}_due")));
+    outbox.migrate(&mut client)?;
+    let versions: i64 = client
+        .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
+        .get(0);
+    assert_eq!(versions, 2);
+    assert!(!exists(&mut client, &format!("{name}_due")));
+    assert!(exists(&mut client, &format!("{name}_unordered")));
+    let stats = outbox.stats(&mut client)?;
+    assert_eq!(
+        (
+            stats.pending,
+            stats.in_flight,
+            stats.due,
+            stats.blocked,
+            stats.dead
+        ),
+        (3, 1, 2, 1, 1),
+        "{stats:?}"
+    );
+    assert_eq!(settle(&outbox, &mut client)?, (3, 0));
+    assert_eq!(
+        row_state(&mut client, &outbox, "flying"),
+        ("pending".into(), 1)
+    );
+    assert_eq!(row_state(&mut client, &outbox, "sent"), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "dead"), ("dead".into(), 3));
+    assert_eq!(count(&mut client, &outbox, "true"), 6);
+    Ok(())
+}

@@ -1333,3 +1333,488 @@ fn join_returns_when_the_table_is_dropped() {
     let err = joined.join().unwrap().unwrap_err();
     assert!(err.is_not_migrated(), "{err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Adversarial: hung peers, stalled writes, poison, crash loops, panics
+// ---------------------------------------------------------------------------------------------
+
+/// The sequence number a test message carries as its payload.
+fn seq(record: &Record) -> i64 {
+    String::from_utf8(record.payload.clone())
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// `n` messages of one aggregate, payloads `0..n` in enqueue order.
+fn ordered(aggregate: &str, n: usize) -> Vec<Message> {
+    (0..n)
+        .map(|i| {
+            Message::new("t", i.to_string())
+                .key(format!("{aggregate}-{i}"))
+                .aggregate_key(aggregate)
+        })
+        .collect()
+}
+
+#[test]
+fn a_hung_relay_does_not_starve_a_healthy_one() {
+    let (outbox, mut client) = common::outbox("rl_hung");
+    let mut messages = numbered("u", 60);
+    messages.extend(ordered("x", 15));
+    messages.extend(ordered("y", 15));
+    enqueue(&mut client, &outbox, messages);
+
+    // Every publisher of this relay hangs on the first record it is handed.
+    let hung = Gate::default();
+    let hung_metrics = Counters::default();
+    let stuck = {
+        let hung = hung.clone();
+        relay_config(&outbox, move |_| {
+            hung.pass();
+            Ok(())
+        })
+    }
+    .concurrency(2)
+    .batch_size(10)
+    .lease(Duration::from_secs(2))
+    .poll_interval(Duration::from_millis(100))
+    .metrics(hung_metrics.clone());
+    let stuck = Relay::spawn(stuck).unwrap();
+    wait_until("both workers of the hung relay are stuck", || {
+        hung.waiting() == 2
+    });
+
+    let healthy_sink = Sink::default();
+    let healthy = Relay::spawn(
+        relay_config(&outbox, healthy_sink.collect())
+            .lease(Duration::from_secs(2))
+            .poll_interval(Duration::from_millis(100)),
+    )
+    .unwrap();
+    wait_until("the healthy relay has delivered every row", || {
+        count(&mut client, &outbox, "status = 'sent'") == 90
+    });
+    // The hung relay holds what its two workers claimed and claims nothing more.
+    assert!(hung_metrics.claimed() <= 20, "{}", hung_metrics.claimed());
+    for aggregate in ["x", "y"] {
+        let seqs: Vec<i64> = healthy_sink
+            .records()
+            .iter()
+            .filter(|r| r.aggregate_key.as_deref() == Some(aggregate))
+            .map(seq)
+            .collect();
+        assert_eq!(seqs, (0..15).collect::<Vec<_>>(), "aggregate {aggregate}");
+    }
+    hung.open();
+    let late = stuck.shutdown(Duration::from_secs(10)).unwrap();
+    // Its late outcomes are fenced off: the rows were claimed and sent since.
+    assert_eq!(late.published, 0);
+    healthy.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(count(&mut client, &outbox, "status <> 'sent'"), 0);
+}
+
+#[test]
+fn a_stalled_outcome_write_holds_its_batch_and_claims_nothing_more() {
+    let (outbox, mut client) = common::outbox("rl_stall");
+    enqueue(&mut client, &outbox, numbered("first", 5));
+    let handed = Gate::default();
+    let metrics = Counters::default();
+    let config = {
+        let handed = handed.clone();
+        relay_config(&outbox, move |_| {
+            handed.pass();
+            Ok(())
+        })
+    }
+    .concurrency(1)
+    .batch_size(5)
+    // Statements time out after a quarter of the lease: 2 s.
+    .lease(Duration::from_secs(8))
+    .poll_interval(Duration::from_millis(50))
+    .metrics(metrics.clone());
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the batch is being published", || handed.waiting() == 1);
+
+    // Lock the claimed rows, so writing their outcomes waits behind the lock.
+    let mut locker = common::client();
+    let mut lock = locker.transaction().unwrap();
+    lock.execute(
+        &format!(
+            "SELECT 1 FROM {} WHERE key LIKE 'first-%' FOR UPDATE",
+            quoted(&outbox)
+        ),
+        &[],
+    )
+    .unwrap();
+    handed.open();
+    let relay_app = format!("outbox relay {}", outbox.table());
+    let blocked_since = |client: &mut Client| -> Option<std::time::SystemTime> {
+        client
+            .query_opt(
+                "SELECT query_start FROM pg_stat_activity
+                 WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&relay_app],
+            )
+            .unwrap()
+            .map(|row| row.get(0))
+    };
+    let mut first_wait = None;
+    wait_until("the outcome write waits on the lock", || {
+        first_wait = blocked_since(&mut client);
+        first_wait.is_some()
+    });
+    let first_wait = first_wait.unwrap();
+    enqueue(&mut client, &outbox, numbered("second", 5));
+    wait_until(
+        "the stalled write was cancelled and is waiting again",
+        || blocked_since(&mut client).is_some_and(|since| since > first_wait),
+    );
+    // Seconds went by with due, notified rows and an idle poll, and none was claimed: the
+    // worker still holds its unrecorded batch.
+    assert_eq!(
+        count(
+            &mut client,
+            &outbox,
+            "key LIKE 'second-%' AND attempts = 0 AND lease_until IS NULL"
+        ),
+        5
+    );
+    assert_eq!(metrics.claimed(), 5);
+    lock.rollback().unwrap();
+
+    wait_until("all ten are sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 10
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    // The first batch was recorded by its own claim, not published again after a lease.
+    assert_eq!(
+        count(&mut client, &outbox, "key LIKE 'first-%' AND attempts = 1"),
+        5
+    );
+    assert_eq!(metrics.claimed(), 10);
+}
+
+#[test]
+fn a_nul_in_an_error_text_is_stored_and_the_rest_of_the_batch_recorded() {
+    let (outbox, mut client) = common::outbox("rl_nul");
+    enqueue(&mut client, &outbox, numbered("n", 4));
+    let config = relay_config(&outbox, |record| match record.key.as_str() {
+        "n-1" => Err(PublishError::transient("broker said \0 nothing")),
+        "n-2" => Err(PublishError::permanent("bad \0 payload")),
+        _ => Ok(()),
+    });
+    assert_eq!(Relay::run_once(&config).unwrap(), 4);
+    assert_eq!(row_state(&mut client, &outbox, "n-0"), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "n-3"), ("sent".into(), 1));
+    assert_eq!(
+        row_state(&mut client, &outbox, "n-1"),
+        ("pending".into(), 1)
+    );
+    assert_eq!(
+        last_error(&mut client, &outbox, "n-1").as_deref(),
+        Some("broker said \u{fffd} nothing")
+    );
+    assert_eq!(row_state(&mut client, &outbox, "n-2"), ("dead".into(), 1));
+    assert_eq!(
+        last_error(&mut client, &outbox, "n-2").as_deref(),
+        Some("bad \u{fffd} payload")
+    );
+}
+
+#[test]
+fn an_outcome_the_database_refuses_dead_letters_its_row_alone() {
+    let (outbox, mut client) = common::outbox("rl_refused");
+    // A rule of the operator's that one error text breaks.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {} ADD CONSTRAINT clean_errors CHECK (last_error NOT LIKE '%pill%')",
+            quoted(&outbox)
+        ))
+        .unwrap();
+    enqueue(&mut client, &outbox, numbered("p", 3));
+    let config = relay_config(&outbox, |record| {
+        if record.key == "p-1" {
+            return Err(PublishError::transient("poison pill"));
+        }
+        Ok(())
+    });
+    assert_eq!(Relay::run_once(&config).unwrap(), 3);
+    assert_eq!(row_state(&mut client, &outbox, "p-0"), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "p-2"), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "p-1"), ("dead".into(), 1));
+    let error = last_error(&mut client, &outbox, "p-1").unwrap();
+    assert!(
+        error.contains("could not be stored") && error.contains("clean_errors"),
+        "{error}"
+    );
+}
+
+#[test]
+fn an_undecodable_row_is_dead_lettered_with_the_reason() {
+    let (outbox, mut client) = common::outbox("rl_undecodable");
+    // Headers with a NULL value cannot become a Record.
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {} (key, topic, payload, headers)
+                 VALUES ('broken', 't', 'p', ARRAY['name', NULL])",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    enqueue(&mut client, &outbox, numbered("fine", 2));
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect());
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 3);
+    assert_eq!(sink.keys(), ["fine-0", "fine-1"]);
+    assert_eq!(
+        row_state(&mut client, &outbox, "broken"),
+        ("dead".into(), 1)
+    );
+    let error = last_error(&mut client, &outbox, "broken").unwrap();
+    assert!(error.contains("cannot be read"), "{error}");
+}
+
+#[test]
+fn a_row_claimed_more_often_than_its_attempts_allow_dies_at_claim() {
+    let (outbox, mut client) = common::outbox("rl_crashloop");
+    let key = enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "p").max_attempts(2).aggregate_key("a"),
+    );
+    let next = enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "q").aggregate_key("a"),
+    );
+    // Claimed twice already, and no outcome ever recorded: the relay crashed both times.
+    client
+        .execute(
+            &format!("UPDATE {} SET attempts = 2 WHERE key = $1", quoted(&outbox)),
+            &[&key],
+        )
+        .unwrap();
+    let sink = Sink::default();
+    let metrics = Counters::default();
+    let config = relay_config(&outbox, sink.collect()).metrics(metrics.clone());
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
+    // Never handed to a publisher again; the message behind it went out.
+    assert_eq!(sink.keys(), [next.as_str()]);
+    assert_eq!(row_state(&mut client, &outbox, &key), ("dead".into(), 3));
+    let error = last_error(&mut client, &outbox, &key).unwrap();
+    assert!(error.contains("claimed 3 times"), "{error}");
+    assert_eq!(metrics.dead_lettered(), 1);
+}
+
+/// Panics in every callback it implements.
+struct PanickingMetrics;
+
+impl Metrics for PanickingMetrics {
+    fn claimed(&self, _n: usize) {
+        panic!("a bug in the metrics exporter");
+    }
+    fn published(&self, _record: &Record, _took: Duration) {
+        panic!("a bug in the metrics exporter");
+    }
+}
+
+#[test]
+fn a_panicking_metrics_callback_never_stops_the_relay() {
+    let (outbox, mut client) = common::outbox("rl_metrics_panic");
+    let sink = Sink::default();
+    let relay =
+        Relay::spawn(relay_config(&outbox, sink.collect()).metrics(PanickingMetrics)).unwrap();
+    enqueue(&mut client, &outbox, numbered("m", 20));
+    wait_until("all 20 are recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 20
+    });
+    let report = relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.published, 20);
+    assert_eq!(sink.len(), 20);
+}
+
+/// Publishes, then says it is broken, and panics when it is dropped.
+struct PanicsOnDrop;
+
+impl Publisher for PanicsOnDrop {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        batch.iter().map(|_| Ok(())).collect()
+    }
+
+    fn is_broken(&self) -> bool {
+        true
+    }
+}
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        panic!("a bug in the publisher's Drop");
+    }
+}
+
+#[test]
+fn a_worker_that_keeps_panicking_stops_the_relay_with_an_error() {
+    let (outbox, mut client) = common::outbox("rl_panic_loop");
+    enqueue(&mut client, &outbox, numbered("k", 10));
+    let config = RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), || {
+        Ok::<_, Infallible>(PanicsOnDrop)
+    })
+    .concurrency(1)
+    .batch_size(1)
+    .notify(false)
+    .poll_interval(Duration::from_millis(20));
+    let relay = Relay::spawn(config).unwrap();
+    let joined = thread::spawn(move || relay.join());
+    wait_until("the relay stops on its own", || joined.is_finished());
+    let err = joined.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("panicked 5 times"), "{err}");
+    // Nothing was lost: the rows whose outcomes never got written are still pending.
+    assert_eq!(count(&mut client, &outbox, "status = 'pending'"), 10);
+}
+
+#[test]
+fn huge_durations_saturate_instead_of_panicking() {
+    let (outbox, mut client) = common::outbox("rl_durations");
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect())
+        .drain_timeout(Duration::MAX)
+        .poll_interval(Duration::MAX)
+        .backoff(Duration::from_millis(1), Duration::MAX);
+    let relay = Relay::spawn(config.clone()).unwrap();
+    let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
+    wait_until("published", || sink.contains(&key));
+    relay.shutdown(Duration::MAX).unwrap();
+    drop(Relay::spawn(config.clone()).unwrap());
+
+    // A retry this late in an exponential schedule is capped, not an overflow in SQL.
+    let late = enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "p").max_attempts(1000),
+    );
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET attempts = 60 WHERE key = $1",
+                quoted(&outbox)
+            ),
+            &[&late],
+        )
+        .unwrap();
+    let failing = relay_config(&outbox, |_| Err(PublishError::transient("down")))
+        .backoff(Duration::from_secs(24 * 3600), Duration::MAX);
+    assert_eq!(Relay::run_once(&failing).unwrap(), 1);
+    assert_eq!(
+        row_state(&mut client, &outbox, &late),
+        ("pending".into(), 61)
+    );
+    assert_eq!(
+        count(
+            &mut client,
+            &outbox,
+            "available_at > now() + interval '1 year'"
+        ),
+        1
+    );
+}
+
+#[test]
+fn a_relay_whose_backends_are_terminated_mid_batch_delivers_everything_once() {
+    let (outbox, mut client) = common::outbox("rl_terminated");
+    enqueue(&mut client, &outbox, numbered("t", 40));
+    let gate = Gate::default();
+    let sink = Sink::default();
+    let config = {
+        let (gate, sink) = (gate.clone(), sink.clone());
+        relay_config(&outbox, move |record| {
+            gate.pass();
+            sink.push(record);
+            Ok(())
+        })
+    }
+    .concurrency(2)
+    .batch_size(10);
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("both workers are publishing", || gate.waiting() == 2);
+    let killed: i64 = client
+        .query_one(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+             WHERE application_name = $1",
+            &[&format!("outbox relay {}", outbox.table())],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 2);
+    gate.open();
+    wait_until("all 40 are recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 40
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    // The outcomes were written on fresh connections within the lease: nothing went twice.
+    assert_eq!(sink.len(), 40);
+    assert_eq!(count(&mut client, &outbox, "attempts <> 1"), 0);
+}
+
+/// Checks the order invariant as records are handed over: a message of the hot aggregate is
+/// handed to a publisher only once every earlier one was confirmed.
+#[derive(Default)]
+struct OrderCheck {
+    /// How many of the aggregate's messages, from the first, are confirmed.
+    confirmed: Mutex<i64>,
+    violations: Mutex<Vec<String>>,
+    failures: AtomicUsize,
+}
+
+#[test]
+fn one_hot_aggregate_across_three_relays_with_failures_keeps_strict_order() {
+    let (outbox, mut client) = common::outbox("rl_hot3");
+    let n = 300;
+    let mut messages = ordered("hot", n);
+    messages.extend(numbered("free", 100));
+    enqueue(&mut client, &outbox, messages);
+    let check = Arc::new(OrderCheck::default());
+    let relays: Vec<Relay> = (0..3)
+        .map(|_| {
+            let check = check.clone();
+            let config = relay_config(&outbox, move |record| {
+                if record.aggregate_key.is_none() {
+                    return Ok(());
+                }
+                let seq = seq(record);
+                let mut confirmed = check.confirmed.lock().unwrap();
+                if seq > *confirmed {
+                    check.violations.lock().unwrap().push(format!(
+                        "{seq} handed over with only {} confirmed",
+                        *confirmed
+                    ));
+                }
+                // Every seventh message fails its first attempt.
+                if record.attempt == 1 && seq % 7 == 3 {
+                    check.failures.fetch_add(1, Ordering::SeqCst);
+                    return Err(PublishError::transient("injected failure"));
+                }
+                if seq == *confirmed {
+                    *confirmed += 1;
+                }
+                Ok(())
+            })
+            .concurrency(2)
+            .batch_size(20)
+            .backoff(Duration::from_millis(1), Duration::from_millis(5))
+            .poll_interval(Duration::from_millis(20));
+            Relay::spawn(config).unwrap()
+        })
+        .collect();
+    wait_until("everything is sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == (n + 100) as i64
+    });
+    for relay in relays {
+        relay.shutdown(Duration::from_secs(10)).unwrap();
+    }
+    assert_eq!(*check.violations.lock().unwrap(), Vec::<String>::new());
+    assert_eq!(*check.confirmed.lock().unwrap(), n as i64);
+    assert_eq!(check.failures.load(Ordering::SeqCst), n / 7 + 1);
+}

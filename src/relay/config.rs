@@ -197,8 +197,9 @@ impl RelayConfig {
     /// dead or half-open database connection is noticed within about 30 s and replaced.
     ///
     /// With the pool instead, those TCP settings are whatever the pool's `Config` has;
-    /// either way the relay sets `statement_timeout` on its sessions (the lease, at most
-    /// 30 s), so a statement stuck behind a lock is cancelled and retried.
+    /// either way the relay sets `statement_timeout` on its sessions (a quarter of the
+    /// lease, between 1 and 30 s), so a statement stuck behind a lock is cancelled and
+    /// retried while the lease still holds.
     ///
     /// ```no_run
     /// # use postgres_outbox::{publisher_fn, Outbox, RelayConfig};

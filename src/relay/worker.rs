@@ -65,16 +65,25 @@ pub(crate) struct Worker<'a> {
     factory_failures: u32,
 }
 
-/// Session settings of a relay connection. The statement timeout bounds a statement stuck
-/// behind a lock (or a server that stopped answering on a live socket): it is cancelled and
-/// retried rather than holding the worker's batch past its lease.
+/// Session settings of a relay connection. The statement timeout (a quarter of the lease,
+/// between 1 and 30 s) bounds a statement stuck behind a lock, or a server that stopped
+/// answering on a live socket: it is cancelled and retried, several times within one lease,
+/// rather than holding the worker's batch until the lease is gone. The application name
+/// carries the table, so `pg_stat_activity` tells which outbox a backend serves.
 fn session_setup(config: &RelayConfig) -> String {
-    let timeout = config.lease.min(Duration::from_secs(30)).as_millis();
+    let timeout = statement_timeout(config.lease).as_millis();
+    // The table name is a validated identifier: nothing in it can end the literal.
     format!(
-        "SET application_name = 'postgres-outbox relay'; \
+        "SET application_name = 'outbox relay {}'; \
          SET statement_timeout = {timeout}; \
-         SET idle_in_transaction_session_timeout = {timeout}"
+         SET idle_in_transaction_session_timeout = {timeout}",
+        config.outbox.table()
     )
+}
+
+/// A quarter of the lease, between 1 and 30 seconds.
+pub(crate) fn statement_timeout(lease: Duration) -> Duration {
+    (lease / 4).clamp(Duration::from_secs(1), Duration::from_secs(30))
 }
 
 const SESSION_RESET: &str =
@@ -330,9 +339,10 @@ impl<'a> Worker<'a> {
                 Err(e) if e.is_not_migrated() => return Err(e),
                 Err(e) if !store::is_infrastructure(&e) => {
                     log::warn!(
-                        "outbox {table}: the batch of {} outcomes was refused ({e}); recording \
+                        "outbox {table}: the batch of {} outcomes was refused ({}); recording \
                          them one by one",
-                        outcomes.len()
+                        outcomes.len(),
+                        e.summary()
                     );
                     return self.record_one_by_one(outcomes, control);
                 }
@@ -386,7 +396,10 @@ impl<'a> Worker<'a> {
                 }
                 Err(e) => e,
             };
-            let reason = format!("the outcome of this attempt could not be stored: {refused}");
+            let reason = format!(
+                "the outcome of this attempt could not be stored: {}",
+                refused.summary()
+            );
             log::error!("outbox {table}: row {} dead: {reason}", fence.id);
             if let Err(e) = one(&mut self.session, Outcome::Dead { error: reason }) {
                 log::error!(
