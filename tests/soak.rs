@@ -707,11 +707,6 @@ fn soak() {
         started: 0,
         died: 0,
     };
-    for _ in 0..RELAYS {
-        let child = relays.start();
-        relays.children.push(child);
-    }
-
     let consumer_log = Arc::new(Mutex::new(ConsumerLog::default()));
     let consumer_stop = Arc::new(AtomicBool::new(false));
     let consumer = {
@@ -728,10 +723,21 @@ fn soak() {
         })
         .collect();
 
+    // The relays start late, so they meet a backlog of ordered and unordered rows (the shape
+    // that once drained at 20 rows/s), not only a trickle they can keep up with.
+    let traffic_end = Instant::now() + settings.traffic;
+    let backlog_phase =
+        (settings.traffic / 4).clamp(Duration::from_secs(2), Duration::from_secs(15));
+    thread::sleep(backlog_phase);
+    let backlog = outbox.stats(&mut admin).expect("stats").pending;
+    for _ in 0..RELAYS {
+        let child = relays.start();
+        relays.children.push(child);
+    }
+
     // Faults, in turn, at random intervals, while the producers write.
     let mut rng = StdRng::seed_from_u64(settings.seed);
     let (mut kills, mut terminations, mut terminated_backends, mut broker_closes) = (0, 0, 0, 0);
-    let traffic_end = Instant::now() + settings.traffic;
     let mut next_fault = Instant::now() + FAULT_EVERY.mul_f64(rng.gen_range(0.5..1.5));
     let mut fault = 0;
     while Instant::now() < traffic_end {
@@ -747,10 +753,14 @@ fn soak() {
                         .query_one(
                             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
                              WHERE datname = current_database() AND pid <> pg_backend_pid()
-                               AND (application_name = $1
+                               AND (application_name IN ($1, $3)
                                     OR (application_name = 'postgres-outbox listener'
                                         AND query LIKE $2))",
-                            &[&relay_app, &format!("%{schema}.outbox%")],
+                            &[
+                                &relay_app,
+                                &format!("%{schema}.outbox%"),
+                                &format!("outbox relay {}", outbox.table()),
+                            ],
                         )
                         .expect("terminate the relays' backends")
                         .get(0);
@@ -832,7 +842,8 @@ fn soak() {
         .count();
 
     println!(
-        "soak: seed={} traffic={}s ordered={} committed={} (ordered {ordered_committed}) \
+        "soak: seed={} traffic={}s ordered={} backlog_at_relay_start={backlog} \
+         committed={} (ordered {ordered_committed}) \
          rolled_back={} delivered={} distinct={} duplicates={} duplicate_budget={budget} \
          broker_redeliveries={} consumer_reconnects={} kills={kills} relay_deaths={died} \
          terminations={terminations} (backends {terminated_backends}) \
