@@ -65,7 +65,14 @@ impl Outbox {
         let lease = self.lease();
         let claimed_at = Instant::now();
         let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts);
-        let claimed = store::claim(&mut Conn::uncached(client), self, &request)?;
+        // In a transaction of its own, only to turn JIT off for it (see the relay's sessions).
+        let claimed = {
+            let mut tx = client.transaction()?;
+            tx.batch_execute("SET LOCAL jit = off")?;
+            let claimed = store::claim(&mut Conn::uncached(&mut tx), self, &request)?;
+            tx.commit()?;
+            claimed
+        };
         let mut report = ProcessReport {
             dead: claimed.dead.len() + claimed.undecodable.len(),
             ..ProcessReport::default()

@@ -256,14 +256,19 @@ impl Statements {
 /// Rows without an aggregate key come from the unordered due index, oldest due first, under
 /// `FOR UPDATE SKIP LOCKED`. Rows with one come in runs: a skip scan of the aggregate index
 /// visits one head (oldest pending row) per aggregate, starting after the caller's cursor,
-/// until it has seen `$1` due heads or `$5` heads in all; behind each due head it reads the
-/// consecutive due rows. A lease pushes `available_at` forward, so a leased head is not due
-/// and its aggregate is passed over. So the cost is what the claim returns plus the heads it
-/// passes, never the rows waiting behind a head.
+/// until it has seen `2 x $1` due heads or `$5` heads in all; behind each due head it reads
+/// the consecutive due rows. A lease pushes `available_at` forward, so a leased head is not
+/// due and its aggregate is passed over. So the cost is what the claim returns plus the
+/// heads it passes, never the rows waiting behind a head.
 ///
-/// Few due aggregates are shared among the `$6` workers: each claim takes about a worker's
-/// share of them, with runs long enough to fill the batch. Ordered and unordered rows split
-/// the batch so that neither starves the other.
+/// With a batch's worth of due aggregates or more, each gives one row (runs of one: the most
+/// aggregates, each in the first confirm round). With fewer, they are shared among the `$6`
+/// workers: each claim takes about a worker's share of them, with runs long enough to fill
+/// the batch. Ordered and unordered rows split the batch so that neither starves the other.
+///
+/// Workers scanning the same aggregates see the same heads, so twice the batch is read as
+/// candidates and locked in order with `SKIP LOCKED` until the batch is full: a head another
+/// claim holds costs a skipped row, not an empty claim.
 ///
 /// The run is read from the statement's snapshot, so a concurrent claim may have taken (and
 /// a concurrent outcome finished) part of it meanwhile. Every run row is therefore locked and
@@ -292,52 +297,61 @@ fn claim(t: &str, after: &str) -> String {
              WHERE o.status = 'pending' AND o.aggregate_key IS NOT NULL
                AND o.aggregate_key > h.aggregate_key
              ORDER BY o.aggregate_key, o.id LIMIT 1) nx
-           WHERE h.n < $5 AND h.d < $1),
+           WHERE h.n < $5 AND h.d < 2 * $1),
          due_heads AS (SELECT aggregate_key, id, n FROM heads WHERE due),
          run_len AS (
-           SELECT greatest(1, ceil($1::numeric
-                    / greatest(1, ceil(count(*)::numeric / $6))))::bigint AS r
+           SELECT CASE WHEN count(*) >= $1 THEN 1
+                       ELSE greatest(1, ceil($1::numeric
+                              / greatest(1, ceil(count(*)::numeric / $6))))
+                  END::bigint AS r
            FROM due_heads),
          ocand AS (
-           SELECT r.id, h.aggregate_key, h.n AS hpos, r.rn
-           FROM due_heads h CROSS JOIN LATERAL (
-             SELECT s.id, s.rn FROM (
-               SELECT o.id, row_number() OVER w AS rn,
-                      bool_and(o.available_at <= now()) OVER w AS due
-               FROM (SELECT o.id, o.available_at FROM {t} o
-                     WHERE o.status = 'pending' AND o.aggregate_key = h.aggregate_key
-                       AND o.id >= h.id
-                     ORDER BY o.id LIMIT (SELECT r FROM run_len)) o
-               WINDOW w AS (ORDER BY o.id)) s
-             WHERE s.due) r
-           ORDER BY h.n, r.rn
-           LIMIT $1),
+           -- Runs of one are the due heads themselves: no need to read behind them.
+           (SELECT h.id, h.aggregate_key, h.n AS hpos, 1::bigint AS rn FROM due_heads h
+            WHERE (SELECT r FROM run_len) = 1
+            ORDER BY h.n LIMIT 2 * $1)
+           UNION ALL
+           (SELECT r.id, h.aggregate_key, h.n AS hpos, r.rn
+            FROM due_heads h CROSS JOIN LATERAL (
+              SELECT s.id, s.rn FROM (
+                SELECT o.id, row_number() OVER w AS rn,
+                       bool_and(o.available_at <= now()) OVER w AS due
+                FROM (SELECT o.id, o.available_at FROM {t} o
+                      WHERE o.status = 'pending' AND o.aggregate_key = h.aggregate_key
+                        AND o.id >= h.id
+                      ORDER BY o.id LIMIT (SELECT r FROM run_len)) o
+                WINDOW w AS (ORDER BY o.id)) s
+              WHERE s.due) r
+            WHERE (SELECT r FROM run_len) > 1
+            ORDER BY h.n, r.rn
+            LIMIT 2 * $1)),
          ulock AS (
            SELECT o.id, o.available_at, octet_length(o.payload) AS bytes FROM {t} o
            WHERE o.status = 'pending' AND o.aggregate_key IS NULL AND o.available_at <= now()
            ORDER BY o.available_at, o.id
            LIMIT $1 - least((SELECT count(*) FROM ocand), $1 / 2)
            FOR UPDATE SKIP LOCKED),
-         ocut AS (
-           SELECT * FROM ocand ORDER BY hpos, rn
-           LIMIT $1 - (SELECT count(*) FROM ulock)),
          olock AS (
-           SELECT o.id, octet_length(o.payload) AS bytes FROM {t} o
-           WHERE o.id IN (SELECT id FROM ocut)
-             AND o.status = 'pending' AND o.available_at <= now()
-           FOR UPDATE SKIP LOCKED),
+           SELECT o.id, c.aggregate_key, c.hpos, c.rn, octet_length(o.payload) AS bytes
+           FROM ocand c JOIN {t} o ON o.id = c.id
+           WHERE o.status = 'pending' AND o.available_at <= now()
+           ORDER BY c.hpos, c.rn
+           LIMIT $1 - (SELECT count(*) FROM ulock)
+           FOR UPDATE OF o SKIP LOCKED),
          ovalid AS (
-           SELECT c.id, c.aggregate_key, c.hpos, c.rn, l.bytes,
-                  row_number() OVER (PARTITION BY c.aggregate_key ORDER BY c.rn) AS pos
-           FROM ocut c JOIN olock l ON l.id = c.id),
+           SELECT id, aggregate_key, hpos, rn, bytes,
+                  row_number() OVER (PARTITION BY aggregate_key ORDER BY rn) AS pos
+           FROM olock),
          picked AS (
-           SELECT id, bytes, row_number() OVER (ORDER BY hpos, rn) AS rank, 0 AS src
+           SELECT id, aggregate_key, bytes, row_number() OVER (ORDER BY hpos, rn) AS rank,
+                  0 AS src
            FROM ovalid WHERE pos = rn
            UNION ALL
-           SELECT id, bytes, row_number() OVER (ORDER BY available_at, id), 1 FROM ulock),
+           SELECT id, NULL, bytes, row_number() OVER (ORDER BY available_at, id), 1
+           FROM ulock),
          take AS (
-           SELECT id FROM (
-             SELECT id, row_number() OVER k AS k,
+           SELECT id, aggregate_key, rank FROM (
+             SELECT id, aggregate_key, rank, row_number() OVER k AS k,
                     sum(coalesce(bytes, 0)) OVER k AS total
              FROM picked WINDOW k AS (ORDER BY rank, src, id)) p
            WHERE k = 1 OR total <= $3),
@@ -356,14 +370,16 @@ fn claim(t: &str, after: &str) -> String {
                                  || 'an outcome being recorded (a relay crashed or lost its '
                                  || 'lease each time)'
                             ELSE t.last_error END
-           FROM take WHERE t.id = take.id
+           -- An id list, not a join: a join may be planned as a merge along the primary key
+           -- from its first id, through every sent row.
+           WHERE t.id = ANY (ARRAY(SELECT id FROM take))
            RETURNING {RECORD_COLUMNS}, t.status),
          scan AS (
            SELECT coalesce(
-             (SELECT v.aggregate_key FROM ovalid v JOIN take k ON k.id = v.id
-              ORDER BY v.hpos DESC LIMIT 1),
+             (SELECT aggregate_key FROM take WHERE aggregate_key IS NOT NULL
+              ORDER BY rank DESC LIMIT 1),
              CASE WHEN (SELECT count(*) FROM heads) >= $5
-                       OR (SELECT count(*) FROM due_heads) >= $1
+                       OR (SELECT count(*) FROM due_heads) >= 2 * $1
                   THEN (SELECT aggregate_key FROM heads ORDER BY n DESC LIMIT 1) END)
              AS next_cursor)
          SELECT upd.*, scan.next_cursor FROM scan LEFT JOIN upd ON true"
