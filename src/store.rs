@@ -152,14 +152,15 @@ pub(crate) fn claim(
         )
         .map_err(|e| outbox.db_error(e))?;
     let mut claimed = Claimed::default();
-    for row in &rows {
+    // Each row is dropped once read, so its raw bytes and its Record are not held together.
+    for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
         claimed.cursor = row.try_get(12).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };
         let dead = row.try_get::<_, &str>(11).map_err(Error::Db)? == "dead";
-        match Record::from_row(row) {
+        match Record::from_row(&row) {
             Ok(record) if dead => claimed.dead.push(record),
             Ok(record) => claimed.records.push(record),
             Err(_) if dead => {}
