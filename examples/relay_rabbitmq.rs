@@ -41,7 +41,8 @@ fn main() -> Result<(), Box<dyn Error>> {
         })
         .batch_size(100)
         .concurrency(2)
-        .listen_connection(database_url.parse()?, NoTls),
+        // The relay's own connections, with keepalives: none taken from the pool.
+        .connections(database_url.parse()?, NoTls),
     )?;
 
     // The business write and its event commit together, or not at all.

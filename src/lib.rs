@@ -6,7 +6,8 @@
 //! least once, retrying with backoff until it succeeds or the row becomes a dead letter.
 //! Consumers deduplicate on the message key with [`Outbox::dedupe`].
 //!
-//! No async runtime appears in the API: the relay is a handful of threads fed by channels.
+//! No async runtime appears in the API: the relay is a handful of threads, each claiming,
+//! publishing and recording its own batches.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -37,8 +38,10 @@
 //! # }
 //! ```
 //!
-//! Ordering: messages with the same [`Message::aggregate_key`] are published one at a time,
-//! in enqueue order (the order of their ids). Enqueue order is commit order when one
+//! Ordering: messages with the same [`Message::aggregate_key`] are published strictly in
+//! enqueue order (the order of their ids): none is handed to a publisher before every earlier
+//! one of its aggregate is confirmed sent or is dead. Different aggregates go out pipelined,
+//! in confirm rounds. Enqueue order is commit order when one
 //! transaction at a time writes an aggregate, which is the usual case when the transaction
 //! locks the aggregate's own row; two concurrent transactions enqueueing for the same
 //! aggregate are ordered by when each inserted, not by when each committed.

@@ -39,6 +39,10 @@ impl Outbox {
     /// the attempts are used up. A lease that ran out meanwhile (another worker took the row)
     /// rolls the handler's writes back and is counted in [`ProcessReport::lease_lost`].
     ///
+    /// Records of one aggregate come in order; once one of them does not commit, the later
+    /// ones of that aggregate in this call are handed back unhandled
+    /// ([`ProcessReport::released`]), so they never run before it.
+    ///
     /// ```no_run
     /// use postgres_outbox::{HandlerError, Outbox};
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
