@@ -590,3 +590,43 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
     });
     broker.delete_queue(&queue);
 }
+
+#[test]
+fn runs_of_several_aggregates_reach_the_queue_in_order_with_an_unbounded_confirm_timeout() {
+    let (outbox, mut client) = outbox("rmq_rounds");
+    let broker = Broker::new();
+    let (exchange, queue) = broker.routed("rounds", FieldTable::new());
+    let mut messages = Vec::new();
+    for seq in 0..20 {
+        for aggregate in ["a", "b", "c"] {
+            messages.push(
+                Message::new("t", seq.to_string())
+                    .key(format!("{aggregate}-{seq}"))
+                    .aggregate_key(aggregate),
+            );
+        }
+    }
+    enqueue(&mut client, &outbox, messages);
+    let url = amqp_url();
+    let exchange_name = exchange.clone();
+    // One worker, one batch holding every run: twenty confirm rounds of three messages.
+    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
+        RabbitPublisher::connect(&url, &exchange_name)
+            .map(|p| p.mandatory(true).confirm_timeout(Duration::MAX))
+    })
+    .batch_size(60)
+    .concurrency(1);
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 60);
+
+    let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
+    for got in broker.drain(&queue) {
+        let key = got.delivery.properties.message_id().clone().expect("key");
+        let (aggregate, seq) = key.split_once('-').expect("aggregate-seq");
+        seen.entry(aggregate.to_owned())
+            .or_default()
+            .push(seq.parse().expect("seq"));
+    }
+    for aggregate in ["a", "b", "c"] {
+        assert_eq!(seen[aggregate], (0..20).collect::<Vec<_>>(), "{aggregate}");
+    }
+}
