@@ -294,13 +294,14 @@ impl<'a> Worker<'a> {
     /// (or panics) costs no attempt: the rows go back and the worker waits before trying again.
     fn publisher(&mut self) -> Result<&mut Box<dyn Publisher>, Duration> {
         let config = self.config;
-        if self.publisher.is_none() {
-            let built = catch_unwind(AssertUnwindSafe(|| (config.factory)()))
-                .unwrap_or_else(|_| Err("the publisher factory panicked".into()));
-            match built {
+        let publisher = match self.publisher.take() {
+            Some(publisher) => publisher,
+            None => match catch_unwind(AssertUnwindSafe(|| (config.factory)()))
+                .unwrap_or_else(|_| Err("the publisher factory panicked".into()))
+            {
                 Ok(publisher) => {
                     self.factory_failures = 0;
-                    self.publisher = Some(publisher);
+                    publisher
                 }
                 Err(e) => {
                     self.factory_failures += 1;
@@ -312,9 +313,9 @@ impl<'a> Worker<'a> {
                     );
                     return Err(pause);
                 }
-            }
-        }
-        self.publisher.as_mut().ok_or(Duration::ZERO)
+            },
+        };
+        Ok(self.publisher.insert(publisher))
     }
 
     /// Records the batch's outcomes, retrying through database trouble while the lease
