@@ -19,33 +19,27 @@
 //! OUTBOX_BENCH_ROWS (default 100000), OUTBOX_BENCH_ORDERED_ROWS (backlog per `ordered`
 //! shape, default 20000), OUTBOX_BENCH_ORDERED_CAP_SECS (time cap per shape, default 120).
 
+mod common;
+
 use std::collections::HashSet;
-use std::error::Error;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use amiquip::{
     AmqpProperties, Auth, Channel, Confirm, Connection, ConnectionOptions, ConnectionTuning,
     ExchangeDeclareOptions, ExchangeType, FieldTable, Publish, QueueDeclareOptions,
 };
+use common::{drain, fmt_rate, prefill_rows, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE};
 use postgres::{Client, NoTls};
 use postgres_outbox::rabbitmq::RabbitPublisher;
-use postgres_outbox::{Message, Metrics, Outbox, Record, Relay, RelayConfig};
+use postgres_outbox::{Message, Outbox, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
-
-type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
 const EXCHANGE: &str = "outbox.bench";
 const QUEUE: &str = "outbox.bench.all";
 const PAYLOAD: usize = 512;
 /// How long `relay-rabbitmq` may take before it counts as stalled.
 const RELAY_TIMEOUT: Duration = Duration::from_secs(600);
-/// Pool for the `rabbitmq-ordered` relays, which otherwise keep default settings.
-const DEFAULT_RELAY_POOL_SIZE: u32 = 16;
-/// How often `stats()` is asked whether the last rows are recorded sent.
-const STATS_POLL: Duration = Duration::from_millis(50);
 
 fn env(names: &[&str], default: &str) -> String {
     names
@@ -121,7 +115,7 @@ fn main() -> Result<()> {
         let mut unordered = None;
         for shape in Shape::ALL {
             let outbox = fresh_outbox(&mut client)?;
-            prefill_rows(&mut client, &outbox, ordered_rows, shape)?;
+            prefill_rows(&mut client, &outbox, ordered_rows, PAYLOAD, shape)?;
             broker.purge()?;
             let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?;
             let drained = drain(&mut client, &outbox, config, ordered_rows, ordered_cap)?;
@@ -142,25 +136,6 @@ fn main() -> Result<()> {
     }
     broker.purge()?;
     Ok(())
-}
-
-/// A rate as a whole number, or with a decimal below 10 so that a crawl does not print 0.
-fn fmt_rate(rate: f64) -> String {
-    if rate < 10.0 {
-        format!("{rate:.1}")
-    } else {
-        format!("{rate:.0}")
-    }
-}
-
-/// `a / b` with two decimals (five below 0.01, so that a crawl does not print 0), or `n/a`
-/// when `b` is zero.
-fn ratio(a: f64, b: f64) -> String {
-    match a / b {
-        _ if b <= 0.0 => "n/a".to_owned(),
-        r if r > 0.0 && r < 0.01 => format!("{r:.5}"),
-        r => format!("{r:.2}"),
-    }
 }
 
 /// A fresh, migrated, empty outbox.
@@ -189,62 +164,6 @@ fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
     }
     client.batch_execute("CHECKPOINT")?;
     Ok(outbox)
-}
-
-/// How messages of a backlog are spread over aggregates.
-#[derive(Debug, Clone, Copy)]
-enum Shape {
-    /// No aggregate key: no ordering to keep.
-    Unordered,
-    /// Each row its own aggregate.
-    Unique,
-    /// Rows round-robin over 40 aggregates.
-    Agg40,
-    /// Every row in one aggregate.
-    Hot1,
-}
-
-impl Shape {
-    /// `Unordered` first: the others are measured against it.
-    const ALL: [Shape; 4] = [Shape::Unordered, Shape::Unique, Shape::Agg40, Shape::Hot1];
-
-    fn name(self) -> &'static str {
-        match self {
-            Shape::Unordered => "unordered",
-            Shape::Unique => "unique",
-            Shape::Agg40 => "agg40",
-            Shape::Hot1 => "hot1",
-        }
-    }
-
-    /// The aggregate key of row `i` (1-based), as SQL.
-    fn aggregate_key_sql(self) -> &'static str {
-        match self {
-            Shape::Unordered => "NULL",
-            Shape::Unique => "'agg-' || i",
-            Shape::Agg40 => "'agg-' || (i % 40)",
-            Shape::Hot1 => "'agg-0'",
-        }
-    }
-}
-
-/// Fills the outbox with `rows` pending 512-byte rows in one `INSERT .. SELECT` straight into
-/// the table, ids increasing with the row number within each aggregate of `shape`; then
-/// `ANALYZE`s it.
-fn prefill_rows(client: &mut Client, outbox: &Outbox, rows: usize, shape: Shape) -> Result<()> {
-    let table = outbox.table();
-    client.execute(
-        &format!(
-            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', $2::int), 'hex') AS payload) \
-             INSERT INTO {table} (key, topic, aggregate_key, payload) \
-             SELECT 'bench-' || i, 'bench.event', {aggregate}, p.payload \
-             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i",
-            aggregate = shape.aggregate_key_sql(),
-        ),
-        &[&i64::try_from(rows)?, &i32::try_from(PAYLOAD)?],
-    )?;
-    client.batch_execute(&format!("ANALYZE {table}"))?;
-    Ok(())
 }
 
 /// Drops `outbox`'s tables: the outbox and every `<outbox>_*` table its migrations made, in
@@ -280,92 +199,6 @@ fn rabbit_relay(
     Ok(RelayConfig::new(outbox.clone(), pool, move || {
         RabbitPublisher::connect(&url, EXCHANGE)
     }))
-}
-
-/// How a drain ended.
-struct Drained {
-    /// Rows recorded sent when it ended.
-    sent: u64,
-    /// From spawning the relay to seeing the last row sent, or to the cap.
-    took: Duration,
-    /// Whether the cap ended it before every row was sent.
-    capped: bool,
-}
-
-impl Drained {
-    fn rate(&self) -> f64 {
-        self.sent as f64 / self.took.as_secs_f64()
-    }
-
-    /// `self`, or an error if the cap ended it.
-    fn complete(self) -> Result<Drained> {
-        if self.capped {
-            return Err(format!("relay stalled: {} rows sent before the cap", self.sent).into());
-        }
-        Ok(self)
-    }
-}
-
-/// Spawns a relay from `config` and waits until all `rows` rows of `outbox` are recorded
-/// sent or `cap` has passed, then shuts the relay down.
-///
-/// Polling stats() scans the pending rows and would compete for the CPU being measured, so
-/// it waits on the confirm counter, then asks stats() every `STATS_POLL` for the last
-/// outcomes to be recorded.
-fn drain(
-    client: &mut Client,
-    outbox: &Outbox,
-    config: RelayConfig,
-    rows: usize,
-    cap: Duration,
-) -> Result<Drained> {
-    let rows = rows as u64;
-    let published = Arc::new(AtomicU64::new(0));
-    let config = config.metrics(Confirmed(Arc::clone(&published)));
-    let started = Instant::now();
-    let relay = Relay::spawn(config)?;
-    let drained = wait_until_sent(client, outbox, &published, rows, started, cap);
-    relay.shutdown(Duration::from_secs(10))?;
-    drained
-}
-
-/// Waits until `rows` rows are recorded sent or `cap` has passed since `started`.
-fn wait_until_sent(
-    client: &mut Client,
-    outbox: &Outbox,
-    published: &AtomicU64,
-    rows: u64,
-    started: Instant,
-    cap: Duration,
-) -> Result<Drained> {
-    loop {
-        let all_published = published.load(Ordering::Relaxed) >= rows;
-        let capped = started.elapsed() >= cap;
-        if all_published || capped {
-            let sent = outbox.stats(client)?.sent;
-            if sent >= rows || capped {
-                return Ok(Drained {
-                    sent,
-                    took: started.elapsed(),
-                    capped: sent < rows,
-                });
-            }
-        }
-        std::thread::sleep(if all_published {
-            STATS_POLL
-        } else {
-            Duration::from_millis(5)
-        });
-    }
-}
-
-/// Counts records the broker confirmed.
-struct Confirmed(Arc<AtomicU64>);
-
-impl Metrics for Confirmed {
-    fn published(&self, _record: &Record, _took: Duration) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 /// The textbook relay: in one transaction per batch, lock rows, publish each and wait for

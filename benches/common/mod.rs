@@ -1,0 +1,195 @@
+//! What the `outbox` and `rabbitmq` benches share: the shapes of an ordered backlog, filling
+//! one straight into the table, draining it with a relay, and printing rates.
+//!
+//! Each bench includes this with `mod common;`; Cargo takes only the files directly in
+//! `benches/` as bench targets, so this one is not a bench of its own.
+
+use std::error::Error;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use postgres::Client;
+use postgres_outbox::{Metrics, Outbox, Record, Relay, RelayConfig};
+
+/// `Send + Sync`, so that bench threads can return it; `?` turns it into a plain
+/// `Box<dyn Error>` where a bench wants that.
+pub type Result<T> = std::result::Result<T, Box<dyn Error + Send + Sync>>;
+
+/// Pool for the relays that otherwise keep default settings (`ordered`, `rss`,
+/// `rabbitmq-ordered`).
+pub const DEFAULT_RELAY_POOL_SIZE: u32 = 16;
+/// How often `stats()` is asked whether the last rows are recorded sent.
+const STATS_POLL: Duration = Duration::from_millis(50);
+
+/// How messages of a backlog are spread over aggregates.
+#[derive(Debug, Clone, Copy)]
+pub enum Shape {
+    /// No aggregate key: no ordering to keep.
+    Unordered,
+    /// Each row its own aggregate.
+    Unique,
+    /// Rows round-robin over 40 aggregates.
+    Agg40,
+    /// Every row in one aggregate.
+    Hot1,
+}
+
+impl Shape {
+    /// `Unordered` first: the others are measured against it.
+    pub const ALL: [Shape; 4] = [Shape::Unordered, Shape::Unique, Shape::Agg40, Shape::Hot1];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Shape::Unordered => "unordered",
+            Shape::Unique => "unique",
+            Shape::Agg40 => "agg40",
+            Shape::Hot1 => "hot1",
+        }
+    }
+
+    /// The aggregate key of row `i` (1-based), as SQL.
+    fn aggregate_key_sql(self) -> &'static str {
+        match self {
+            Shape::Unordered => "NULL",
+            Shape::Unique => "'agg-' || i",
+            Shape::Agg40 => "'agg-' || (i % 40)",
+            Shape::Hot1 => "'agg-0'",
+        }
+    }
+}
+
+/// Fills the outbox with `rows` pending rows of `payload` bytes in one `INSERT .. SELECT`
+/// straight into the table, ids increasing with the row number within each aggregate of
+/// `shape`; then `ANALYZE`s it.
+pub fn prefill_rows(
+    client: &mut Client,
+    outbox: &Outbox,
+    rows: usize,
+    payload: usize,
+    shape: Shape,
+) -> Result<()> {
+    let table = outbox.table();
+    client.execute(
+        &format!(
+            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', $2::int), 'hex') AS payload) \
+             INSERT INTO {table} (key, topic, aggregate_key, payload) \
+             SELECT 'bench-' || i, 'bench.event', {aggregate}, p.payload \
+             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i",
+            aggregate = shape.aggregate_key_sql(),
+        ),
+        &[&i64::try_from(rows)?, &i32::try_from(payload)?],
+    )?;
+    client.batch_execute(&format!("ANALYZE {table}"))?;
+    Ok(())
+}
+
+/// How a drain ended.
+pub struct Drained {
+    /// Rows recorded sent when it ended.
+    pub sent: u64,
+    /// From spawning the relay to seeing the last row sent, or to the cap.
+    pub took: Duration,
+    /// Whether the cap ended it before every row was sent.
+    pub capped: bool,
+}
+
+impl Drained {
+    pub fn rate(&self) -> f64 {
+        rate(self.sent, self.took)
+    }
+
+    /// `self`, or an error if the cap ended it.
+    pub fn complete(self) -> Result<Drained> {
+        if self.capped {
+            return Err(format!("relay stalled: {} rows sent before the cap", self.sent).into());
+        }
+        Ok(self)
+    }
+}
+
+/// Counts records the publisher accepted (for `RabbitPublisher`, those the broker confirmed).
+struct Published(Arc<AtomicU64>);
+
+impl Metrics for Published {
+    fn published(&self, _record: &Record, _took: Duration) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Spawns a relay from `config` and waits until all `rows` rows of `outbox` are recorded
+/// sent or `cap` has passed, then shuts the relay down.
+///
+/// `stats` reads every pending row, so it is only asked once a metrics counter has seen
+/// `rows` records published, and then every `STATS_POLL`: polling it from the start would
+/// keep a backend busy scanning the backlog and slow the relay down.
+pub fn drain(
+    client: &mut Client,
+    outbox: &Outbox,
+    config: RelayConfig,
+    rows: usize,
+    cap: Duration,
+) -> Result<Drained> {
+    let rows = rows as u64;
+    let published = Arc::new(AtomicU64::new(0));
+    let config = config.metrics(Published(Arc::clone(&published)));
+    let started = Instant::now();
+    let relay = Relay::spawn(config)?;
+    let drained = wait_until_sent(client, outbox, &published, rows, started, cap);
+    relay.shutdown(Duration::from_secs(10))?;
+    drained
+}
+
+/// Waits until `rows` rows are recorded sent or `cap` has passed since `started`.
+fn wait_until_sent(
+    client: &mut Client,
+    outbox: &Outbox,
+    published: &AtomicU64,
+    rows: u64,
+    started: Instant,
+    cap: Duration,
+) -> Result<Drained> {
+    loop {
+        let all_published = published.load(Ordering::Relaxed) >= rows;
+        let capped = started.elapsed() >= cap;
+        if all_published || capped {
+            let sent = outbox.stats(client)?.sent;
+            if sent >= rows || capped {
+                return Ok(Drained {
+                    sent,
+                    took: started.elapsed(),
+                    capped: sent < rows,
+                });
+            }
+        }
+        thread::sleep(if all_published {
+            STATS_POLL
+        } else {
+            Duration::from_millis(5)
+        });
+    }
+}
+
+pub fn rate(ops: u64, took: Duration) -> f64 {
+    ops as f64 / took.as_secs_f64()
+}
+
+/// A rate as a whole number, or with a decimal below 10 so that a crawl does not print 0.
+pub fn fmt_rate(rate: f64) -> String {
+    if rate < 10.0 {
+        format!("{rate:.1}")
+    } else {
+        format!("{rate:.0}")
+    }
+}
+
+/// `a / b` with two decimals (five below 0.01, so that a crawl does not print 0), or `n/a`
+/// when `b` is zero.
+pub fn ratio(a: f64, b: f64) -> String {
+    match a / b {
+        _ if b <= 0.0 => "n/a".to_owned(),
+        r if r > 0.0 && r < 0.01 => format!("{r:.5}"),
+        r => format!("{r:.2}"),
+    }
+}
