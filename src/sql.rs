@@ -261,10 +261,10 @@ impl Statements {
 /// due and its aggregate is passed over. So the cost is what the claim returns plus the
 /// heads it passes, never the rows waiting behind a head.
 ///
-/// With a batch's worth of due aggregates or more, each gives one row (runs of one: the most
-/// aggregates, each in the first confirm round). With fewer, they are shared among the `$6`
-/// workers: each claim takes about a worker's share of them, with runs long enough to fill
-/// the batch. Ordered and unordered rows split the batch so that neither starves the other.
+/// With a batch's worth of aggregates or more, each due one gives one row (runs of one: the
+/// most aggregates, each in the first confirm round). With fewer, they are shared among the
+/// `$6` workers: runs are as long as fills the batch from a worker's share of all the
+/// aggregates seen (due or in flight), so each claim takes about that share. Ordered and unordered rows split the batch so that neither starves the other.
 ///
 /// Workers scanning the same aggregates see the same heads, so twice the batch is read as
 /// candidates and locked in order with `SKIP LOCKED` until the batch is full: a head another
@@ -299,12 +299,15 @@ fn claim(t: &str, after: &str) -> String {
              ORDER BY o.aggregate_key, o.id LIMIT 1) nx
            WHERE h.n < $5 AND h.d < 2 * $1),
          due_heads AS (SELECT aggregate_key, id, n FROM heads WHERE due),
+         -- Sized by every aggregate seen, due or in flight, so that a claim finding only a
+         -- few free heads while other workers hold the rest takes short runs of them, not
+         -- one long run: every confirm round stays wide.
          run_len AS (
            SELECT CASE WHEN count(*) >= $1 THEN 1
                        ELSE greatest(1, ceil($1::numeric
                               / greatest(1, ceil(count(*)::numeric / $6))))
                   END::bigint AS r
-           FROM due_heads),
+           FROM heads),
          ocand AS (
            -- Runs of one are the due heads themselves: no need to read behind them.
            (SELECT h.id, h.aggregate_key, h.n AS hpos, 1::bigint AS rn FROM due_heads h

@@ -148,6 +148,7 @@ impl<'a> Worker<'a> {
         // A lease is stamped by the database after the claim was sent, so measuring it from
         // before is conservative.
         let deadline = claimed_at + config.lease;
+        let claimed_ordered = claimed.records.iter().any(|r| r.aggregate_key.is_some());
         let mut outcomes = self.finish_unpublishable(&claimed);
         let pause = self.publish(
             claimed.records,
@@ -157,6 +158,11 @@ impl<'a> Worker<'a> {
             &mut outcomes,
         );
         self.record(&outcomes, deadline, control)?;
+        // Heads just recorded make their aggregates' next messages due: an idle worker can
+        // take some of them while this one claims again.
+        if claimed_ordered {
+            control.more_due();
+        }
         Ok(match pause {
             Some(pause) => Cycle::Pause(pause),
             None => Cycle::Worked(n),
