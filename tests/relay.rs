@@ -1818,3 +1818,55 @@ fn one_hot_aggregate_across_three_relays_with_failures_keeps_strict_order() {
     assert_eq!(*check.confirmed.lock().unwrap(), n as i64);
     assert_eq!(check.failures.load(Ordering::SeqCst), n / 7 + 1);
 }
+
+/// Publishes what it is given, and panics when asked whether it is broken.
+struct PanicsWhenAsked {
+    sink: Sink,
+}
+
+impl Publisher for PanicsWhenAsked {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        batch.iter().for_each(|r| self.sink.push(r));
+        batch.iter().map(|_| Ok(())).collect()
+    }
+
+    fn is_broken(&self) -> bool {
+        panic!("a bug in is_broken");
+    }
+}
+
+#[test]
+fn a_panicking_factory_or_is_broken_costs_no_attempt_and_stops_nothing() {
+    let (outbox, mut client) = common::outbox("rl_factory_panic");
+    let sink = Sink::default();
+    let builds = Arc::new(AtomicUsize::new(0));
+    let config = {
+        let (sink, builds) = (sink.clone(), builds.clone());
+        RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
+            // The first build panics; every publisher after that panics in `is_broken`
+            // after its first batch.
+            if builds.fetch_add(1, Ordering::SeqCst) == 0 {
+                panic!("a bug in the publisher factory");
+            }
+            Ok::<_, Infallible>(PanicsWhenAsked { sink: sink.clone() })
+        })
+    }
+    .concurrency(1)
+    .batch_size(5)
+    .notify(false)
+    .poll_interval(Duration::from_millis(20));
+    enqueue(&mut client, &outbox, numbered("f", 10));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("all ten are recorded sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 10
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    // The factory's panic cost no attempt; a publisher whose `is_broken` panicked was
+    // treated as broken and rebuilt, its batch still recorded as sent.
+    assert_eq!(count(&mut client, &outbox, "attempts <> 1"), 0);
+    assert_eq!(sink.len(), 10);
+    assert!(
+        builds.load(Ordering::SeqCst) >= 3,
+        "rebuilt after each panic"
+    );
+}
