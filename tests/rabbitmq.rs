@@ -630,3 +630,96 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_with_an_unbounded_confirm
         assert_eq!(seen[aggregate], (0..20).collect::<Vec<_>>(), "{aggregate}");
     }
 }
+
+#[test]
+fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
+    // The consumer gets a database of its own, so its outage disturbs no other test.
+    let db = unique_name("outage");
+    let mut admin = client();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {db}"))
+        .unwrap();
+    let base = database_url();
+    let (server, _) = base
+        .rsplit_once('/')
+        .expect("a database URL ends in /<database>");
+    let url = format!("{server}/{db}");
+    let mut local = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let outbox = Outbox::new("outage_outbox").unwrap();
+    outbox.migrate(&mut local).unwrap();
+    let table = handled_table(&mut local);
+    drop(local);
+    let pool = r2d2::Pool::builder()
+        .max_size(2)
+        .min_idle(Some(0))
+        .connection_timeout(Duration::from_secs(1))
+        .build(r2d2_postgres::PostgresConnectionManager::new(
+            url.parse().unwrap(),
+            postgres::NoTls,
+        ))
+        .unwrap();
+
+    // No dead-letter exchange: a rejected message would be gone.
+    let broker = Broker::new();
+    let queue = unique_name("q_outage");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (handler_table, handler_calls) = (table.clone(), calls.clone());
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "outage").max_failures(2),
+        outbox,
+        pool,
+        move |tx, delivery| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            record_handled(tx, &handler_table, &delivery.key)
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m-1"), b"a");
+    wait_until("the first is processed", || {
+        consumer.report().processed == 1
+    });
+
+    // The outage: no new connections, and the open ones cut.
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE {db} ALLOW_CONNECTIONS false;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{db}';"
+        ))
+        .unwrap();
+    broker.send(&queue, Some("m-2"), b"b");
+    broker.send(&queue, Some("m-3"), b"c");
+    wait_until("the consumer holds both", || broker.ready(&queue) == 0);
+    // Long enough for several tries against the dead database (pacing the fault only).
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        consumer.report().rejected,
+        0,
+        "an outage rejected a message"
+    );
+    admin
+        .batch_execute(&format!("ALTER DATABASE {db} ALLOW_CONNECTIONS true"))
+        .unwrap();
+
+    wait_until("all three are processed", || {
+        consumer.report().processed == 3
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(
+        (report.processed, report.retried, report.rejected),
+        (3, 0, 0)
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "each handled once");
+    assert_eq!(broker.ready(&queue), 0);
+    let mut local = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    let rows: i64 = local
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 3);
+    drop(local);
+    broker.delete_queue(&queue);
+    admin
+        .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
+        .unwrap();
+}

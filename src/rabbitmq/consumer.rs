@@ -142,6 +142,11 @@ impl Counters {
 /// redelivery of a processed message is acked and skipped. A handler error rolls back and
 /// the delivery is requeued, up to [`ConsumerConfig::max_failures`], then rejected.
 ///
+/// Trouble with the database (no pooled connection, `BEGIN`, the dedupe write or `COMMIT`
+/// failing for reasons of the server or the connection) is not the message's fault: the
+/// delivery is held, unacked, and tried again with capped backoff until the database is
+/// back. It never counts as a failure and never leads to a rejection.
+///
 /// ```no_run
 /// use std::time::Duration;
 /// use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig};
@@ -191,6 +196,8 @@ struct Worker {
     counters: Arc<Counters>,
     /// Failed attempts per message id, for deliveries still being retried.
     failures: HashMap<String, u32>,
+    /// Disconnected when the consumer is told to stop.
+    stop: Receiver<()>,
 }
 
 /// Why one connection's consuming ended.
@@ -229,6 +236,7 @@ impl Consumer {
         let checked = check_queue(connection, &config.queue);
         checked?;
         let counters = Arc::new(Counters::default());
+        let (stop_tx, stop_rx) = bounded::<()>(0);
         let mut worker = Worker {
             config,
             endpoint,
@@ -237,14 +245,14 @@ impl Consumer {
             handler: Box::new(handler),
             counters: counters.clone(),
             failures: HashMap::new(),
+            stop: stop_rx,
         };
-        let (stop_tx, stop_rx) = bounded::<()>(0);
         let (alive, done) = bounded::<()>(0);
         let thread = std::thread::Builder::new()
             .name("outbox-consumer".into())
             .spawn(move || {
                 let _alive = alive;
-                worker.run(&stop_rx);
+                worker.run();
             })
             .map_err(|e| Error::Connect(format!("cannot start the consumer thread: {e}")))?;
         Ok(Consumer {
@@ -305,7 +313,9 @@ fn check_queue(mut connection: amiquip::Connection, queue: &str) -> Result<(), E
 }
 
 impl Worker {
-    fn run(&mut self, stop: &Receiver<()>) {
+    fn run(&mut self) {
+        let stop = self.stop.clone();
+        let stop = &stop;
         let mut failures = 0u32;
         loop {
             match self.consume(stop) {
@@ -387,7 +397,13 @@ impl Worker {
                 return delivery.reject(channel, false).map_err(|e| e.to_string());
             }
         };
-        match self.run_handler(&view) {
+        let outcome = match self.handle_through_outages(&view) {
+            Some(outcome) => outcome,
+            // Stopping while the database is away: the delivery goes back to the queue
+            // unacked when the channel closes, uncounted.
+            None => return Ok(()),
+        };
+        match outcome {
             Ok(true) => {
                 self.failures.remove(&view.key);
                 self.counters.processed.fetch_add(1, Ordering::SeqCst);
@@ -428,23 +444,83 @@ impl Worker {
         }
     }
 
+    /// Runs the delivery until its outcome says something about the message: committed, a
+    /// duplicate, or a handler failure. While the database is the trouble (no pooled
+    /// connection, `BEGIN`, the dedupe write or `COMMIT` failing for reasons of the server or
+    /// the connection), the delivery is held, unacked and uncounted, and tried again with
+    /// capped backoff: an outage never costs a message one of its attempts, let alone a
+    /// rejection. `None` when told to stop meanwhile.
+    fn handle_through_outages(
+        &mut self,
+        delivery: &Delivery,
+    ) -> Option<Result<bool, HandlerError>> {
+        let mut outages = 0u32;
+        loop {
+            match self.run_handler(delivery) {
+                Ok(handled) => return Some(Ok(handled)),
+                Err(Failure::Handler(error)) => return Some(Err(error)),
+                Err(Failure::Database(error)) => {
+                    outages += 1;
+                    let pause = reconnect_delay(outages);
+                    log::warn!(
+                        "rabbitmq consumer {}: the database failed while handling {} (not \
+                         counted as a failure); trying again in {pause:?}: {error}",
+                        self.config.name,
+                        delivery.key
+                    );
+                    select! {
+                        recv(self.stop) -> _ => return None,
+                        recv(after(pause)) -> _ => {}
+                    }
+                }
+            }
+        }
+    }
+
     /// Runs dedupe and the handler in one transaction. Ok(true): committed; Ok(false): a
-    /// duplicate; Err: rolled back.
-    fn run_handler(&mut self, delivery: &Delivery) -> Result<bool, HandlerError> {
-        let mut conn = self.pool.get().map_err(HandlerError::transient)?;
-        let mut tx = conn.transaction().map_err(HandlerError::transient)?;
+    /// duplicate; Err: rolled back, with whose fault it was.
+    fn run_handler(&mut self, delivery: &Delivery) -> Result<bool, Failure> {
+        let mut conn = self.pool.get().map_err(Failure::Database)?;
+        let mut tx = conn.transaction().map_err(Failure::db)?;
         let fresh = self
             .outbox
             .dedupe(&mut tx, &self.config.name, &delivery.key)
-            .map_err(HandlerError::transient)?;
+            .map_err(Failure::classify)?;
         if !fresh {
             return Ok(false);
         }
         let handler = &mut self.handler;
         catch_unwind(AssertUnwindSafe(|| handler(&mut tx, delivery)))
-            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))?;
-        tx.commit().map_err(HandlerError::transient)?;
+            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
+            .map_err(Failure::Handler)?;
+        tx.commit().map_err(Failure::db)?;
         Ok(true)
+    }
+}
+
+/// Why a delivery's transaction did not commit.
+enum Failure {
+    /// The handler failed (or panicked), or the database refused the handler's data: the
+    /// message's fault, counted towards its failures.
+    Handler(HandlerError),
+    /// The database or the way to it: nobody's fault, never counted.
+    Database(crate::Error),
+}
+
+impl Failure {
+    fn db(error: postgres::Error) -> Failure {
+        Failure::classify(crate::Error::Db(error))
+    }
+
+    /// A server error about the data (a deferred constraint at `COMMIT`, a key the dedupe
+    /// index cannot hold) is the message's fault; anything about the server or the
+    /// connection is not.
+    fn classify(error: crate::Error) -> Failure {
+        if crate::store::is_infrastructure(&error) {
+            Failure::Database(error)
+        } else {
+            Failure::Handler(HandlerError::transient(error))
+        }
     }
 }
 
