@@ -69,7 +69,7 @@ mod table;
 pub mod rabbitmq;
 
 pub use error::{Error, Result};
-pub use message::{Message, MAX_DELAY, MAX_SHORT_STRING};
+pub use message::{Message, MAX_DELAY, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{Metrics, NoMetrics};
 pub use operate::{DeadLetter, Purge, Redrive, Stats};
 pub use outbox::{Outbox, OutboxBuilder};

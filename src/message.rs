@@ -8,6 +8,11 @@ use crate::error::{Error, Result};
 /// this many bytes; a longer one makes the broker close the whole connection.
 pub const MAX_SHORT_STRING: usize = 255;
 
+/// The longest aggregate key, and the longest key `dedupe` takes, in bytes. Both go into a
+/// B-tree index, whose entries hold at most about 2,700 bytes: a longer value would fail
+/// the insert and abort the caller's transaction, so it is refused before any SQL instead.
+pub const MAX_INDEXED_KEY: usize = 1024;
+
 /// The longest delay accepted: beyond it a value is almost certainly a unit mistake.
 pub const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
@@ -67,7 +72,8 @@ impl Message {
         self
     }
 
-    /// Messages sharing an aggregate key are published one at a time, in enqueue order.
+    /// Messages sharing an aggregate key are published strictly in enqueue order. At most
+    /// [`MAX_INDEXED_KEY`] bytes, without NUL.
     pub fn aggregate_key(mut self, aggregate_key: impl Into<String>) -> Message {
         self.aggregate_key = Some(aggregate_key.into());
         self
@@ -122,6 +128,7 @@ impl Message {
         };
         if let Some(aggregate_key) = &self.aggregate_key {
             no_nul("aggregate key", aggregate_key)?;
+            at_most("aggregate key", aggregate_key, MAX_INDEXED_KEY)?;
         }
         if let Some(content_type) = &self.content_type {
             short_string("content type", content_type)?;
@@ -207,6 +214,17 @@ fn short_string(field: &'static str, value: &str) -> Result<()> {
         ));
     }
     no_nul(field, value)
+}
+
+/// A value stored in a B-tree index: at most `limit` bytes.
+pub(crate) fn at_most(field: &'static str, value: &str, limit: usize) -> Result<()> {
+    if value.len() > limit {
+        return Err(Error::invalid(
+            field,
+            format!("is {} bytes; at most {limit} are accepted", value.len()),
+        ));
+    }
+    Ok(())
 }
 
 /// PostgreSQL text cannot hold NUL; sending one would abort the caller's transaction.

@@ -9,7 +9,7 @@ use postgres::types::{ToSql, Type};
 use postgres::{Client, Transaction};
 
 use crate::error::{Error, Result};
-use crate::message::Message;
+use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 use crate::retry::RetryPolicy;
 use crate::sql::{Statements, MIGRATIONS};
 use crate::table::{quote, TableName};
@@ -424,6 +424,11 @@ impl Outbox {
     /// transaction. Returns true the first time, false for a duplicate delivery; rolling the
     /// transaction back forgets it, so a failed handler sees the message as fresh again.
     ///
+    /// Both must be non-empty and free of NUL; `consumer` is at most
+    /// [`MAX_SHORT_STRING`](crate::MAX_SHORT_STRING) bytes and `key` at most
+    /// [`MAX_INDEXED_KEY`](crate::MAX_INDEXED_KEY). Anything else is an error before any SQL,
+    /// and the transaction stays usable.
+    ///
     /// ```no_run
     /// # use postgres_outbox::Outbox;
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -439,13 +444,17 @@ impl Outbox {
     /// # }
     /// ```
     pub fn dedupe(&self, tx: &mut Transaction<'_>, consumer: &str, key: &str) -> Result<bool> {
-        for (field, value) in [("consumer", consumer), ("key", key)] {
+        for (field, value, limit) in [
+            ("consumer", consumer, MAX_SHORT_STRING),
+            ("key", key, MAX_INDEXED_KEY),
+        ] {
             if value.is_empty() {
                 return Err(Error::invalid(field, "must not be empty"));
             }
             if value.contains('\0') {
                 return Err(Error::invalid(field, "contains a NUL character"));
             }
+            at_most(field, value, limit)?;
         }
         let n = tx
             .execute_typed(

@@ -11,7 +11,10 @@ use common::{count, quoted, row_state, unique_name, wait_until};
 use postgres::error::SqlState;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Transaction};
-use postgres_outbox::{Error, HandlerError, Message, Outbox, ProcessReport, Purge, Redrive};
+use postgres_outbox::{
+    Error, HandlerError, Message, Outbox, ProcessReport, Purge, Redrive, MAX_INDEXED_KEY,
+    MAX_SHORT_STRING,
+};
 
 type TestResult = Result<(), Box<dyn StdError>>;
 
@@ -640,7 +643,29 @@ fn over_long_fields_are_rejected_and_nothing_is_written() -> TestResult {
         ("key", ok().key(long.clone())),
         ("content type", ok().content_type(long.clone())),
         ("header name", ok().header(long.clone(), "v")),
+        // Beyond what a B-tree index entry holds comfortably: refused before the insert
+        // could abort the caller's transaction.
+        (
+            "aggregate key",
+            ok().aggregate_key("a".repeat(MAX_INDEXED_KEY + 1)),
+        ),
     ])
+}
+
+#[test]
+fn an_aggregate_key_of_the_largest_size_is_stored_and_claimed() -> TestResult {
+    let (outbox, mut client) = common::outbox("agg_max");
+    let aggregate = "a".repeat(MAX_INDEXED_KEY);
+    let mut tx = client.transaction()?;
+    outbox.enqueue(
+        &mut tx,
+        Message::new(SEND, "p")
+            .key("k")
+            .aggregate_key(aggregate.as_str()),
+    )?;
+    tx.commit()?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 0));
+    Ok(())
 }
 
 #[test]
@@ -953,6 +978,8 @@ fn dedupe_rejects_empty_and_nul_and_stays_usable() -> TestResult {
         ("key", "c", ""),
         ("consumer", "a\0b", "k"),
         ("key", "c", "k\0"),
+        ("consumer", &"c".repeat(MAX_SHORT_STRING + 1), "k"),
+        ("key", "c", &"k".repeat(MAX_INDEXED_KEY + 1)),
     ] {
         let e = outbox.dedupe(&mut tx, consumer, key).unwrap_err();
         assert_eq!(field_of(&e), field, "{e}");

@@ -726,3 +726,18 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
         .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
         .unwrap();
 }
+
+#[test]
+fn a_consumer_name_longer_than_a_short_string_is_refused_before_connecting() {
+    let (outbox, _client) = outbox("rmq_name");
+    let long = "n".repeat(postgres_outbox::MAX_SHORT_STRING + 1);
+    // The broker URL is never reached: the name is checked first.
+    let refused = Consumer::spawn(
+        ConsumerConfig::new("amqp://guest:guest@127.0.0.1:1", "q", &long),
+        outbox,
+        pool(1),
+        |_tx, _delivery| Ok(()),
+    );
+    let error = refused.expect_err("refused");
+    assert!(error.to_string().contains("consumer name"), "{error}");
+}

@@ -18,6 +18,7 @@ use r2d2_postgres::PostgresConnectionManager;
 use super::connect::{close_within, Endpoint};
 use super::publisher::ATTEMPT_HEADER;
 use super::Error;
+use crate::message::MAX_SHORT_STRING;
 use crate::outbox::Outbox;
 use crate::pool::Pool;
 use crate::publish::HandlerError;
@@ -222,10 +223,11 @@ impl Consumer {
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
         F: FnMut(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + 'static,
     {
-        if config.name.is_empty() {
-            return Err(Error::InvalidName(
-                "the consumer name must not be empty".into(),
-            ));
+        if config.name.is_empty() || config.name.len() > MAX_SHORT_STRING {
+            return Err(Error::InvalidName(format!(
+                "the consumer name must be 1 to {MAX_SHORT_STRING} bytes, got {}",
+                config.name.len()
+            )));
         }
         if config.max_failures == 0 {
             return Err(Error::InvalidName("max_failures must be at least 1".into()));
