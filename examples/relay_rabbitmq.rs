@@ -37,7 +37,8 @@ fn main() -> Result<(), Box<dyn Error>> {
     let url = amqp_url.clone();
     let relay = Relay::spawn(
         RelayConfig::new(outbox.clone(), pool.clone(), move || {
-            RabbitPublisher::connect(&url, EXCHANGE).map(|p| p.mandatory(true))
+            // Mandatory by default: an unroutable message is a failed attempt, not a drop.
+            RabbitPublisher::connect(&url, EXCHANGE)
         })
         .batch_size(100)
         .concurrency(2)

@@ -192,7 +192,7 @@ fn a_published_record_carries_every_property_and_header() {
 }
 
 #[test]
-fn an_unroutable_mandatory_message_is_a_failed_attempt() {
+fn an_unroutable_message_is_a_failed_attempt_by_default() {
     let (outbox, mut client) = outbox("rmq_unroutable");
     let broker = Broker::new();
     let exchange = unique_name("x_nobody");
@@ -202,7 +202,13 @@ fn an_unroutable_mandatory_message_is_a_failed_attempt() {
         &outbox,
         vec![Message::new("nowhere", b"x".to_vec()).max_attempts(2)],
     );
-    let config = relay_config(&outbox, &exchange, true);
+    // The publisher as it comes: mandatory unless told otherwise.
+    let url = amqp_url();
+    let exchange_name = exchange.clone();
+    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
+        RabbitPublisher::connect(&url, &exchange_name)
+    })
+    .backoff(Duration::from_millis(10), Duration::from_millis(20));
 
     assert_eq!(Relay::run_once(&config).unwrap(), 1);
     assert_eq!(

@@ -26,8 +26,9 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// Publishes records to a RabbitMQ exchange with publisher confirms.
 ///
 /// Each batch is published in full, then its confirms are drained, so one round trip's wait
-/// covers the whole batch. A record counts as sent only once the broker has confirmed it (and,
-/// with [`mandatory`](RabbitPublisher::mandatory), has not returned it as unroutable).
+/// covers the whole batch. A record counts as sent only once the broker has confirmed it and
+/// has not returned it as unroutable ([`mandatory`](RabbitPublisher::mandatory), on by
+/// default).
 ///
 /// Messages are persistent; the routing key is the topic, the message id the record's key,
 /// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
@@ -37,7 +38,7 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// use postgres_outbox::rabbitmq::RabbitPublisher;
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let publisher = RabbitPublisher::connect("amqp://guest:guest@localhost:5672", "events")?
-///     .mandatory(true);
+///     .confirm_timeout(std::time::Duration::from_secs(5));
 /// # let _ = publisher;
 /// # Ok(())
 /// # }
@@ -117,7 +118,7 @@ impl RabbitPublisher {
         Ok(RabbitPublisher {
             endpoint,
             exchange: exchange.to_owned(),
-            mandatory: false,
+            mandatory: true,
             confirm_timeout: Duration::from_secs(10),
             connection: Some(connection),
             channel,
@@ -128,8 +129,10 @@ impl RabbitPublisher {
         })
     }
 
-    /// Ask the broker to return messages no queue is bound for; a returned message is a
-    /// failed attempt (retried, then dead), never counted as sent. Default off.
+    /// Whether the broker must return messages no queue is bound for (default on): a
+    /// returned message is a failed attempt (retried, then dead), never counted as sent.
+    /// Turn it off only where dropping unroutable messages is intended: the broker then
+    /// confirms them and they are recorded as sent.
     pub fn mandatory(mut self, mandatory: bool) -> RabbitPublisher {
         self.mandatory = mandatory;
         self
