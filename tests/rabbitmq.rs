@@ -747,3 +747,54 @@ fn a_consumer_name_longer_than_a_short_string_is_refused_before_connecting() {
     let error = refused.expect_err("refused");
     assert!(error.to_string().contains("consumer name"), "{error}");
 }
+
+#[test]
+fn an_oversize_body_or_header_fails_alone_and_permanently() {
+    let (outbox, mut client) = outbox("rmq_oversize");
+    let broker = Broker::new();
+    let (exchange, queue) = broker.routed("oversize", FieldTable::new());
+    let keys = enqueue(
+        &mut client,
+        &outbox,
+        vec![
+            Message::new("ok.before", b"1".to_vec()).key("before"),
+            Message::new("big.body", vec![b'x'; 4096]).key("big-body"),
+            // More than one AMQP frame (128 KiB) of headers.
+            Message::new("big.header", b"3".to_vec())
+                .key("big-header")
+                .header("blob", "h".repeat(200_000)),
+            Message::new("ok.after", b"4".to_vec()).key("after"),
+        ],
+    );
+    let url = amqp_url();
+    let exchange_name = exchange.clone();
+    // A broker whose max_message_size is 1 KiB, as far as the publisher knows.
+    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
+        RabbitPublisher::connect(&url, &exchange_name).map(|p| p.max_message_size(1024))
+    })
+    .batch_size(10)
+    .concurrency(1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 4);
+    assert_eq!(keys.len(), 4);
+    assert_eq!(
+        row_state(&mut client, &outbox, "before"),
+        ("sent".into(), 1)
+    );
+    assert_eq!(row_state(&mut client, &outbox, "after"), ("sent".into(), 1));
+    // Dead at their first attempt: no retry can make them fit.
+    assert_eq!(
+        row_state(&mut client, &outbox, "big-body"),
+        ("dead".into(), 1)
+    );
+    assert_eq!(
+        row_state(&mut client, &outbox, "big-header"),
+        ("dead".into(), 1)
+    );
+    let topics: Vec<String> = broker
+        .drain(&queue)
+        .into_iter()
+        .map(|g| g.delivery.routing_key)
+        .collect();
+    assert_eq!(topics, ["ok.before", "ok.after"]);
+    broker.delete_queue(&queue);
+}

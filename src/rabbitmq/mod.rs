@@ -12,7 +12,7 @@ mod publisher;
 use std::fmt;
 
 pub use consumer::{Consumer, ConsumerConfig, ConsumerReport, Delivery};
-pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER};
+pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
 
 /// What can go wrong talking to RabbitMQ. Never contains the URL's password.
 #[derive(Debug)]

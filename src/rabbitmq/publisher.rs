@@ -20,6 +20,13 @@ pub const ATTEMPT_HEADER: &str = "x-outbox-attempt";
 /// The header carrying the aggregate key, when the message has one.
 pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
 
+/// The frame size RabbitMQ offers by default (`frame_max`). A message's properties travel in
+/// one frame, so headers larger than that make the broker close the channel.
+const FRAME_MAX: usize = 131_072;
+
+/// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
+
 /// How long closing a connection may take before it is left to finish in the background.
 const CLOSE_BOUND: Duration = Duration::from_secs(2);
 
@@ -48,6 +55,7 @@ pub struct RabbitPublisher {
     exchange: String,
     mandatory: bool,
     confirm_timeout: Duration,
+    max_message_size: usize,
     /// `None` only while being closed.
     connection: Option<Connection>,
     channel: Channel,
@@ -120,6 +128,7 @@ impl RabbitPublisher {
             exchange: exchange.to_owned(),
             mandatory: true,
             confirm_timeout: Duration::from_secs(10),
+            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connection: Some(connection),
             channel,
             confirms,
@@ -142,6 +151,15 @@ impl RabbitPublisher {
     /// (default 10 s). Keep it well under the relay's lease.
     pub fn confirm_timeout(mut self, timeout: Duration) -> RabbitPublisher {
         self.confirm_timeout = timeout;
+        self
+    }
+
+    /// The largest body the broker takes (default [`DEFAULT_MAX_MESSAGE_SIZE`], RabbitMQ's
+    /// own default; set it to the broker's `max_message_size`). A larger record fails
+    /// permanently on its own, before it is sent, instead of making the broker close the
+    /// channel under the rest of its batch.
+    pub fn max_message_size(mut self, bytes: usize) -> RabbitPublisher {
+        self.max_message_size = bytes;
         self
     }
 
@@ -227,9 +245,11 @@ impl RabbitPublisher {
     }
 }
 
-/// Checks the fields the broker carries as short strings; a longer one would make it close
-/// the whole connection, failing every other record of the batch.
-fn check_short_strings(record: &Record) -> Result<(), PublishError> {
+/// Checks what the broker would refuse by closing the channel (or the whole connection),
+/// failing every other record of the batch with it: short strings over 255 bytes, a body over
+/// `max_body` bytes, properties too large for one frame. Such a record can never be sent, so
+/// it fails permanently, alone.
+fn check_limits(record: &Record, max_body: usize) -> Result<(), PublishError> {
     let mut fields = vec![
         ("topic", record.topic.as_str()),
         ("key", record.key.as_str()),
@@ -251,7 +271,39 @@ fn check_short_strings(record: &Record) -> Result<(), PublishError> {
             )));
         }
     }
+    if record.payload.len() > max_body {
+        return Err(PublishError::permanent(format!(
+            "the body is {} bytes; the broker takes at most {max_body}",
+            record.payload.len()
+        )));
+    }
+    let properties = properties_size(record);
+    // The content header frame also carries the class, weight, body size and flags.
+    if properties + 64 > FRAME_MAX {
+        return Err(PublishError::permanent(format!(
+            "the properties and headers take about {properties} bytes; one AMQP frame \
+             carries at most {FRAME_MAX}"
+        )));
+    }
     Ok(())
+}
+
+/// About how many bytes the message's properties take on the wire: each header is a name
+/// (length byte and bytes), a type byte and a long string (four length bytes and bytes).
+fn properties_size(record: &Record) -> usize {
+    let header = |name: usize, value: usize| 1 + name + 1 + 4 + value;
+    let headers: usize = record
+        .headers
+        .iter()
+        .map(|(name, value)| header(name.len(), value.len()))
+        .sum();
+    let ours = header(ATTEMPT_HEADER.len(), 8)
+        + record
+            .aggregate_key
+            .as_ref()
+            .map_or(0, |a| header(AGGREGATE_HEADER.len(), a.len()));
+    let fixed = 1 + record.key.len() + record.content_type.as_ref().map_or(0, |c| 1 + c.len()) + 16;
+    4 + headers + ours + fixed
 }
 
 impl Publisher for RabbitPublisher {
@@ -262,7 +314,7 @@ impl Publisher for RabbitPublisher {
         let mut by_key = HashMap::with_capacity(batch.len());
         if !self.broken {
             for (i, record) in batch.iter().enumerate() {
-                if let Err(e) = check_short_strings(record) {
+                if let Err(e) = check_limits(record, self.max_message_size) {
                     results[i] = Some(Err(e));
                     continue;
                 }
