@@ -798,3 +798,20 @@ fn an_oversize_body_or_header_fails_alone_and_permanently() {
     assert_eq!(topics, ["ok.before", "ok.after"]);
     broker.delete_queue(&queue);
 }
+
+#[test]
+fn connection_errors_keep_their_cause_and_never_show_the_password() {
+    let error = RabbitPublisher::connect("amqp://guest:s3cret@127.0.0.1:1", "x")
+        .expect_err("nothing listens on port 1");
+    assert!(
+        matches!(error, postgres_outbox::rabbitmq::Error::Connect { .. }),
+        "{error:?}"
+    );
+    let cause = std::error::Error::source(&error).expect("the cause is kept");
+    assert!(
+        cause.downcast_ref::<std::io::Error>().is_some(),
+        "{cause:?}"
+    );
+    assert!(!error.to_string().contains("s3cret"), "{error}");
+    assert!(!format!("{error:?}").contains("s3cret"), "{error:?}");
+}

@@ -121,21 +121,24 @@ impl Endpoint {
     pub(crate) fn open(&self) -> Result<Connection, Error> {
         let addrs = (self.host.as_str(), self.port)
             .to_socket_addrs()
-            .map_err(|e| Error::Connect(format!("cannot resolve {self}: {e}")))?;
-        let mut last = format!("{self} resolved to no address");
+            .map_err(|e| Error::connect(format!("cannot resolve {self}"), e))?;
+        let mut last = Error::Connect {
+            what: format!("{self} resolved to no address"),
+            source: None,
+        };
         for addr in addrs {
             let socket = match TcpStream::connect_timeout(&addr, self.timeout) {
                 Ok(socket) => socket,
                 Err(e) => {
-                    last = format!("cannot connect to {self} ({addr}): {e}");
+                    last = Error::connect(format!("cannot connect to {self} ({addr})"), e);
                     continue;
                 }
             };
             socket
                 .set_nodelay(true)
-                .map_err(|e| Error::Connect(format!("cannot set TCP_NODELAY: {e}")))?;
+                .map_err(|e| Error::connect("cannot set TCP_NODELAY", e))?;
             let stream = mio::net::TcpStream::from_stream(socket)
-                .map_err(|e| Error::Connect(format!("cannot register the socket: {e}")))?;
+                .map_err(|e| Error::connect("cannot register the socket", e))?;
             let options = ConnectionOptions::default()
                 .auth(Auth::Plain {
                     username: self.user.clone(),
@@ -147,15 +150,15 @@ impl Endpoint {
             let tuning = ConnectionTuning::default();
             let opened = if self.tls {
                 let connector = native_tls::TlsConnector::new()
-                    .map_err(|e| Error::Connect(format!("cannot set up TLS: {e}")))?;
+                    .map_err(|e| Error::connect("cannot set up TLS", e))?;
                 Connection::open_tls_stream(connector, &self.host, stream, options, tuning)
             } else {
                 Connection::insecure_open_stream(stream, options, tuning)
             };
             return opened
-                .map_err(|e| Error::Connect(format!("AMQP handshake with {self} failed: {e}")));
+                .map_err(|e| Error::connect(format!("AMQP handshake with {self} failed"), e));
         }
-        Err(Error::Connect(last))
+        Err(last)
     }
 }
 

@@ -256,7 +256,7 @@ impl Consumer {
                 let _alive = alive;
                 worker.run();
             })
-            .map_err(|e| Error::Connect(format!("cannot start the consumer thread: {e}")))?;
+            .map_err(|e| Error::connect("cannot start the consumer thread", e))?;
         Ok(Consumer {
             stop: Some(stop_tx),
             done,
@@ -309,7 +309,7 @@ fn check_queue(mut connection: amiquip::Connection, queue: &str) -> Result<(), E
     let result = connection
         .open_channel(None)
         .and_then(|channel| channel.queue_declare_passive(queue).map(|_| ()))
-        .map_err(|e| Error::Protocol(format!("queue {queue:?} is not usable: {e}")));
+        .map_err(|e| Error::broker(format!("queue {queue:?} is not usable"), e));
     close_within(connection, Duration::from_secs(2));
     result
 }

@@ -117,9 +117,7 @@ impl RabbitPublisher {
             Ok(parts) => parts,
             Err(e) => {
                 close_within(connection, CLOSE_BOUND);
-                return Err(Error::Protocol(format!(
-                    "cannot open a confirming channel: {e}"
-                )));
+                return Err(Error::broker("cannot open a confirming channel", e));
             }
         };
         log::debug!("rabbitmq publisher connected to {endpoint}");
