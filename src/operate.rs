@@ -62,6 +62,7 @@ pub enum Redrive<'a> {
 
 /// Which finished rows [`Outbox::purge`] deletes.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Purge {
     /// Sent rows finished longer ago than this.
     Sent {
@@ -71,6 +72,14 @@ pub enum Purge {
     /// Dead letters older than this.
     Dead {
         /// Minimum age since the row died.
+        older_than: Duration,
+    },
+    /// Dedupe records (see [`Outbox::dedupe`]) older than this. Keep them longer than any
+    /// message can take to be delivered again: the relay's retry horizon, the broker's
+    /// retention, and the longest a consumer may be down. A redelivery after its record was
+    /// purged is processed again.
+    Inbox {
+        /// Minimum age since the message was processed.
         older_than: Duration,
     },
 }
@@ -147,26 +156,47 @@ impl Outbox {
         Ok(n)
     }
 
-    /// Deletes finished rows older than a cutoff, in batches of 1,000 rows each committed on
-    /// its own so no statement holds locks for long; returns how many. Pending rows are
-    /// never touched.
+    /// Deletes finished rows (or dedupe records) older than a cutoff, in batches of 1,000
+    /// rows each committed on its own so no statement holds locks for long; returns how
+    /// many. Pending rows are never touched.
     pub fn purge(&self, client: &mut Client, which: Purge) -> Result<u64> {
         let sql = self.statements();
         let mut total = 0;
+        // Where the inbox walk has got to, by primary key.
+        let mut cursor = (String::new(), String::new());
         loop {
-            let n: i64 = match which {
+            let (deleted, more) = match which {
                 Purge::Sent { older_than } => {
                     let slot: i16 = rand::thread_rng().gen_range(0..16);
-                    client.query_one(&sql.purge_sent, &[&micros(older_than), &slot])
+                    let n: i64 = client
+                        .query_one(&sql.purge_sent, &[&micros(older_than), &slot])
+                        .map_err(|e| self.db_error(e))?
+                        .get(0);
+                    (n, n >= PURGE_BATCH)
                 }
                 Purge::Dead { older_than } => {
-                    client.query_one(&sql.purge_dead, &[&micros(older_than)])
+                    let n: i64 = client
+                        .query_one(&sql.purge_dead, &[&micros(older_than)])
+                        .map_err(|e| self.db_error(e))?
+                        .get(0);
+                    (n, n >= PURGE_BATCH)
                 }
-            }
-            .map_err(|e| self.db_error(e))?
-            .get(0);
-            total += u64::try_from(n).unwrap_or(0);
-            if n < PURGE_BATCH {
+                Purge::Inbox { older_than } => {
+                    let row = client
+                        .query_one(
+                            &sql.purge_inbox,
+                            &[&micros(older_than), &cursor.0, &cursor.1],
+                        )
+                        .map_err(|e| self.db_error(e))?;
+                    let read: i64 = row.get(1);
+                    if let (Some(consumer), Some(key)) = (row.get(2), row.get(3)) {
+                        cursor = (consumer, key);
+                    }
+                    (row.get(0), read >= PURGE_BATCH)
+                }
+            };
+            total += u64::try_from(deleted).unwrap_or(0);
+            if !more {
                 break;
             }
         }

@@ -51,6 +51,7 @@ pub(crate) struct Statements {
     pub(crate) redrive_keys: String,
     pub(crate) purge_sent: String,
     pub(crate) purge_dead: String,
+    pub(crate) purge_inbox: String,
     /// The claim, its aggregate scan starting at the first aggregate key.
     pub(crate) claim: String,
     /// The claim, its aggregate scan starting after the key in `$4`.
@@ -197,6 +198,24 @@ impl Statements {
             purge_dead: format!(
                 "WITH gone AS ({}) SELECT count(*) FROM gone",
                 purge_batch("dead")
+            ),
+            // The inbox has no index on processed_at (every dedupe would pay for one), so
+            // purging walks the primary key once, a bounded batch per statement from the
+            // cursor ($2, $3), deleting the old rows of each batch by their tuple ids.
+            // $1 age in microseconds; returns rows deleted, rows read and the new cursor.
+            purge_inbox: format!(
+                "WITH batch AS (
+                   SELECT ctid, consumer, key, processed_at FROM {inbox}
+                   WHERE (consumer, key) > ($2, $3)
+                   ORDER BY consumer, key LIMIT {PURGE_BATCH}),
+                 gone AS (
+                   DELETE FROM {inbox} WHERE ctid = ANY (ARRAY(
+                     SELECT ctid FROM batch
+                     WHERE processed_at < now() - $1::bigint * interval '1 microsecond'))
+                   RETURNING 1),
+                 last AS (SELECT consumer, key FROM batch ORDER BY consumer DESC, key DESC LIMIT 1)
+                 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM batch),
+                        (SELECT consumer FROM last), (SELECT key FROM last)"
             ),
             claim: claim(&t, ""),
             claim_after: claim(&t, "AND aggregate_key > $4"),

@@ -1469,3 +1469,52 @@ fn a_version_1_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     assert_eq!(count(&mut client, &outbox, "true"), 6);
     Ok(())
 }
+
+#[test]
+fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() -> TestResult {
+    let (outbox, mut client) = common::outbox("purge_inbox");
+    let mut tx = client.transaction()?;
+    for i in 0..2_500 {
+        let consumer = if i % 3 == 0 { "billing" } else { "shipping" };
+        assert!(outbox.dedupe(&mut tx, consumer, &format!("k-{i:04}"))?);
+    }
+    tx.commit()?;
+    enqueue_keys(&outbox, &mut client, SEND, &["pending"])?;
+    // Every other record was processed two days ago.
+    let inbox = format!("\"{}_inbox\"", outbox.table());
+    let aged = client.execute(
+        &format!(
+            "UPDATE {inbox} SET processed_at = now() - interval '2 days'
+             WHERE right(key, 1)::int % 2 = 0"
+        ),
+        &[],
+    )?;
+    assert_eq!(aged, 1_250);
+
+    let day = Duration::from_secs(24 * 3600);
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
+        1_250
+    );
+    let left: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {inbox}"), &[])?
+        .get(0);
+    assert_eq!(left, 1_250);
+    let old_left: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {inbox} WHERE processed_at < now() - interval '1 day'"),
+            &[],
+        )?
+        .get(0);
+    assert_eq!(old_left, 0);
+    assert_eq!(
+        outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
+        0
+    );
+    // A fresh record is still a duplicate; the outbox itself was not touched.
+    let mut tx = client.transaction()?;
+    assert!(!outbox.dedupe(&mut tx, "shipping", "k-0001")?);
+    tx.rollback()?;
+    assert_eq!(count(&mut client, &outbox, "true"), 1);
+    Ok(())
+}
