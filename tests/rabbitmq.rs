@@ -14,7 +14,9 @@ use amiquip::{
     FieldTable, Publish, QueueDeclareOptions,
 };
 use common::*;
-use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, RabbitPublisher};
+use postgres_outbox::rabbitmq::{
+    Consumer, ConsumerConfig, ConsumerMetrics, Delivery, RabbitPublisher,
+};
 use postgres_outbox::{
     HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
 };
@@ -814,4 +816,66 @@ fn connection_errors_keep_their_cause_and_never_show_the_password() {
     );
     assert!(!error.to_string().contains("s3cret"), "{error}");
     assert!(!format!("{error:?}").contains("s3cret"), "{error:?}");
+}
+
+/// Counts every consumer event; panics after counting a duplicate.
+#[derive(Clone, Default)]
+struct ConsumerCounts(Arc<[AtomicUsize; 4]>);
+
+impl ConsumerMetrics for ConsumerCounts {
+    fn handled(&self, _delivery: &Delivery, took: Duration) {
+        // Counted only with a transaction time: a panic here would be swallowed.
+        if took > Duration::ZERO {
+            self.0[0].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn duplicate(&self, _delivery: &Delivery) {
+        self.0[1].fetch_add(1, Ordering::SeqCst);
+        panic!("a bug in the metrics exporter");
+    }
+    fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {
+        self.0[2].fetch_add(1, Ordering::SeqCst);
+    }
+    fn dead_lettered(&self, _delivery: &Delivery) {
+        self.0[3].fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
+    let (outbox, _client) = outbox("rmq_cmetrics");
+    let broker = Broker::new();
+    let queue = unique_name("q_cmetrics");
+    broker.queue(&queue, "", FieldTable::new());
+    let counts = ConsumerCounts::default();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "metered")
+            .max_failures(2)
+            .metrics(counts.clone()),
+        outbox,
+        pool(2),
+        |_tx, delivery| {
+            if delivery.key == "bad" {
+                return Err(HandlerError::transient("cannot handle it"));
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m-1"), b"a");
+    broker.send(&queue, Some("m-1"), b"a");
+    broker.send(&queue, Some("bad"), b"b");
+    broker.send(&queue, Some("m-2"), b"c");
+    wait_until("every delivery is settled", || {
+        let r = consumer.report();
+        r.processed == 2 && r.duplicates == 1 && r.rejected == 1
+    });
+    consumer.shutdown(Duration::from_secs(10));
+    let seen: Vec<usize> = counts.0.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    assert_eq!(
+        seen,
+        [2, 1, 2, 1],
+        "handled, duplicate, failed, dead-lettered"
+    );
+    broker.delete_queue(&queue);
 }

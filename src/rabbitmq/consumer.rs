@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use amiquip::{AmqpValue, Channel, ConsumerMessage, ConsumerOptions, FieldTable};
 use crossbeam_channel::{after, bounded, select, Receiver, RecvTimeoutError, Sender};
@@ -46,6 +46,41 @@ pub struct Delivery {
     pub redelivered: bool,
 }
 
+/// Observes a [`Consumer`]. Every method has a no-op default, so implement only what you
+/// export. A callback that panics is logged and ignored. Called from the consumer's thread:
+/// keep it quick.
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::time::Duration;
+/// use postgres_outbox::rabbitmq::{ConsumerMetrics, Delivery};
+///
+/// #[derive(Default)]
+/// struct Handled(AtomicU64);
+///
+/// impl ConsumerMetrics for Handled {
+///     fn handled(&self, _delivery: &Delivery, _took: Duration) {
+///         self.0.fetch_add(1, Ordering::Relaxed);
+///     }
+/// }
+/// ```
+pub trait ConsumerMetrics: Send + Sync {
+    /// A delivery was handled, committed and acked; `took` is its transaction's time.
+    fn handled(&self, _delivery: &Delivery, _took: Duration) {}
+    /// A delivery had been processed before: acked and skipped.
+    fn duplicate(&self, _delivery: &Delivery) {}
+    /// The handler failed on a delivery (it is retried, or rejected when out of attempts).
+    fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {}
+    /// A delivery was rejected without requeue: to the queue's dead-letter exchange, if any.
+    fn dead_lettered(&self, _delivery: &Delivery) {}
+    /// The database failed while handling a delivery, which is held and tried again.
+    fn database_failed(&self, _error: &crate::Error) {}
+}
+
+struct NoConsumerMetrics;
+
+impl ConsumerMetrics for NoConsumerMetrics {}
+
 /// How a [`Consumer`] runs.
 ///
 /// ```
@@ -62,6 +97,7 @@ pub struct ConsumerConfig {
     name: String,
     prefetch: u16,
     max_failures: u32,
+    metrics: Arc<dyn ConsumerMetrics>,
 }
 
 impl fmt::Debug for ConsumerConfig {
@@ -85,7 +121,14 @@ impl ConsumerConfig {
             name: name.to_owned(),
             prefetch: 16,
             max_failures: 5,
+            metrics: Arc::new(NoConsumerMetrics),
         }
+    }
+
+    /// Where to report what the consumer does.
+    pub fn metrics(mut self, metrics: impl ConsumerMetrics + 'static) -> ConsumerConfig {
+        self.metrics = Arc::new(metrics);
+        self
     }
 
     /// Deliveries the broker sends ahead of acknowledgement (default 16).
@@ -199,6 +242,8 @@ struct Worker {
     failures: HashMap<String, u32>,
     /// Disconnected when the consumer is told to stop.
     stop: Receiver<()>,
+    /// How long the last committed transaction took.
+    took: Duration,
 }
 
 /// Why one connection's consuming ended.
@@ -248,6 +293,7 @@ impl Consumer {
             counters: counters.clone(),
             failures: HashMap::new(),
             stop: stop_rx,
+            took: Duration::ZERO,
         };
         let (alive, done) = bounded::<()>(0);
         let thread = std::thread::Builder::new()
@@ -409,6 +455,8 @@ impl Worker {
             Ok(true) => {
                 self.failures.remove(&view.key);
                 self.counters.processed.fetch_add(1, Ordering::SeqCst);
+                let took = self.took;
+                self.observe(|m| m.handled(&view, took));
                 delivery.ack(channel).map_err(|e| e.to_string())
             }
             Ok(false) => {
@@ -418,9 +466,11 @@ impl Worker {
                     view.key
                 );
                 self.counters.duplicates.fetch_add(1, Ordering::SeqCst);
+                self.observe(|m| m.duplicate(&view));
                 delivery.ack(channel).map_err(|e| e.to_string())
             }
             Err(error) => {
+                self.observe(|m| m.failed(&view, &error));
                 let count = self.failures.entry(view.key.clone()).or_insert(0);
                 *count = (*count + 1).max(delivery_count(&delivery));
                 if error.is_permanent() || *count >= self.config.max_failures {
@@ -432,6 +482,7 @@ impl Worker {
                     );
                     self.failures.remove(&view.key);
                     self.counters.rejected.fetch_add(1, Ordering::SeqCst);
+                    self.observe(|m| m.dead_lettered(&view));
                     delivery.reject(channel, false).map_err(|e| e.to_string())
                 } else {
                     log::warn!(
@@ -462,6 +513,7 @@ impl Worker {
                 Ok(handled) => return Some(Ok(handled)),
                 Err(Failure::Handler(error)) => return Some(Err(error)),
                 Err(Failure::Database(error)) => {
+                    self.observe(|m| m.database_failed(&error));
                     outages += 1;
                     let pause = reconnect_delay(outages);
                     log::warn!(
@@ -482,6 +534,7 @@ impl Worker {
     /// Runs dedupe and the handler in one transaction. Ok(true): committed; Ok(false): a
     /// duplicate; Err: rolled back, with whose fault it was.
     fn run_handler(&mut self, delivery: &Delivery) -> Result<bool, Failure> {
+        let started = Instant::now();
         let mut conn = self.pool.get().map_err(Failure::Database)?;
         let mut tx = conn.transaction().map_err(Failure::db)?;
         let fresh = self
@@ -496,7 +549,19 @@ impl Worker {
             .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
             .map_err(Failure::Handler)?;
         tx.commit().map_err(Failure::db)?;
+        self.took = started.elapsed();
         Ok(true)
+    }
+
+    /// Calls the metrics hook; a panic in it is logged and goes no further.
+    fn observe(&self, f: impl FnOnce(&dyn ConsumerMetrics)) {
+        let metrics = self.config.metrics.as_ref();
+        if catch_unwind(AssertUnwindSafe(|| f(metrics))).is_err() {
+            log::error!(
+                "rabbitmq consumer {}: a ConsumerMetrics callback panicked; ignoring it",
+                self.config.name
+            );
+        }
     }
 }
 

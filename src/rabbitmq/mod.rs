@@ -11,7 +11,7 @@ mod publisher;
 
 use std::fmt;
 
-pub use consumer::{Consumer, ConsumerConfig, ConsumerReport, Delivery};
+pub use consumer::{Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery};
 pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
