@@ -159,8 +159,12 @@ impl Session {
             client: &mut **client,
             cache: Some(cache),
         });
-        if result.is_err() && client.is_closed() {
-            self.conn = None;
+        // An error the server did not answer (I/O, a timeout, a closed socket) says nothing
+        // good about the connection: start afresh. A server error leaves it usable.
+        if let Err(e) = &result {
+            if client.is_closed() || e.as_db_error().is_none() {
+                self.reset();
+            }
         }
         result
     }

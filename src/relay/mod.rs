@@ -368,9 +368,7 @@ fn once(worker: &mut Worker<'_>) -> Result<usize> {
     match worker.cycle(&Alone)? {
         Cycle::Idle => Ok(0),
         Cycle::Worked(n) => Ok(n),
-        Cycle::Pause(_) => Err(Error::RelayDied(
-            "the database or the publisher factory failed; see the log".into(),
-        )),
+        Cycle::Pause(_, cause) => Err(cause),
     }
 }
 
@@ -413,12 +411,15 @@ fn run_worker(shared: &Shared) {
                 }
                 log::error!("outbox {table}: a worker panicked ({what}); starting it again");
                 worker.recover();
-                Cycle::Pause(reconnect_delay(panics))
+                Cycle::Pause(
+                    reconnect_delay(panics),
+                    Error::RelayDied(format!("a worker panicked: {what}")),
+                )
             }
         };
         let wait = match next {
             Cycle::Worked(_) => continue,
-            Cycle::Pause(pause) => pause,
+            Cycle::Pause(pause, _) => pause,
             Cycle::Idle => config
                 .poll_interval
                 .mul_f64(rand::thread_rng().gen_range(0.5..=1.0)),

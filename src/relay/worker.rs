@@ -45,14 +45,15 @@ pub(crate) struct Alone;
 impl Control for Alone {}
 
 /// What one cycle did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum Cycle {
     /// Nothing was due.
     Idle,
     /// Rows were claimed and their outcomes decided (sent, retried, dead or released).
     Worked(usize),
-    /// The database or the publisher factory is in trouble: wait this long first.
-    Pause(Duration),
+    /// The database or the publisher factory is in trouble (`cause`, already logged): wait
+    /// this long first.
+    Pause(Duration, crate::Error),
 }
 
 pub(crate) struct Worker<'a> {
@@ -130,8 +131,7 @@ impl<'a> Worker<'a> {
                     "outbox {}: claim failed, retrying in {pause:?}: {e}",
                     config.outbox.table()
                 );
-                self.session.reset();
-                return Ok(Cycle::Pause(pause));
+                return Ok(Cycle::Pause(pause, e));
             }
         };
         self.db_failures = 0;
@@ -164,7 +164,7 @@ impl<'a> Worker<'a> {
             control.more_due();
         }
         Ok(match pause {
-            Some(pause) => Cycle::Pause(pause),
+            Some((pause, cause)) => Cycle::Pause(pause, cause),
             None => Cycle::Worked(n),
         })
     }
@@ -230,7 +230,8 @@ impl<'a> Worker<'a> {
     /// Publishes the batch in confirm rounds, adding an outcome for every record. A failed
     /// record ends its aggregate's run: the rest of that run goes back unpublished, attempts
     /// restored. So do all remaining records when the relay stops, when the lease is nearly
-    /// over, or when the publisher breaks. Returns a pause when no publisher could be built.
+    /// over, or when the publisher breaks. Returns a pause, and why, when no publisher could
+    /// be built.
     fn publish(
         &mut self,
         records: Vec<Record>,
@@ -238,7 +239,7 @@ impl<'a> Worker<'a> {
         deadline: Instant,
         control: &dyn Control,
         outcomes: &mut Vec<(Fence, Outcome)>,
-    ) -> Option<Duration> {
+    ) -> Option<(Duration, crate::Error)> {
         let config = self.config;
         let table = config.outbox.table();
         let mut release = Vec::new();
@@ -264,8 +265,8 @@ impl<'a> Worker<'a> {
             }
             let publisher = match self.publisher() {
                 Ok(publisher) => publisher,
-                Err(wait) => {
-                    pause = Some(wait);
+                Err(unavailable) => {
+                    pause = Some(unavailable);
                     release.extend(go.iter().map(Record::fence));
                     break;
                 }
@@ -298,7 +299,7 @@ impl<'a> Worker<'a> {
 
     /// The worker's publisher, built by the factory when there is none. A factory that fails
     /// (or panics) costs no attempt: the rows go back and the worker waits before trying again.
-    fn publisher(&mut self) -> Result<&mut Box<dyn Publisher>, Duration> {
+    fn publisher(&mut self) -> Result<&mut Box<dyn Publisher>, (Duration, crate::Error)> {
         let config = self.config;
         let publisher = match self.publisher.take() {
             Some(publisher) => publisher,
@@ -317,7 +318,7 @@ impl<'a> Worker<'a> {
                         "outbox {}: could not build a publisher, retrying in {pause:?}: {e}",
                         config.outbox.table()
                     );
-                    return Err(pause);
+                    return Err((pause, crate::Error::Publisher(e)));
                 }
             },
         };
@@ -376,7 +377,6 @@ impl<'a> Worker<'a> {
                     log::warn!(
                         "outbox {table}: recording outcomes failed, retrying in {pause:?}: {e}"
                     );
-                    self.session.reset();
                     sleep_unless_out_of_time(pause, control);
                 }
             }
