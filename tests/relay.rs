@@ -1870,3 +1870,51 @@ fn a_panicking_factory_or_is_broken_costs_no_attempt_and_stops_nothing() {
         "rebuilt after each panic"
     );
 }
+
+#[test]
+fn the_byte_budget_bounds_each_claim_and_a_larger_row_goes_alone() {
+    let (outbox, mut client) = common::outbox("rl_bytes");
+    let mut messages: Vec<Message> = (0..4)
+        .map(|i| Message::new("t", vec![b'x'; 1_000]).key(format!("small-{i}")))
+        .collect();
+    messages.push(Message::new("t", vec![b'x'; 10_000]).key("large"));
+    enqueue(&mut client, &outbox, messages);
+    let sink = Sink::default();
+    // One worker with 2,500 bytes: two 1,000-byte rows fit, a third would not.
+    let config = relay_config(&outbox, sink.collect())
+        .concurrency(1)
+        .max_in_flight_bytes(2_500);
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
+    // Larger than the whole budget: claimed on its own, so it still moves.
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 0);
+    assert_eq!(
+        sink.keys(),
+        ["small-0", "small-1", "small-2", "small-3", "large"]
+    );
+}
+
+#[test]
+fn run_once_reports_the_database_error_it_met() {
+    let (outbox, _client) = common::outbox("rl_unreachable");
+    // Nothing listens on port 1.
+    let manager = r2d2_postgres::PostgresConnectionManager::new(
+        "postgres://postgres@127.0.0.1:1/test".parse().unwrap(),
+        postgres::NoTls,
+    );
+    let pool = r2d2::Pool::builder()
+        .max_size(1)
+        .min_idle(Some(0))
+        .connection_timeout(Duration::from_secs(1))
+        .build(manager)
+        .unwrap();
+    let config = RelayConfig::new(outbox, pool, || {
+        Ok::<_, Infallible>(publisher_fn(|_| Ok(())))
+    });
+    let err = Relay::run_once(&config).unwrap_err();
+    assert!(
+        matches!(err, postgres_outbox::Error::Pool(_)),
+        "the pool's own error, not a generic one: {err:?}"
+    );
+}
