@@ -43,7 +43,9 @@ use std::sync::Barrier;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{drain, fmt_rate, prefill_rows, rate, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE};
+use common::{
+    drain, drop_outbox, fmt_rate, prefill_rows, rate, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE,
+};
 use postgres::{Client, NoTls};
 use postgres_outbox::{publisher_fn, Message, Outbox, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
@@ -187,27 +189,6 @@ impl Scratch {
             .build()?;
         outbox.migrate(&mut self.client()?)?;
         Ok(outbox)
-    }
-
-    /// Drops `outbox`'s tables: the outbox and every `<outbox>_*` table its migrations made.
-    fn drop_outbox(&self, client: &mut Client, outbox: &Outbox) -> Result<()> {
-        let name = outbox
-            .table()
-            .strip_prefix(&format!("{}.", self.schema))
-            .ok_or("outbox outside the scratch schema")?;
-        let tables: Vec<String> = client
-            .query(
-                "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
-                 WHERE schemaname = $1 AND (tablename = $2 OR starts_with(tablename, $2 || '_'))",
-                &[&self.schema, &name],
-            )?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        if !tables.is_empty() {
-            client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
-        }
-        Ok(())
     }
 
     fn pool(&self, size: u32) -> Result<r2d2::Pool<PostgresConnectionManager<NoTls>>> {
@@ -477,7 +458,7 @@ fn ordered(settings: &Settings, scratch: &Scratch) -> Result<()> {
             line = line.kv("sent", drained.sent).kv("capped", true);
         }
         line.print();
-        scratch.drop_outbox(&mut client, &outbox)?;
+        drop_outbox(&mut client, &outbox)?;
     }
     Ok(())
 }
@@ -511,7 +492,7 @@ fn rss(settings: &Settings, scratch: &Scratch) -> Result<()> {
         .kv("peak_rss_mib", format!("{peak:.0}"))
         .kv("baseline_rss_mib", format!("{baseline:.0}"))
         .print();
-    scratch.drop_outbox(&mut client, &outbox)
+    drop_outbox(&mut client, &outbox)
 }
 
 /// A `/proc/self/status` memory figure (reported in kB), in MiB.

@@ -29,7 +29,9 @@ use amiquip::{
     AmqpProperties, Auth, Channel, Confirm, Connection, ConnectionOptions, ConnectionTuning,
     ExchangeDeclareOptions, ExchangeType, FieldTable, Publish, QueueDeclareOptions,
 };
-use common::{drain, fmt_rate, prefill_rows, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE};
+use common::{
+    drain, drop_outbox, fmt_rate, prefill_rows, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE,
+};
 use postgres::{Client, NoTls};
 use postgres_outbox::rabbitmq::RabbitPublisher;
 use postgres_outbox::{Message, Outbox, RelayConfig};
@@ -84,7 +86,7 @@ fn main() -> Result<()> {
         let rate = naive_relay(&mut client, &outbox, &broker.channel, 100)?;
         println!("bench=relay-naive rows={n} batch=100 rate={rate:.0}");
         naive_rate = Some(rate);
-        drop_tables(&mut client, &outbox)?;
+        drop_outbox(&mut client, &outbox)?;
     }
     if wanted("relay-rabbitmq") {
         for (batch, concurrency) in [(100, 4), (500, 2), (500, 4)] {
@@ -108,7 +110,7 @@ fn main() -> Result<()> {
                 line.push_str(&format!(" vs_broker={:.2}", rate / ceiling));
             }
             println!("{line}");
-            drop_tables(&mut client, &outbox)?;
+            drop_outbox(&mut client, &outbox)?;
         }
     }
     if wanted("rabbitmq-ordered") {
@@ -131,7 +133,7 @@ fn main() -> Result<()> {
                 line.push_str(&format!(" sent={} capped=true", drained.sent));
             }
             println!("{line}");
-            drop_tables(&mut client, &outbox)?;
+            drop_outbox(&mut client, &outbox)?;
         }
     }
     broker.purge()?;
@@ -142,7 +144,7 @@ fn main() -> Result<()> {
 fn fresh_outbox(client: &mut Client) -> Result<Outbox> {
     let table = format!("bench_rmq_{}", std::process::id());
     let outbox = Outbox::builder().table(table).notify(false).build()?;
-    drop_tables(client, &outbox)?;
+    drop_outbox(client, &outbox)?;
     outbox.migrate(client)?;
     Ok(outbox)
 }
@@ -164,25 +166,6 @@ fn prefilled(client: &mut Client, rows: usize) -> Result<Outbox> {
     }
     client.batch_execute("CHECKPOINT")?;
     Ok(outbox)
-}
-
-/// Drops `outbox`'s tables: the outbox and every `<outbox>_*` table its migrations made, in
-/// the current schema.
-fn drop_tables(client: &mut Client, outbox: &Outbox) -> Result<()> {
-    let tables: Vec<String> = client
-        .query(
-            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
-             WHERE schemaname = current_schema() \
-               AND (tablename = $1 OR starts_with(tablename, $1 || '_'))",
-            &[&outbox.table()],
-        )?
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    if !tables.is_empty() {
-        client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
-    }
-    Ok(())
 }
 
 /// A relay configuration with default settings: `outbox` to `RabbitPublisher`s on

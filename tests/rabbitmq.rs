@@ -118,11 +118,16 @@ impl Broker {
     }
 }
 
-fn relay_config(outbox: &Outbox, exchange: &str, mandatory: bool) -> RelayConfig {
+/// A relay to `exchange` whose publishers are set up by `tune`, with short retry backoff.
+fn relay_config(
+    outbox: &Outbox,
+    exchange: &str,
+    tune: fn(RabbitPublisher) -> RabbitPublisher,
+) -> RelayConfig {
     let url = amqp_url();
     let exchange = exchange.to_owned();
     RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange).map(|p| p.mandatory(mandatory))
+        RabbitPublisher::connect(&url, &exchange).map(tune)
     })
     .backoff(Duration::from_millis(10), Duration::from_millis(20))
 }
@@ -158,7 +163,7 @@ fn a_published_record_carries_every_property_and_header() {
         .unwrap()
         .as_secs();
     assert_eq!(
-        Relay::run_once(&relay_config(&outbox, &exchange, true)).unwrap(),
+        Relay::run_once(&relay_config(&outbox, &exchange, |p| p)).unwrap(),
         1
     );
 
@@ -205,12 +210,7 @@ fn an_unroutable_message_is_a_failed_attempt_by_default() {
         vec![Message::new("nowhere", b"x".to_vec()).max_attempts(2)],
     );
     // The publisher as it comes: mandatory unless told otherwise.
-    let url = amqp_url();
-    let exchange_name = exchange.clone();
-    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange_name)
-    })
-    .backoff(Duration::from_millis(10), Duration::from_millis(20));
+    let config = relay_config(&outbox, &exchange, |p| p);
 
     assert_eq!(Relay::run_once(&config).unwrap(), 1);
     assert_eq!(
@@ -253,7 +253,7 @@ fn forced_nacks_fail_exactly_the_overflowed_records() {
         &outbox,
         (0..8).map(|i| Message::new("t", vec![i])).collect(),
     );
-    let config = relay_config(&outbox, &exchange, false)
+    let config = relay_config(&outbox, &exchange, |p| p.mandatory(false))
         .batch_size(8)
         .concurrency(1);
     assert_eq!(Relay::run_once(&config).unwrap(), 8);
@@ -316,7 +316,7 @@ fn an_over_long_topic_is_rejected_before_sending_and_the_batch_still_goes() {
         vec![Message::new("ok.after", b"2".to_vec())],
     ));
 
-    let config = relay_config(&outbox, &exchange, true)
+    let config = relay_config(&outbox, &exchange, |p| p)
         .batch_size(10)
         .concurrency(1);
     assert_eq!(Relay::run_once(&config).unwrap(), 3);
@@ -618,15 +618,10 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_with_an_unbounded_confirm
         }
     }
     enqueue(&mut client, &outbox, messages);
-    let url = amqp_url();
-    let exchange_name = exchange.clone();
     // One worker, one batch holding every run: twenty confirm rounds of three messages.
-    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange_name)
-            .map(|p| p.mandatory(true).confirm_timeout(Duration::MAX))
-    })
-    .batch_size(60)
-    .concurrency(1);
+    let config = relay_config(&outbox, &exchange, |p| p.confirm_timeout(Duration::MAX))
+        .batch_size(60)
+        .concurrency(1);
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 60);
 
     let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
@@ -768,14 +763,10 @@ fn an_oversize_body_or_header_fails_alone_and_permanently() {
             Message::new("ok.after", b"4".to_vec()).key("after"),
         ],
     );
-    let url = amqp_url();
-    let exchange_name = exchange.clone();
     // A broker whose max_message_size is 1 KiB, as far as the publisher knows.
-    let config = RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange_name).map(|p| p.max_message_size(1024))
-    })
-    .batch_size(10)
-    .concurrency(1);
+    let config = relay_config(&outbox, &exchange, |p| p.max_message_size(1024))
+        .batch_size(10)
+        .concurrency(1);
     assert_eq!(Relay::run_once(&config).unwrap(), 4);
     assert_eq!(keys.len(), 4);
     assert_eq!(

@@ -193,3 +193,26 @@ pub fn ratio(a: f64, b: f64) -> String {
         r => format!("{r:.2}"),
     }
 }
+
+/// Drops an outbox's tables: the outbox and every `<outbox>_*` table its migrations made,
+/// found in its schema (`schema.name`) or the current one.
+pub fn drop_outbox(client: &mut Client, outbox: &Outbox) -> Result<()> {
+    let (schema, name) = match outbox.table().split_once('.') {
+        Some((schema, name)) => (Some(schema), name),
+        None => (None, outbox.table()),
+    };
+    let tables: Vec<String> = client
+        .query(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
+             WHERE schemaname = coalesce($1, current_schema()) \
+               AND (tablename = $2 OR starts_with(tablename, $2 || '_'))",
+            &[&schema, &name],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if !tables.is_empty() {
+        client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
+    }
+    Ok(())
+}
