@@ -77,7 +77,8 @@ pub enum Purge {
     /// Dedupe records (see [`Outbox::dedupe`]) older than this. Keep them longer than any
     /// message can take to be delivered again: the relay's retry horizon, the broker's
     /// retention, and the longest a consumer may be down. A redelivery after its record was
-    /// purged is processed again.
+    /// purged is processed again. Also deletes consumer failure counts (see
+    /// `rabbitmq::Consumer`) not updated since the cutoff: a crash can leave one behind.
     Inbox {
         /// Minimum age since the message was processed.
         older_than: Duration,
@@ -198,6 +199,18 @@ impl Outbox {
             total += u64::try_from(deleted).unwrap_or(0);
             if !more {
                 break;
+            }
+        }
+        if let Purge::Inbox { older_than } = which {
+            loop {
+                let n: i64 = client
+                    .query_one(&sql.purge_failures, &[&micros(older_than)])
+                    .map_err(|e| self.db_error(e))?
+                    .get(0);
+                total += u64::try_from(n).unwrap_or(0);
+                if n < PURGE_BATCH {
+                    break;
+                }
             }
         }
         if total > 0 {

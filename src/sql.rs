@@ -25,6 +25,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0002_claim_heads",
         template: include_str!("../sql/0002_claim_heads.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_consumer_failures",
+        template: include_str!("../sql/0003_consumer_failures.sql"),
+    },
 ];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
@@ -52,6 +57,15 @@ pub(crate) struct Statements {
     pub(crate) purge_sent: String,
     pub(crate) purge_dead: String,
     pub(crate) purge_inbox: String,
+    pub(crate) purge_failures: String,
+    /// Counts one more handler failure of a consumer on a message; returns the new count.
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) count_failure: String,
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) forget_failures: String,
+    /// Fails when the consumer's tables are missing.
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) probe_consumer: String,
     /// The claim, its aggregate scan starting at the first aggregate key.
     pub(crate) claim: String,
     /// The claim, its aggregate scan starting after the key in `$4`.
@@ -68,6 +82,7 @@ impl Statements {
     pub(crate) fn new(table: &TableName) -> Statements {
         let t = table.quoted();
         let inbox = table.companion("_inbox");
+        let failures = table.companion("_failures");
         let counts = table.companion("_counts");
         let migrations = table.companion("_migrations");
         let channel = table.channel();
@@ -216,6 +231,33 @@ impl Statements {
                  last AS (SELECT consumer, key FROM batch ORDER BY consumer DESC, key DESC LIMIT 1)
                  SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM batch),
                         (SELECT consumer FROM last), (SELECT key FROM last)"
+            ),
+            // Failure counts are deleted as their messages finish, so only strays of a crash
+            // grow old here; the table is small and a scan of it is cheap.
+            purge_failures: format!(
+                "WITH gone AS (
+                   DELETE FROM {failures} WHERE ctid = ANY (ARRAY(
+                     SELECT ctid FROM {failures}
+                     WHERE updated_at < now() - $1::bigint * interval '1 microsecond'
+                     LIMIT {PURGE_BATCH}))
+                   RETURNING 1)
+                 SELECT count(*) FROM gone"
+            ),
+            // $1 consumer, $2 key, $3 the error, already made storable.
+            #[cfg(feature = "rabbitmq")]
+            count_failure: format!(
+                "INSERT INTO {failures} AS f (consumer, key, failures, last_error)
+                 VALUES ($1, $2, 1, $3)
+                 ON CONFLICT (consumer, key) DO UPDATE
+                   SET failures = f.failures + 1, last_error = EXCLUDED.last_error,
+                       updated_at = now()
+                 RETURNING failures"
+            ),
+            #[cfg(feature = "rabbitmq")]
+            forget_failures: format!("DELETE FROM {failures} WHERE consumer = $1 AND key = $2"),
+            #[cfg(feature = "rabbitmq")]
+            probe_consumer: format!(
+                "SELECT 1 FROM {inbox} LIMIT 0; SELECT 1 FROM {failures} LIMIT 0"
             ),
             claim: claim(&t, ""),
             claim_after: claim(&t, "AND aggregate_key > $4"),
@@ -414,6 +456,7 @@ impl Migration {
         self.template
             .replace("{table}", &table.quoted())
             .replace("{inbox}", &table.companion("_inbox"))
+            .replace("{failures}", &table.companion("_failures"))
             .replace("{counts}", &table.companion("_counts"))
             .replace("{key_constraint}", &table.derived("_key"))
             .replace("{due_idx_qualified}", &table.companion("_due"))

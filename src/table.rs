@@ -9,6 +9,7 @@ const MAX_IDENT: usize = 63;
 const SUFFIXES: &[&str] = &[
     "_migrations",
     "_inbox",
+    "_failures",
     "_counts",
     "_key",
     "_due",

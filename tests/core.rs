@@ -825,7 +825,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
@@ -1444,9 +1444,10 @@ fn a_version_1_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     let versions: i64 = client
         .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
         .get(0);
-    assert_eq!(versions, 2);
+    assert_eq!(versions, 3);
     assert!(!exists(&mut client, &format!("{name}_due")));
     assert!(exists(&mut client, &format!("{name}_unordered")));
+    assert!(exists(&mut client, &format!("{name}_failures")));
     let stats = outbox.stats(&mut client)?;
     assert_eq!(
         (
@@ -1490,12 +1491,25 @@ fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() 
         &[],
     )?;
     assert_eq!(aged, 1_250);
+    // Consumer failure counts: one a crash left behind two days ago, one current.
+    let failures = format!("\"{}_failures\"", outbox.table());
+    client.batch_execute(&format!(
+        "INSERT INTO {failures} (consumer, key, failures, last_error, updated_at)
+         VALUES ('billing', 'stray', 2, 'boom', now() - interval '2 days'),
+                ('billing', 'failing', 1, 'boom', now())"
+    ))?;
 
     let day = Duration::from_secs(24 * 3600);
     assert_eq!(
         outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
-        1_250
+        1_251
     );
+    let kept: Vec<String> = client
+        .query(&format!("SELECT key FROM {failures}"), &[])?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(kept, ["failing"]);
     let left: i64 = client
         .query_one(&format!("SELECT count(*) FROM {inbox}"), &[])?
         .get(0);

@@ -6,8 +6,8 @@ mod common;
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use amiquip::{
     AmqpProperties, AmqpValue, Channel, Connection, ExchangeDeclareOptions, ExchangeType,
@@ -15,7 +15,8 @@ use amiquip::{
 };
 use common::*;
 use postgres_outbox::rabbitmq::{
-    Consumer, ConsumerConfig, ConsumerMetrics, Delivery, RabbitPublisher,
+    Consumer, ConsumerConfig, ConsumerMetrics, Delivery, RabbitPublisher, AGGREGATE_HEADER,
+    DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
 };
 use postgres_outbox::{
     HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
@@ -113,8 +114,32 @@ impl Broker {
             .expect("publish");
     }
 
+    /// Deletes the queue, and the dead-letter queue a consumer of it may have declared.
     fn delete_queue(&self, queue: &str) {
-        let _ = self.channel.queue_delete(queue, Default::default());
+        for name in [queue.to_owned(), format!("{queue}.dead")] {
+            let _ = self.channel.queue_delete(name, Default::default());
+        }
+    }
+
+    /// Publishes a message with an aggregate key, as the relay does.
+    fn send_ordered(&self, queue: &str, key: &str, aggregate: Option<&str>) {
+        let mut headers = FieldTable::new();
+        if let Some(aggregate) = aggregate {
+            headers.insert(
+                AGGREGATE_HEADER.into(),
+                AmqpValue::LongString(aggregate.to_owned()),
+            );
+        }
+        let properties = AmqpProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(key.to_owned())
+            .with_headers(headers);
+        self.channel
+            .basic_publish(
+                "",
+                Publish::with_properties(key.as_bytes(), queue, properties),
+            )
+            .expect("publish");
     }
 }
 
@@ -509,7 +534,7 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
 }
 
 #[test]
-fn a_failing_handler_is_retried_then_dead_lettered() {
+fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     let (outbox, _client) = outbox("rmq_fail");
     let broker = Broker::new();
     let queue = unique_name("q_fail");
@@ -529,7 +554,10 @@ fn a_failing_handler_is_retried_then_dead_lettered() {
 
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "fails").max_failures(3),
+        ConsumerConfig::new(&amqp_url(), &queue, "fails")
+            .max_failures(3)
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .dead_letter_exchange(),
         outbox.clone(),
         pool(2),
         move |_tx, _delivery| {
@@ -570,9 +598,11 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
     let (started_tx, started_rx) = crossbeam_channel::unbounded::<()>();
     let handler_table = table.clone();
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "slow").prefetch(10),
+        ConsumerConfig::new(&amqp_url(), &queue, "slow")
+            .prefetch(10)
+            .concurrency(4),
         outbox.clone(),
-        pool(2),
+        pool(4),
         move |tx, delivery| {
             let _ = started_tx.send(());
             std::thread::sleep(Duration::from_millis(20));
@@ -842,6 +872,7 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "metered")
             .max_failures(2)
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20))
             .metrics(counts.clone()),
         outbox,
         pool(2),
@@ -868,5 +899,369 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
         [2, 1, 2, 1],
         "handled, duplicate, failed, dead-lettered"
     );
+    assert_eq!(broker.drain(&format!("{queue}.dead")).len(), 1);
+    broker.delete_queue(&queue);
+    broker.delete_queue(&format!("{queue}.dead"));
+}
+
+/// The failure count the consumer keeps for a message, if any.
+fn failures_of(client: &mut postgres::Client, outbox: &Outbox, consumer: &str, key: &str) -> i32 {
+    let sql = format!(
+        "SELECT coalesce(max(failures), 0) FROM \"{}_failures\" WHERE consumer = $1 AND key = $2",
+        outbox.table()
+    );
+    client.query_one(&sql, &[&consumer, &key]).unwrap().get(0)
+}
+
+fn text_header(properties: &AmqpProperties, name: &str) -> String {
+    match header(properties, name) {
+        Some(AmqpValue::LongString(s)) => s.clone(),
+        other => panic!("header {name}: {other:?}"),
+    }
+}
+
+#[test]
+fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
+    let (outbox, mut client) = outbox("rmq_poison");
+    let broker = Broker::new();
+    // No dead-letter exchange: the consumer's own dead-letter queue must catch it.
+    let queue = unique_name("q_poison");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let spawn = |backoff: Duration| {
+        let calls = calls.clone();
+        Consumer::spawn(
+            ConsumerConfig::new(&amqp_url(), &queue, "poisoned")
+                .max_failures(3)
+                .retry_backoff(backoff, backoff * 2),
+            outbox.clone(),
+            pool(1),
+            move |_tx, _delivery| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err(HandlerError::transient("no such customer\0 (NUL and all)"))
+            },
+        )
+        .unwrap()
+    };
+
+    // The first consumer fails once, then waits out a long backoff: stop it there.
+    let first = spawn(Duration::from_secs(600));
+    broker.send(&queue, Some("poison"), b"body");
+    wait_until("the first failure is counted", || {
+        failures_of(&mut client, &outbox, "poisoned", "poison") == 1
+    });
+    let report = first.shutdown(Duration::from_secs(10));
+    assert_eq!((report.retried, report.rejected), (1, 0));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    wait_until("the message is back on the queue", || {
+        broker.ready(&queue) == 1
+    });
+
+    // A new process picks up the count: two more failures, not three.
+    let second = spawn(Duration::from_millis(10));
+    let dead = format!("{queue}.dead");
+    wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
+    let report = second.shutdown(Duration::from_secs(10));
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "three tries in all");
+    assert_eq!((report.retried, report.rejected), (1, 1));
+    assert_eq!(broker.ready(&queue), 0);
+
+    let letters = broker.drain(&dead);
+    assert_eq!(letters.len(), 1);
+    let letter = &letters[0].delivery;
+    assert_eq!(letter.body, b"body");
+    assert_eq!(letter.properties.message_id().as_deref(), Some("poison"));
+    assert!(text_header(&letter.properties, DEAD_REASON_HEADER).contains("no such customer"));
+    assert_eq!(text_header(&letter.properties, DEAD_QUEUE_HEADER), queue);
+    assert_eq!(
+        header(&letter.properties, DEAD_FAILURES_HEADER),
+        Some(&AmqpValue::LongLongInt(3))
+    );
+    // A redriven copy starts with a clean count.
+    wait_until("the failure count is deleted", || {
+        failures_of(&mut client, &outbox, "poisoned", "poison") == 0
+    });
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn retries_back_off_exponentially() {
+    let (outbox, _client) = outbox("rmq_backoff");
+    let broker = Broker::new();
+    let queue = unique_name("q_backoff");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "backoff")
+            .max_failures(10)
+            .retry_backoff(Duration::from_millis(200), Duration::from_secs(10)),
+        outbox,
+        pool(1),
+        move |_tx, _delivery| {
+            let mut calls = handler_calls.lock().unwrap();
+            calls.push(Instant::now());
+            if calls.len() <= 3 {
+                return Err(HandlerError::transient("not yet"));
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m"), b"x");
+    wait_until("it succeeds", || consumer.report().processed == 1);
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!((report.retried, report.rejected), (3, 0));
+    let calls = calls.lock().unwrap();
+    // Equal jitter: the n-th wait is at least half of 200 ms * 2^(n-1).
+    for (n, pair) in calls.windows(2).enumerate() {
+        let floor = Duration::from_millis(100) * (1 << n);
+        let waited = pair[1] - pair[0];
+        assert!(waited >= floor, "wait {} was {waited:?}", n + 1);
+    }
+    broker.delete_queue(&queue);
+}
+
+/// Four aggregates of ten and ten unordered messages; a-3 and c-7 fail twice before they
+/// go through, b-5 fails permanently. Each aggregate must be handled in order, with b-5
+/// skipped once dead.
+fn order_is_kept_through_failures(concurrency: usize) {
+    let (outbox, mut client) = outbox("rmq_order");
+    let table = unique_name("handled_order");
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (n bigserial PRIMARY KEY, key text NOT NULL)"
+        ))
+        .unwrap();
+    let broker = Broker::new();
+    let queue = unique_name("q_order");
+    broker.queue(&queue, "", FieldTable::new());
+    let failures: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let (handler_table, handler_failures) = (table.clone(), failures.clone());
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "ordered")
+            .prefetch(16)
+            .concurrency(concurrency)
+            .retry_backoff(Duration::from_millis(20), Duration::from_millis(50)),
+        outbox,
+        pool(concurrency as u32),
+        move |tx, delivery| {
+            if delivery.key == "b-5" {
+                return Err(HandlerError::permanent("cannot be handled"));
+            }
+            if delivery.key == "a-3" || delivery.key == "c-7" {
+                let mut failures = handler_failures.lock().unwrap();
+                let n = failures.entry(delivery.key.clone()).or_insert(0);
+                if *n < 2 {
+                    *n += 1;
+                    return Err(HandlerError::transient("not yet"));
+                }
+            }
+            tx.execute(
+                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
+                &[&delivery.key],
+            )
+            .map_err(HandlerError::transient)?;
+            Ok(())
+        },
+    )
+    .unwrap();
+    for seq in 0..10 {
+        for aggregate in ["a", "b", "c", "d"] {
+            broker.send_ordered(&queue, &format!("{aggregate}-{seq}"), Some(aggregate));
+        }
+        broker.send_ordered(&queue, &format!("u-{seq}"), None);
+    }
+    wait_until("every message is settled", || {
+        let r = consumer.report();
+        r.processed == 49 && r.rejected == 1
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(report.retried, 4);
+    let handled: Vec<String> = client
+        .query(&format!("SELECT key FROM {table} ORDER BY n"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for aggregate in ["a", "b", "c", "d"] {
+        let seen: Vec<u32> = handled
+            .iter()
+            .filter_map(|k| k.strip_prefix(&format!("{aggregate}-")))
+            .map(|seq| seq.parse().unwrap())
+            .collect();
+        let expected: Vec<u32> = (0..10).filter(|&s| aggregate != "b" || s != 5).collect();
+        assert_eq!(seen, expected, "aggregate {aggregate}");
+    }
+    assert_eq!(handled.iter().filter(|k| k.starts_with("u-")).count(), 10);
+    assert_eq!(broker.drain(&format!("{queue}.dead")).len(), 1);
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn order_is_kept_through_failures_at_prefetch_16() {
+    order_is_kept_through_failures(1);
+}
+
+#[test]
+fn order_is_kept_through_failures_at_concurrency_4() {
+    order_is_kept_through_failures(4);
+}
+
+#[test]
+fn a_failing_aggregate_holds_only_itself() {
+    let (outbox, _client) = outbox("rmq_holds");
+    let broker = Broker::new();
+    let queue = unique_name("q_holds");
+    broker.queue(&queue, "", FieldTable::new());
+    let release = Arc::new(AtomicBool::new(false));
+    let handled: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (handler_release, handler_handled) = (release.clone(), handled.clone());
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "holds")
+            .max_failures(u32::MAX)
+            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        outbox,
+        pool(1),
+        move |_tx, delivery| {
+            if delivery.key == "a-0" && !handler_release.load(Ordering::SeqCst) {
+                return Err(HandlerError::transient("downstream is down"));
+            }
+            handler_handled.lock().unwrap().push(delivery.key.clone());
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send_ordered(&queue, "a-0", Some("a"));
+    broker.send_ordered(&queue, "a-1", Some("a"));
+    broker.send_ordered(&queue, "b-0", Some("b"));
+    broker.send_ordered(&queue, "u-0", None);
+    // a-0 cannot succeed before the release: whatever is handled meanwhile overtook it.
+    wait_until(
+        "the other aggregate and the unordered message go on",
+        || handled.lock().unwrap().len() == 2 && consumer.report().retried >= 2,
+    );
+    assert_eq!(consumer.report().processed, 2);
+    release.store(true, Ordering::SeqCst);
+    wait_until("the held aggregate follows", || {
+        consumer.report().processed == 4
+    });
+    consumer.shutdown(Duration::from_secs(10));
+    let handled = handled.lock().unwrap();
+    let mut first_two = handled[..2].to_vec();
+    first_two.sort();
+    assert_eq!(first_two, ["b-0", "u-0"]);
+    assert_eq!(handled[2..], ["a-0", "a-1"]);
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
+    let (outbox, _client) = outbox("rmq_cut");
+    let broker = Broker::new();
+    let queue = unique_name("q_cut");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        // One failure would dead-letter it.
+        ConsumerConfig::new(&amqp_url(), &queue, "cut").max_failures(1),
+        outbox,
+        pool(2),
+        move |tx, _delivery| {
+            if handler_calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                // The server ends this very session, as a failover or an admin would.
+                tx.execute("SELECT pg_terminate_backend(pg_backend_pid())", &[])
+                    .map_err(HandlerError::transient)?;
+            }
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m"), b"x");
+    wait_until("it is processed", || consumer.report().processed == 1);
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!((report.retried, report.rejected), (0, 0));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn a_message_without_an_id_is_dead_lettered_unhandled() {
+    let (outbox, _client) = outbox("rmq_noid");
+    let broker = Broker::new();
+    let queue = unique_name("q_noid");
+    broker.queue(&queue, "", FieldTable::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "noid"),
+        outbox,
+        pool(1),
+        move |_tx, _delivery| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        },
+    )
+    .unwrap();
+    broker.send(&queue, None, b"anonymous");
+    broker.send(&queue, Some("m"), b"x");
+    wait_until("both are settled", || {
+        let r = consumer.report();
+        r.processed == 1 && r.rejected == 1
+    });
+    consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let letters = broker.drain(&format!("{queue}.dead"));
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].delivery.body, b"anonymous");
+    assert!(
+        text_header(&letters[0].delivery.properties, DEAD_REASON_HEADER).contains("message id")
+    );
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn consumer_settings_that_cannot_work_are_refused_before_connecting() {
+    let (outbox, _client) = outbox("rmq_settings");
+    // The broker URL is never reached: settings are checked first.
+    let url = "amqp://guest:guest@127.0.0.1:1";
+    let config = || ConsumerConfig::new(url, "q", "c");
+    let cases = [
+        (config().prefetch(0), 1, "prefetch"),
+        (config().concurrency(0), 1, "concurrency"),
+        (config().concurrency(3), 2, "pool"),
+        (config().max_failures(0), 1, "max_failures"),
+        (
+            config().retry_backoff(Duration::from_secs(2), Duration::from_secs(1)),
+            1,
+            "retry_backoff",
+        ),
+        (config().dead_letter_queue("q"), 1, "dead-letter"),
+        (config().dead_letter_queue(""), 1, "dead-letter"),
+    ];
+    for (config, pool_size, words) in cases {
+        let refused = Consumer::spawn(config, outbox.clone(), pool(pool_size), |_tx, _d| Ok(()));
+        let error = refused.expect_err(words).to_string();
+        assert!(error.contains(words), "{words}: {error}");
+    }
+}
+
+#[test]
+fn a_consumer_of_an_outbox_never_migrated_is_refused() {
+    let outbox = Outbox::new(&unique_name("never_migrated")).unwrap();
+    let broker = Broker::new();
+    let queue = unique_name("q_unmigrated");
+    broker.queue(&queue, "", FieldTable::new());
+    let refused = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "c"),
+        outbox,
+        pool(1),
+        |_tx, _d| Ok(()),
+    );
+    match refused {
+        Err(postgres_outbox::rabbitmq::Error::Database(e)) => assert!(e.is_not_migrated(), "{e}"),
+        other => panic!("{other:?}"),
+    }
     broker.delete_queue(&queue);
 }

@@ -11,7 +11,10 @@ mod publisher;
 
 use std::fmt;
 
-pub use consumer::{Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery};
+pub use consumer::{
+    Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, DEAD_CONSUMER_HEADER,
+    DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
+};
 pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

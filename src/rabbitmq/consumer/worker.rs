@@ -1,0 +1,253 @@
+//! A handler thread: runs each delivery it is given in a transaction of its own, together
+//! with the dedupe record, and says how it went. It never touches the broker.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{after, select, Receiver, Sender};
+use postgres::types::Type;
+
+use super::lanes::Tag;
+use super::{Delivery, Shared};
+use crate::pool::Pooled;
+use crate::publish::HandlerError;
+use crate::retry::reconnect_delay;
+use crate::store::{is_infrastructure, storable};
+
+/// What a worker is asked to do.
+pub(super) enum Task {
+    Handle(Job),
+    /// Delete the failure count of a message that has been dead-lettered, so a redriven copy
+    /// starts afresh.
+    Forget(String),
+}
+
+/// A delivery to handle.
+pub(super) struct Job {
+    pub(super) tag: Tag,
+    /// Which channel the delivery came on: tags mean nothing on another.
+    pub(super) generation: u64,
+    pub(super) delivery: Arc<Delivery>,
+    /// Its handler may have failed before (it was redelivered, or failed here): a success
+    /// must then delete its failure count.
+    pub(super) suspect: bool,
+    /// Set when the channel is lost: a job waiting out a database outage gives up, since it
+    /// can no longer be acked and the broker will deliver it again.
+    pub(super) cancelled: Arc<AtomicBool>,
+}
+
+/// How a job ended.
+pub(super) enum Outcome {
+    /// Committed; the transaction took this long.
+    Committed(Duration),
+    /// Processed before: nothing done.
+    Duplicate,
+    /// The handler failed, or the database refused its data; rolled back. `failures` is the
+    /// message's count of failures so far, across restarts and processes.
+    Failed { error: HandlerError, failures: u32 },
+    /// Given up unfinished while the database was away, because of a stop or a lost channel.
+    Abandoned,
+}
+
+pub(super) struct Done {
+    pub(super) tag: Tag,
+    pub(super) generation: u64,
+    pub(super) outcome: Outcome,
+}
+
+/// Why a delivery's transaction did not commit.
+enum Failure {
+    /// The handler failed (or panicked), or the database refused the handler's data: the
+    /// message's fault, counted towards its failures.
+    Handler(HandlerError),
+    /// The database or the way to it: nobody's fault, never counted.
+    Database(crate::Error),
+}
+
+impl Failure {
+    fn db(error: postgres::Error) -> Failure {
+        Failure::classify(crate::Error::Db(error))
+    }
+
+    /// A server error about the data (a deferred constraint at `COMMIT`, a key the dedupe
+    /// index cannot hold) is the message's fault; anything about the server or the
+    /// connection is not.
+    fn classify(error: crate::Error) -> Failure {
+        if is_infrastructure(&error) {
+            Failure::Database(error)
+        } else {
+            Failure::Handler(HandlerError::transient(error))
+        }
+    }
+}
+
+pub(super) struct Worker {
+    shared: Arc<Shared>,
+    /// Disconnected when the consumer stops.
+    stop: Receiver<()>,
+    /// The worker's connection, kept between deliveries and dropped after any error the
+    /// server did not answer.
+    conn: Option<Pooled>,
+}
+
+impl Worker {
+    pub(super) fn new(shared: Arc<Shared>, stop: Receiver<()>) -> Worker {
+        Worker {
+            shared,
+            stop,
+            conn: None,
+        }
+    }
+
+    /// Works until the dispatcher hangs up.
+    pub(super) fn run(mut self, tasks: Receiver<Task>, results: Sender<Done>) {
+        for task in tasks.iter() {
+            match task {
+                Task::Handle(job) => {
+                    let outcome = self.handle(&job);
+                    let done = Done {
+                        tag: job.tag,
+                        generation: job.generation,
+                        outcome,
+                    };
+                    if results.send(done).is_err() {
+                        return;
+                    }
+                }
+                Task::Forget(key) => self.forget(&key),
+            }
+        }
+    }
+
+    /// Runs the job until its outcome says something about the message. While the database
+    /// is the trouble (no connection, `BEGIN`, the dedupe write, `COMMIT`, or counting a
+    /// failure failing for reasons of the server or the connection) the delivery is held,
+    /// unacked and uncounted, and tried again with capped backoff: an outage never costs a
+    /// message one of its attempts, let alone a dead letter.
+    fn handle(&mut self, job: &Job) -> Outcome {
+        let mut outages = 0u32;
+        loop {
+            let error = match self.attempt(job) {
+                Ok(outcome) => return outcome,
+                Err(Failure::Handler(error)) => match self.count_failure(job, &error) {
+                    Ok(failures) => return Outcome::Failed { error, failures },
+                    // Uncounted, the failure must not count: the handler runs again.
+                    Err(e) => e,
+                },
+                Err(Failure::Database(e)) => e,
+            };
+            self.conn = None;
+            self.shared.observe(|m| m.database_failed(&error));
+            outages += 1;
+            let pause = reconnect_delay(outages);
+            let name = &self.shared.config.name;
+            let key = &job.delivery.key;
+            if is_infrastructure(&error) {
+                log::warn!(
+                    "rabbitmq consumer {name}: the database failed while handling {key} (not \
+                     counted as a failure); trying again in {pause:?}: {error}"
+                );
+            } else {
+                log::error!(
+                    "rabbitmq consumer {name}: cannot keep the failure count of {key}; holding \
+                     it and trying again in {pause:?}: {error}"
+                );
+            }
+            select! {
+                recv(self.stop) -> _ => return Outcome::Abandoned,
+                recv(after(pause)) -> _ => {}
+            }
+            if job.cancelled.load(Ordering::SeqCst) {
+                return Outcome::Abandoned;
+            }
+        }
+    }
+
+    /// One transaction: dedupe, the handler, and for a suspect delivery its failure count's
+    /// deletion.
+    fn attempt(&mut self, job: &Job) -> Result<Outcome, Failure> {
+        let started = Instant::now();
+        let shared = self.shared.clone();
+        let conn = self.connection().map_err(Failure::Database)?;
+        let mut tx = conn.transaction().map_err(Failure::db)?;
+        let delivery = &*job.delivery;
+        let fresh = shared
+            .outbox
+            .dedupe(&mut tx, &shared.config.name, &delivery.key)
+            .map_err(Failure::classify)?;
+        if !fresh {
+            return Ok(Outcome::Duplicate);
+        }
+        catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
+            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
+            .map_err(Failure::Handler)?;
+        if job.suspect {
+            tx.execute_typed(
+                &shared.outbox.statements().forget_failures,
+                &[
+                    (&shared.config.name, Type::TEXT),
+                    (&delivery.key, Type::TEXT),
+                ],
+            )
+            .map_err(Failure::db)?;
+        }
+        tx.commit().map_err(Failure::db)?;
+        Ok(Outcome::Committed(started.elapsed()))
+    }
+
+    /// Adds one to the message's failure count, in a statement of its own after the
+    /// rollback, and returns the new count.
+    fn count_failure(&mut self, job: &Job, error: &HandlerError) -> Result<u32, crate::Error> {
+        let shared = &*self.shared;
+        let text = error.to_string();
+        let text = storable(&text);
+        // Counted on the connection the handler used, even a closed one: if the connection
+        // died under the handler, counting fails too, and the failure is the database's,
+        // not the message's.
+        let conn = match self.conn.take() {
+            Some(conn) => conn,
+            None => shared.pool.get()?,
+        };
+        let conn = self.conn.insert(conn);
+        let row = conn
+            .query_one(
+                &shared.outbox.statements().count_failure,
+                &[&shared.config.name, &job.delivery.key, &text.as_ref()],
+            )
+            .map_err(|e| shared.outbox.db_error(e))?;
+        let failures: i32 = row.get(0);
+        Ok(u32::try_from(failures).unwrap_or(0))
+    }
+
+    fn forget(&mut self, key: &str) {
+        let shared = self.shared.clone();
+        let result = self.connection().and_then(|conn| {
+            conn.execute(
+                &shared.outbox.statements().forget_failures,
+                &[&shared.config.name, &key],
+            )
+            .map_err(crate::Error::Db)
+        });
+        if let Err(e) = result {
+            self.conn = None;
+            // Harmless: a redriven copy would just get fewer tries; Purge::Inbox clears it.
+            log::warn!(
+                "rabbitmq consumer {}: cannot delete the failure count of dead-lettered {key}: {e}",
+                shared.config.name
+            );
+        }
+    }
+
+    fn connection(&mut self) -> Result<&mut postgres::Client, crate::Error> {
+        if self.conn.as_ref().is_some_and(|c| c.is_closed()) {
+            self.conn = None;
+        }
+        let conn = match self.conn.take() {
+            Some(conn) => conn,
+            None => self.shared.pool.get()?,
+        };
+        Ok(&mut **self.conn.insert(conn))
+    }
+}
