@@ -13,16 +13,22 @@
 //!   rows round-robin over 40 aggregates, or all in one aggregate; `vs_unordered=` is its rate
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`.
+//! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
+//!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
+//!   commit), next to `db_only=`, the same transactions run by as many threads with no
+//!   broker; `vs_db_only=` is the consumer's rate over that. Two rounds, taking turns.
 //!
 //! Messages are persistent, 512 bytes, into a durable queue, purged before each measurement.
 //! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
 //! OUTBOX_BENCH_ROWS (default 100000), OUTBOX_BENCH_ORDERED_ROWS (backlog per `ordered`
-//! shape, default 20000), OUTBOX_BENCH_ORDERED_CAP_SECS (time cap per shape, default 120).
+//! shape, default 20000), OUTBOX_BENCH_ORDERED_CAP_SECS (time cap per shape, default 120),
+//! OUTBOX_BENCH_CONSUMED (messages per `consumer` measurement, default 10000).
 
 mod common;
 
 use std::collections::HashSet;
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use amiquip::{
@@ -33,12 +39,16 @@ use common::{
     drain, drop_outbox, fmt_rate, prefill_rows, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE,
 };
 use postgres::{Client, NoTls};
-use postgres_outbox::rabbitmq::RabbitPublisher;
+use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, RabbitPublisher, AGGREGATE_HEADER};
 use postgres_outbox::{Message, Outbox, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 const EXCHANGE: &str = "outbox.bench";
 const QUEUE: &str = "outbox.bench.all";
+/// The queue the `consumer` bench fills and drains, on the default exchange.
+const CONSUMED: &str = "outbox.bench.consumed";
+/// How long a `consumer` measurement may take before it counts as stalled.
+const CONSUME_TIMEOUT: Duration = Duration::from_secs(600);
 const PAYLOAD: usize = 512;
 /// How long `relay-rabbitmq` may take before it counts as stalled.
 const RELAY_TIMEOUT: Duration = Duration::from_secs(600);
@@ -63,6 +73,7 @@ fn main() -> Result<()> {
     let ordered_rows: usize = env(&["OUTBOX_BENCH_ORDERED_ROWS"], "20000").parse()?;
     let ordered_cap =
         Duration::from_secs_f64(env(&["OUTBOX_BENCH_ORDERED_CAP_SECS"], "120").parse()?);
+    let consumed: usize = env(&["OUTBOX_BENCH_CONSUMED"], "10000").parse()?;
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
 
@@ -136,8 +147,104 @@ fn main() -> Result<()> {
             drop_outbox(&mut client, &outbox)?;
         }
     }
+    if wanted("consumer") {
+        for round in 1..=2 {
+            for (concurrency, aggregates) in [(1, None), (4, None), (4, Some(40))] {
+                let shape = if aggregates.is_some() {
+                    "agg40"
+                } else {
+                    "unordered"
+                };
+                let outbox = fresh_outbox(&mut client)?;
+                let db_only = db_only_rate(&db_url, &outbox, consumed, concurrency)?;
+                drop_outbox(&mut client, &outbox)?;
+                let outbox = fresh_outbox(&mut client)?;
+                let rate = consumer_rate(
+                    &db_url,
+                    &amqp_url,
+                    &outbox,
+                    consumed,
+                    concurrency,
+                    aggregates,
+                )?;
+                drop_outbox(&mut client, &outbox)?;
+                println!(
+                    "bench=consumer round={round} concurrency={concurrency} shape={shape} \
+                     messages={consumed} db_only={} rate={} vs_db_only={}",
+                    fmt_rate(db_only),
+                    fmt_rate(rate),
+                    ratio(rate, db_only)
+                );
+            }
+        }
+    }
     broker.purge()?;
     Ok(())
+}
+
+/// What a no-op consumer costs the database: `threads` threads, each with its own
+/// connection, running one transaction per message (dedupe insert and commit) for its
+/// share of `messages` keys.
+fn db_only_rate(db_url: &str, outbox: &Outbox, messages: usize, threads: usize) -> Result<f64> {
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| -> std::result::Result<(), String> {
+                    let mut client = Client::connect(db_url, NoTls).map_err(|e| e.to_string())?;
+                    loop {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        if n >= messages {
+                            return Ok(());
+                        }
+                        let mut tx = client.transaction().map_err(|e| e.to_string())?;
+                        let key = format!("m-{n}");
+                        outbox
+                            .dedupe(&mut tx, "bench", &key)
+                            .map_err(|e| e.to_string())?;
+                        tx.commit().map_err(|e| e.to_string())?;
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().map_err(|_| "a db-only thread panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(messages as f64 / started.elapsed().as_secs_f64())
+}
+
+/// A `Consumer` with a no-op handler draining `messages` from a freshly filled queue.
+fn consumer_rate(
+    db_url: &str,
+    amqp_url: &str,
+    outbox: &Outbox,
+    messages: usize,
+    concurrency: usize,
+    aggregates: Option<usize>,
+) -> Result<f64> {
+    Broker::connect()?.fill(CONSUMED, messages, aggregates)?;
+    let manager = PostgresConnectionManager::new(db_url.parse()?, NoTls);
+    let pool = r2d2::Pool::builder()
+        .max_size(concurrency as u32)
+        .build(manager)?;
+    let config = ConsumerConfig::new(amqp_url, CONSUMED, "bench")
+        .concurrency(concurrency)
+        .prefetch(64);
+    let started = Instant::now();
+    let consumer = Consumer::spawn(config, outbox.clone(), pool, |_tx, _delivery| Ok(()))?;
+    let deadline = started + CONSUME_TIMEOUT;
+    while (consumer.report().processed as usize) < messages {
+        if Instant::now() > deadline {
+            return Err(format!("consumer stalled: {:?}", consumer.report()).into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let took = started.elapsed();
+    consumer.shutdown(Duration::from_secs(10));
+    Ok(messages as f64 / took.as_secs_f64())
 }
 
 /// A fresh, migrated, empty outbox.
@@ -276,6 +383,49 @@ impl Broker {
 
     fn purge(&self) -> Result<()> {
         self.channel.queue_purge(QUEUE)?;
+        Ok(())
+    }
+
+    /// Empties `queue` (declaring it if needed) and fills it with `messages` persistent
+    /// 512-byte messages, confirmed, round-robin over `aggregates` aggregate keys if given.
+    fn fill(&self, queue: &str, messages: usize, aggregates: Option<usize>) -> Result<()> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.channel.queue_declare(queue, durable)?;
+        self.channel.queue_purge(queue)?;
+        let confirms = self.channel.listen_for_publisher_confirms()?;
+        let payload = vec![b'x'; PAYLOAD];
+        let mut tag = 0u64;
+        let mut open: HashSet<u64> = HashSet::new();
+        for n in 0..messages {
+            let mut properties = AmqpProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(format!("m-{n}"));
+            if let Some(aggregates) = aggregates {
+                let mut headers = FieldTable::new();
+                headers.insert(
+                    AGGREGATE_HEADER.into(),
+                    amiquip::AmqpValue::LongString(format!("agg-{}", n % aggregates)),
+                );
+                properties = properties.with_headers(headers);
+            }
+            self.channel
+                .basic_publish("", Publish::with_properties(&payload, queue, properties))?;
+            tag += 1;
+            open.insert(tag);
+            if open.len() >= 500 || n + 1 == messages {
+                while !open.is_empty() {
+                    let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
+                    if p.multiple {
+                        open.retain(|t| *t > p.delivery_tag);
+                    } else {
+                        open.remove(&p.delivery_tag);
+                    }
+                }
+            }
+        }
         Ok(())
     }
 

@@ -430,7 +430,7 @@ impl Consumer {
             let worker = Worker::new(shared.clone(), stop_rx.clone());
             let (tasks, results, alive) = (tasks_rx.clone(), results_tx.clone(), alive.clone());
             std::thread::Builder::new()
-                .name(format!("outbox-consumer-{n}"))
+                .name(format!("outbox-handler-{n}"))
                 .spawn(move || {
                     let _alive = alive;
                     worker.run(tasks, results);
