@@ -17,6 +17,7 @@ use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
 fn main() -> Result<(), Box<dyn Error>> {
     let database_url = env_or("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
     let amqp_url = env_or("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672");
+    // One connection per handler thread.
     let pool = r2d2::Pool::builder()
         .max_size(2)
         .build(PostgresConnectionManager::new(database_url.parse()?, NoTls))?;
@@ -28,8 +29,13 @@ fn main() -> Result<(), Box<dyn Error>> {
         "CREATE TABLE IF NOT EXISTS demo_invoices (
              event_key text PRIMARY KEY, body text NOT NULL)",
     )?;
+    drop(client);
 
-    let config = ConsumerConfig::new(&amqp_url, "outbox.demo.orders", "invoicing").prefetch(32);
+    // Two handler threads; events of one order (its aggregate key) are still handled one at
+    // a time, in order. A message that keeps failing ends in "outbox.demo.orders.dead".
+    let config = ConsumerConfig::new(&amqp_url, "outbox.demo.orders", "invoicing")
+        .prefetch(32)
+        .concurrency(2);
     let consumer = Consumer::spawn(config, outbox, pool.clone(), |tx, delivery| {
         let body = String::from_utf8_lossy(&delivery.body).into_owned();
         tx.execute(
