@@ -1265,3 +1265,92 @@ fn a_consumer_of_an_outbox_never_migrated_is_refused() {
     }
     broker.delete_queue(&queue);
 }
+
+#[test]
+fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
+    // Its own vhost, so closing its connections does not disturb tests running alongside.
+    let vhost = unique_name("vh_consume");
+    rabbitmqctl(&["add_vhost", &vhost]);
+    rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    let url = format!("{}/{vhost}", amqp_url().trim_end_matches('/'));
+    let broker = Broker::at(&url);
+    broker.queue("orders", "", FieldTable::new());
+    let total = 200;
+    for seq in 0..total / 4 {
+        for aggregate in ["a", "b", "c", "d"] {
+            broker.send_ordered("orders", &format!("{aggregate}-{seq}"), Some(aggregate));
+        }
+    }
+    // The cut closes this connection too.
+    drop(broker);
+
+    let (outbox, mut client) = outbox("rmq_cut_broker");
+    let table = unique_name("handled_cut");
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (n bigserial PRIMARY KEY, key text UNIQUE NOT NULL)"
+        ))
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (handler_table, handler_calls, handler_vhost) =
+        (table.clone(), calls.clone(), vhost.clone());
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&url, "orders", "cut")
+            .prefetch(16)
+            .concurrency(2),
+        outbox,
+        pool(2),
+        move |tx, delivery| {
+            if handler_calls.fetch_add(1, Ordering::SeqCst) == 50 {
+                rabbitmqctl(&["close_all_connections", "-p", &handler_vhost, "test: cut"]);
+            }
+            record_handled_in_order(tx, &handler_table, &delivery.key)
+        },
+    )
+    .unwrap();
+    wait_until("every message is handled", || {
+        let n: i64 = client
+            .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+            .unwrap()
+            .get(0);
+        n == total as i64
+    });
+    let broker = Broker::at(&url);
+    wait_until("every delivery is acked", || {
+        broker.ready("orders") == 0 && {
+            let r = consumer.report();
+            r.processed + r.duplicates >= total as u64
+        }
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(report.processed, total as u64, "each committed once");
+    assert_eq!(report.rejected, 0);
+    assert!(calls.load(Ordering::SeqCst) > 50, "the cut happened");
+    let handled: Vec<String> = client
+        .query(&format!("SELECT key FROM {table} ORDER BY n"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for aggregate in ["a", "b", "c", "d"] {
+        let seen: Vec<u32> = handled
+            .iter()
+            .filter_map(|k| k.strip_prefix(&format!("{aggregate}-")))
+            .map(|seq| seq.parse().unwrap())
+            .collect();
+        assert_eq!(seen, (0..50).collect::<Vec<_>>(), "aggregate {aggregate}");
+    }
+    drop(broker);
+    rabbitmqctl(&["delete_vhost", &vhost]);
+}
+
+/// The handler's write, numbered in the order transactions inserted it.
+fn record_handled_in_order(
+    tx: &mut postgres::Transaction<'_>,
+    table: &str,
+    key: &str,
+) -> Result<(), HandlerError> {
+    tx.execute(&format!("INSERT INTO {table} (key) VALUES ($1)"), &[&key])
+        .map_err(HandlerError::transient)?;
+    Ok(())
+}

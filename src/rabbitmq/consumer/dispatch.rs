@@ -58,6 +58,8 @@ pub(super) struct Dispatcher {
     generation: u64,
     /// Jobs handed to workers and not yet reported back, from any channel.
     in_flight: usize,
+    /// The last connection got as far as consuming.
+    consuming: bool,
 }
 
 impl Dispatcher {
@@ -76,6 +78,7 @@ impl Dispatcher {
             stop,
             generation: 0,
             in_flight: 0,
+            consuming: false,
         }
     }
 
@@ -84,9 +87,14 @@ impl Dispatcher {
     pub(super) fn run(mut self) {
         let mut losses = 0u32;
         loop {
+            self.consuming = false;
             match self.consume() {
                 Ended::Stopped => break,
                 Ended::Lost(why) => {
+                    // The backoff grows only while reconnecting keeps failing.
+                    if self.consuming {
+                        losses = 0;
+                    }
                     losses += 1;
                     let pause = reconnect_delay(losses);
                     log::warn!(
@@ -160,6 +168,7 @@ impl Dispatcher {
             config.concurrency
         );
         self.generation += 1;
+        self.consuming = true;
         let mut link = Link {
             channel: &channel,
             dead_letters,

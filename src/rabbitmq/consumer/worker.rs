@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{after, select, Receiver, Sender};
+use crossbeam_channel::{after, select, Receiver, Sender, TryRecvError};
 use postgres::types::Type;
 
 use super::lanes::Tag;
@@ -127,6 +127,11 @@ impl Worker {
     /// unacked and uncounted, and tried again with capped backoff: an outage never costs a
     /// message one of its attempts, let alone a dead letter.
     fn handle(&mut self, job: &Job) -> Outcome {
+        // Queued before a stop or a lost channel and not started: hand it back unrun.
+        let stopping = matches!(self.stop.try_recv(), Err(TryRecvError::Disconnected));
+        if stopping || job.cancelled.load(Ordering::SeqCst) {
+            return Outcome::Abandoned;
+        }
         let mut outages = 0u32;
         loop {
             let error = match self.attempt(job) {
