@@ -416,14 +416,7 @@ impl Broker {
             tag += 1;
             open.insert(tag);
             if open.len() >= 500 || n + 1 == messages {
-                while !open.is_empty() {
-                    let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
-                    if p.multiple {
-                        open.retain(|t| *t > p.delivery_tag);
-                    } else {
-                        open.remove(&p.delivery_tag);
-                    }
-                }
+                await_confirms(&confirms, &mut open)?;
             }
         }
         Ok(())
@@ -451,16 +444,25 @@ impl Broker {
                 )?;
                 open.insert(tag);
             }
-            while !open.is_empty() {
-                let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
-                if p.multiple {
-                    open.retain(|t| *t > p.delivery_tag);
-                } else {
-                    open.remove(&p.delivery_tag);
-                }
-            }
+            await_confirms(&confirms, &mut open)?;
             sent += n;
         }
         Ok(messages as f64 / started.elapsed().as_secs_f64())
     }
+}
+
+/// Waits until every tag in `open` is confirmed (acked or nacked).
+fn await_confirms(
+    confirms: &crossbeam_channel::Receiver<Confirm>,
+    open: &mut HashSet<u64>,
+) -> Result<()> {
+    while !open.is_empty() {
+        let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
+        if p.multiple {
+            open.retain(|t| *t > p.delivery_tag);
+        } else {
+            open.remove(&p.delivery_tag);
+        }
+    }
+    Ok(())
 }

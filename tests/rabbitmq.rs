@@ -1022,17 +1022,43 @@ fn retries_back_off_exponentially() {
     broker.delete_queue(&queue);
 }
 
+/// A consumer table that numbers the rows as handlers insert them.
+fn ordered_table(client: &mut postgres::Client) -> String {
+    let table = unique_name("handled_order");
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (n bigserial PRIMARY KEY, key text UNIQUE NOT NULL)"
+        ))
+        .unwrap();
+    table
+}
+
+/// The keys a handler committed, in the order it inserted them.
+fn handled_in_order(client: &mut postgres::Client, table: &str) -> Vec<String> {
+    client
+        .query(&format!("SELECT key FROM {table} ORDER BY n"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// The sequence numbers of `<aggregate>-<seq>` keys among `handled`, in order.
+fn sequence(handled: &[String], aggregate: &str) -> Vec<u32> {
+    let prefix = format!("{aggregate}-");
+    handled
+        .iter()
+        .filter_map(|k| k.strip_prefix(&prefix))
+        .map(|seq| seq.parse().unwrap())
+        .collect()
+}
+
 /// Four aggregates of ten and ten unordered messages; a-3 and c-7 fail twice before they
 /// go through, b-5 fails permanently. Each aggregate must be handled in order, with b-5
 /// skipped once dead.
 fn order_is_kept_through_failures(concurrency: usize) {
     let (outbox, mut client) = outbox("rmq_order");
-    let table = unique_name("handled_order");
-    client
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (n bigserial PRIMARY KEY, key text NOT NULL)"
-        ))
-        .unwrap();
+    let table = ordered_table(&mut client);
     let broker = Broker::new();
     let queue = unique_name("q_order");
     broker.queue(&queue, "", FieldTable::new());
@@ -1057,12 +1083,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
                     return Err(HandlerError::transient("not yet"));
                 }
             }
-            tx.execute(
-                &format!("INSERT INTO {handler_table} (key) VALUES ($1)"),
-                &[&delivery.key],
-            )
-            .map_err(HandlerError::transient)?;
-            Ok(())
+            record_handled(tx, &handler_table, &delivery.key)
         },
     )
     .unwrap();
@@ -1078,22 +1099,16 @@ fn order_is_kept_through_failures(concurrency: usize) {
     });
     let report = consumer.shutdown(Duration::from_secs(10));
     assert_eq!(report.retried, 4);
-    let handled: Vec<String> = client
-        .query(&format!("SELECT key FROM {table} ORDER BY n"), &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let handled = handled_in_order(&mut client, &table);
     for aggregate in ["a", "b", "c", "d"] {
-        let seen: Vec<u32> = handled
-            .iter()
-            .filter_map(|k| k.strip_prefix(&format!("{aggregate}-")))
-            .map(|seq| seq.parse().unwrap())
-            .collect();
         let expected: Vec<u32> = (0..10).filter(|&s| aggregate != "b" || s != 5).collect();
-        assert_eq!(seen, expected, "aggregate {aggregate}");
+        assert_eq!(
+            sequence(&handled, aggregate),
+            expected,
+            "aggregate {aggregate}"
+        );
     }
-    assert_eq!(handled.iter().filter(|k| k.starts_with("u-")).count(), 10);
+    assert_eq!(sequence(&handled, "u").len(), 10);
     assert_eq!(broker.drain(&format!("{queue}.dead")).len(), 1);
     broker.delete_queue(&queue);
 }
@@ -1285,12 +1300,7 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
     drop(broker);
 
     let (outbox, mut client) = outbox("rmq_cut_broker");
-    let table = unique_name("handled_cut");
-    client
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (n bigserial PRIMARY KEY, key text UNIQUE NOT NULL)"
-        ))
-        .unwrap();
+    let table = ordered_table(&mut client);
     let calls = Arc::new(AtomicUsize::new(0));
     let (handler_table, handler_calls, handler_vhost) =
         (table.clone(), calls.clone(), vhost.clone());
@@ -1304,7 +1314,7 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
             if handler_calls.fetch_add(1, Ordering::SeqCst) == 50 {
                 rabbitmqctl(&["close_all_connections", "-p", &handler_vhost, "test: cut"]);
             }
-            record_handled_in_order(tx, &handler_table, &delivery.key)
+            record_handled(tx, &handler_table, &delivery.key)
         },
     )
     .unwrap();
@@ -1326,31 +1336,15 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
     assert_eq!(report.processed, total as u64, "each committed once");
     assert_eq!(report.rejected, 0);
     assert!(calls.load(Ordering::SeqCst) > 50, "the cut happened");
-    let handled: Vec<String> = client
-        .query(&format!("SELECT key FROM {table} ORDER BY n"), &[])
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let handled = handled_in_order(&mut client, &table);
     for aggregate in ["a", "b", "c", "d"] {
-        let seen: Vec<u32> = handled
-            .iter()
-            .filter_map(|k| k.strip_prefix(&format!("{aggregate}-")))
-            .map(|seq| seq.parse().unwrap())
-            .collect();
-        assert_eq!(seen, (0..50).collect::<Vec<_>>(), "aggregate {aggregate}");
+        let expected: Vec<u32> = (0..50).collect();
+        assert_eq!(
+            sequence(&handled, aggregate),
+            expected,
+            "aggregate {aggregate}"
+        );
     }
     drop(broker);
     rabbitmqctl(&["delete_vhost", &vhost]);
-}
-
-/// The handler's write, numbered in the order transactions inserted it.
-fn record_handled_in_order(
-    tx: &mut postgres::Transaction<'_>,
-    table: &str,
-    key: &str,
-) -> Result<(), HandlerError> {
-    tx.execute(&format!("INSERT INTO {table} (key) VALUES ($1)"), &[&key])
-        .map_err(HandlerError::transient)?;
-    Ok(())
 }
