@@ -9,10 +9,17 @@
 //!
 //! Prints one line per measurement, `bench=<name> key=value ... rate=<operations per second>`:
 //! - `business`: a business transaction alone (insert one order, commit), per thread count;
+//! - `enqueue-raw`: the same transaction plus a hand-written, prepared INSERT of an outbox
+//!   row (bigserial id, unique uuid key, topic, aggregate key, bytea payload, jsonb headers,
+//!   status, attempts, available_at, lease_until, created_at; one partial index on
+//!   `(available_at, id)` for pending rows), on a table of its own;
 //! - `enqueue notify=on|off`: the same transaction plus `Outbox::enqueue` of a 512-byte
-//!   message, with `ratio=` its rate over `business` at the same thread count (the three
-//!   take turns in 5 rounds, so load changes during the run hit them alike);
-//! - `enqueue_all`: 1,000 messages per `enqueue_all` transaction, in rows per second;
+//!   message with an aggregate key and a content type, with `ratio=` its rate over
+//!   `business` and `vs_raw=` over `enqueue-raw` at the same thread count (the four take
+//!   turns in 5 rounds, so load changes during the run hit them alike);
+//! - `copy`, `enqueue_all`: 1,000 such messages per transaction, in rows per second, by a
+//!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns; `vs_copy=` is
+//!   `enqueue_all`'s rate over `copy`'s;
 //! - `relay`: `Relay` draining pre-filled rows into an in-process no-op publisher, rows/s;
 //! - `ordered shape=unordered|unique|agg40|hot1`: `Relay` with default settings draining a
 //!   backlog of 512-byte rows with no aggregate key, each row its own aggregate, rows
@@ -46,6 +53,8 @@ use std::time::{Duration, Instant};
 use common::{
     drain, drop_outbox, fmt_rate, prefill_rows, rate, ratio, Result, Shape, DEFAULT_RELAY_POOL_SIZE,
 };
+use postgres::binary_copy::BinaryCopyInWriter;
+use postgres::types::Type;
 use postgres::{Client, NoTls};
 use postgres_outbox::{publisher_fn, Message, Outbox, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
@@ -181,6 +190,27 @@ impl Scratch {
         Ok(table)
     }
 
+    /// A fresh table holding outbox rows as a careful engineer would write them by hand.
+    fn raw_outbox(&self) -> Result<String> {
+        let table = self.fresh_name("raw_outbox");
+        self.client()?.batch_execute(&format!(
+            "CREATE TABLE {table} (
+                 id bigserial PRIMARY KEY,
+                 key uuid NOT NULL UNIQUE,
+                 topic text NOT NULL,
+                 aggregate_key text,
+                 payload bytea NOT NULL,
+                 headers jsonb NOT NULL DEFAULT '{{}}',
+                 status text NOT NULL DEFAULT 'pending',
+                 attempts integer NOT NULL DEFAULT 0,
+                 available_at timestamptz NOT NULL DEFAULT now(),
+                 lease_until timestamptz,
+                 created_at timestamptz NOT NULL DEFAULT now());
+             CREATE INDEX ON {table} (available_at, id) WHERE status = 'pending';"
+        ))?;
+        Ok(table)
+    }
+
     /// A fresh, migrated outbox.
     fn outbox(&self, notify: bool) -> Result<Outbox> {
         let outbox = Outbox::builder()
@@ -245,29 +275,48 @@ fn event(aggregate: i64) -> Message {
 
 // ------------------------------------------------------------------ producers
 
+/// What a producer transaction writes besides its order.
+#[derive(Clone, Copy, PartialEq)]
+enum Extra {
+    /// Nothing: the business transaction alone.
+    Nothing,
+    /// A hand-written prepared INSERT of an outbox row into a table of its own.
+    Raw,
+    /// `Outbox::enqueue` with notify on or off.
+    Enqueue(bool),
+}
+
 /// One kind of producer transaction, on its own fresh tables, and what it has done so far.
 struct Producer {
-    name: &'static str,
-    notify: Option<bool>,
+    extra: Extra,
     insert: String,
+    /// The raw row's INSERT, or the outbox.
+    raw: Option<String>,
     outbox: Option<Outbox>,
     tx: u64,
     took: Duration,
 }
 
 impl Producer {
-    /// The business transaction alone, or with one enqueued message (`notify` on or off).
-    fn new(scratch: &Scratch, notify: Option<bool>) -> Result<Producer> {
+    fn new(scratch: &Scratch, extra: Extra) -> Result<Producer> {
         let orders = scratch.orders()?;
+        let raw = match extra {
+            Extra::Raw => Some(format!(
+                "INSERT INTO {} (key, topic, aggregate_key, payload, headers) \
+                 VALUES ($1, $2, $3, $4, $5::text::jsonb)",
+                scratch.raw_outbox()?
+            )),
+            _ => None,
+        };
+        let outbox = match extra {
+            Extra::Enqueue(notify) => Some(scratch.outbox(notify)?),
+            _ => None,
+        };
         Ok(Producer {
-            name: if notify.is_some() {
-                "enqueue"
-            } else {
-                "business"
-            },
-            notify,
+            extra,
             insert: format!("INSERT INTO {orders} (customer, amount) VALUES ($1, $2) RETURNING id"),
-            outbox: notify.map(|n| scratch.outbox(n)).transpose()?,
+            raw,
+            outbox,
             tx: 0,
             took: Duration::ZERO,
         })
@@ -275,13 +324,29 @@ impl Producer {
 
     /// Runs its transaction on `threads` threads, one connection each, for `secs`.
     fn run(&mut self, scratch: &Scratch, threads: usize, secs: Duration) -> Result<()> {
-        let (insert, outbox) = (&self.insert, self.outbox.as_ref());
+        let (insert, raw, outbox) = (&self.insert, self.raw.as_ref(), self.outbox.as_ref());
         let (tx, took) = run_threads(threads, secs, || {
             let mut client = scratch.client()?;
             let insert = client.prepare(insert)?;
+            let raw = raw.map(|sql| client.prepare(sql)).transpose()?;
+            let payload = payload();
             Ok(move || -> Result<()> {
                 let mut tx = client.transaction()?;
                 let id: i64 = tx.query_one(&insert, &[&"acme", &4200_i64])?.get(0);
+                if let Some(raw) = &raw {
+                    let key = uuid::Uuid::now_v7();
+                    let aggregate = format!("order-{id}");
+                    tx.execute(
+                        raw,
+                        &[
+                            &key,
+                            &"order.created",
+                            &aggregate,
+                            &payload,
+                            &r#"{"content-type": "application/json"}"#,
+                        ],
+                    )?;
+                }
                 if let Some(outbox) = outbox {
                     outbox.enqueue(&mut tx, event(id))?;
                 }
@@ -298,37 +363,49 @@ impl Producer {
         rate(self.tx, self.took)
     }
 
-    fn print(&self, threads: usize, business: f64) {
-        let mut line = Line::new(self.name);
-        if let Some(notify) = self.notify {
-            line = line.kv("notify", if notify { "on" } else { "off" });
-        }
+    fn print(&self, threads: usize, business: f64, raw: f64) {
+        let mut line = match self.extra {
+            Extra::Nothing => Line::new("business"),
+            Extra::Raw => Line::new("enqueue-raw"),
+            Extra::Enqueue(notify) => {
+                Line::new("enqueue").kv("notify", if notify { "on" } else { "off" })
+            }
+        };
         line = line
             .kv("threads", threads)
             .kv("rounds", PRODUCER_ROUNDS)
             .kv("tx", self.tx)
             .rate(self.tx, self.took);
-        if self.notify.is_some() {
+        if self.extra != Extra::Nothing {
             line = line.kv("ratio", format!("{:.2}", self.rate() / business));
+        }
+        if let Extra::Enqueue(_) = self.extra {
+            line = line.kv("vs_raw", format!("{:.2}", self.rate() / raw));
         }
         line.print();
     }
 }
 
-/// `business`, and `enqueue notify=on` and `notify=off` against it, at each thread count.
-/// The variants take turns in short rounds, so a change in the machine's load during the
-/// run (other processes, checkpoints) weighs on all of them alike and the ratios hold.
+/// `business`, `enqueue-raw`, and `enqueue notify=on` and `notify=off` against them, at
+/// each thread count. The variants take turns in short rounds, so a change in the machine's
+/// load during the run (other processes, checkpoints) weighs on all of them alike and the
+/// ratios hold.
 fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()> {
-    let notify: &[Option<bool>] = if enqueue {
-        &[None, Some(true), Some(false)]
+    let extras: &[Extra] = if enqueue {
+        &[
+            Extra::Nothing,
+            Extra::Raw,
+            Extra::Enqueue(true),
+            Extra::Enqueue(false),
+        ]
     } else {
-        &[None]
+        &[Extra::Nothing]
     };
     let slice = settings.secs / PRODUCER_ROUNDS;
     for &threads in &settings.threads {
-        let mut producers = notify
+        let mut producers = extras
             .iter()
-            .map(|&n| Producer::new(scratch, n))
+            .map(|&extra| Producer::new(scratch, extra))
             .collect::<Result<Vec<_>>>()?;
         for _ in 0..PRODUCER_ROUNDS {
             for producer in &mut producers {
@@ -336,8 +413,9 @@ fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()
             }
         }
         let business = producers[0].rate();
+        let raw = producers.get(1).map_or(f64::NAN, Producer::rate);
         for producer in &producers {
-            producer.print(threads, business);
+            producer.print(threads, business, raw);
         }
     }
     Ok(())
@@ -380,28 +458,66 @@ where
 
 // ------------------------------------------------------------------ enqueue_all
 
+/// `enqueue_all` of 1,000 messages per transaction, taking turns with a binary `COPY` of
+/// the same rows into a table of the same schema.
 fn enqueue_all(scratch: &Scratch) -> Result<()> {
     let outbox = scratch.outbox(true)?;
+    let copied = scratch.outbox(false)?;
+    let copy = format!(
+        "COPY {} (key, topic, aggregate_key, payload, content_type) FROM STDIN (FORMAT binary)",
+        copied.table()
+    );
+    let types = [Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA, Type::TEXT];
     let mut client = scratch.client()?;
-    let started = Instant::now();
+    let (mut enqueued, mut copying) = (Duration::ZERO, Duration::ZERO);
     for rep in 0..ENQUEUE_ALL_REPS {
         let first = (rep * ENQUEUE_ALL_ROWS) as i64;
+        let started = Instant::now();
         let mut tx = client.transaction()?;
         outbox.enqueue_all(
             &mut tx,
             (0..ENQUEUE_ALL_ROWS as i64).map(|i| event(first + i)),
         )?;
         tx.commit()?;
+        enqueued += started.elapsed();
+
+        let started = Instant::now();
+        let mut tx = client.transaction()?;
+        let mut writer = BinaryCopyInWriter::new(tx.copy_in(&copy)?, &types);
+        let payload = payload();
+        for i in first..first + ENQUEUE_ALL_ROWS as i64 {
+            let key = uuid::Uuid::now_v7().to_string();
+            let aggregate = format!("order-{i}");
+            writer.write(&[
+                &key,
+                &"order.created",
+                &aggregate,
+                &payload,
+                &"application/json",
+            ])?;
+        }
+        writer.finish()?;
+        tx.commit()?;
+        copying += started.elapsed();
     }
-    let took = started.elapsed();
+    let rows = (ENQUEUE_ALL_REPS * ENQUEUE_ALL_ROWS) as u64;
+    Line::new("copy")
+        .kv("rows", ENQUEUE_ALL_ROWS)
+        .kv("tx", ENQUEUE_ALL_REPS)
+        .rate(rows, copying)
+        .print();
     Line::new("enqueue_all")
         .kv("rows", ENQUEUE_ALL_ROWS)
         .kv("tx", ENQUEUE_ALL_REPS)
         .kv(
             "ms_per_tx",
-            format!("{:.1}", took.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64),
+            format!("{:.1}", enqueued.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64),
         )
-        .rate((ENQUEUE_ALL_REPS * ENQUEUE_ALL_ROWS) as u64, took)
+        .rate(rows, enqueued)
+        .kv(
+            "vs_copy",
+            format!("{:.2}", copying.as_secs_f64() / enqueued.as_secs_f64()),
+        )
         .print();
     Ok(())
 }
