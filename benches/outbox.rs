@@ -511,7 +511,10 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
         .kv("tx", ENQUEUE_ALL_REPS)
         .kv(
             "ms_per_tx",
-            format!("{:.1}", enqueued.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64),
+            format!(
+                "{:.1}",
+                enqueued.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64
+            ),
         )
         .rate(rows, enqueued)
         .kv(

@@ -206,9 +206,15 @@ impl Outbox {
         self.inner.retry
     }
 
-    /// Maps "relation does not exist" on our own statements to [`Error::NotMigrated`].
+    /// Maps "relation does not exist" on our own statements (or "function" or "schema does
+    /// not exist": enqueue calls functions the migrations create) to [`Error::NotMigrated`].
     pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
-        if e.code() == Some(&SqlState::UNDEFINED_TABLE) {
+        let missing = [
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNDEFINED_FUNCTION,
+            SqlState::INVALID_SCHEMA_NAME,
+        ];
+        if e.code().is_some_and(|code| missing.contains(code)) {
             Error::NotMigrated {
                 table: self.table().to_owned(),
                 source: e,
@@ -329,12 +335,8 @@ impl Outbox {
         let (at, delay) = message.schedule();
         let headers = message.headers_flat();
         let max_attempts = message.max_attempts_param();
-        let sql = if self.inner.notify {
-            &self.statements().enqueue
-        } else {
-            &self.statements().enqueue_quiet
-        };
-        let params: [(&(dyn ToSql + Sync), Type); 9] = [
+        let notify = self.inner.notify;
+        let params: [(&(dyn ToSql + Sync), Type); 10] = [
             (&key, Type::TEXT),
             (&message.topic, Type::TEXT),
             (&message.aggregate_key, Type::TEXT),
@@ -344,9 +346,13 @@ impl Outbox {
             (&at, Type::TIMESTAMPTZ),
             (&delay, Type::INT8),
             (&max_attempts, Type::INT4),
+            (&notify, Type::BOOL),
         ];
-        let rows = tx.query_typed(sql, &params).map_err(|e| self.db_error(e))?;
-        if rows.is_empty() {
+        let inserted: bool = tx
+            .query_typed_one(&self.statements().enqueue, &params)
+            .map_err(|e| self.db_error(e))?
+            .get(0);
+        if !inserted {
             return Err(Error::DuplicateKey { keys: vec![key] });
         }
         log::trace!("outbox {}: enqueued {key}", self.table());
@@ -369,12 +375,8 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let batch = Batch::new(messages)?;
-        let sql = if self.inner.notify {
-            &self.statements().enqueue_all
-        } else {
-            &self.statements().enqueue_all_quiet
-        };
-        let params: [(&(dyn ToSql + Sync), Type); 11] = [
+        let notify = self.inner.notify;
+        let params: [(&(dyn ToSql + Sync), Type); 12] = [
             (&batch.keys, Type::TEXT_ARRAY),
             (&batch.topics, Type::TEXT_ARRAY),
             (&batch.aggregate_keys, Type::TEXT_ARRAY),
@@ -386,38 +388,24 @@ impl Outbox {
             (&batch.max_attempts, Type::INT4_ARRAY),
             (&batch.header_offsets, Type::INT4_ARRAY),
             (&batch.header_lens, Type::INT4_ARRAY),
+            (&notify, Type::BOOL),
         ];
-        let inserted: Vec<String> = tx
-            .query_typed(sql, &params)
+        // NULL when all went in; otherwise the keys that exist, with nothing written.
+        let existing: Option<Vec<String>> = tx
+            .query_typed_one(&self.statements().enqueue_all, &params)
             .map_err(|e| self.db_error(e))?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        if inserted.len() == batch.keys.len() {
-            log::trace!(
-                "outbox {}: enqueued {} messages",
-                self.table(),
-                inserted.len()
-            );
-            return Ok(batch.keys);
+            .get(0);
+        match existing {
+            None => {
+                log::trace!(
+                    "outbox {}: enqueued {} messages",
+                    self.table(),
+                    batch.keys.len()
+                );
+                Ok(batch.keys)
+            }
+            Some(keys) => Err(Error::DuplicateKey { keys }),
         }
-        // Some key exists. Usually the statement saw it and inserted nothing; if a concurrent
-        // transaction committed one of our keys mid-statement, ON CONFLICT skipped just that
-        // row, and the rows we did insert (only those: the other producer's row is not ours
-        // to delete) are taken out again so the call stays all or nothing.
-        if !inserted.is_empty() {
-            tx.query_typed(
-                &self.statements().delete_keys,
-                &[(&inserted, Type::TEXT_ARRAY)],
-            )?;
-        }
-        let keys_param: [(&(dyn ToSql + Sync), Type); 1] = [(&batch.keys, Type::TEXT_ARRAY)];
-        let existing = tx
-            .query_typed(&self.statements().find_keys, &keys_param)?
-            .iter()
-            .map(|row| row.get(0))
-            .collect();
-        Err(Error::DuplicateKey { keys: existing })
     }
 
     /// Records that `consumer` has processed the message `key`, in the consumer's own

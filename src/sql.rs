@@ -30,6 +30,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0003_consumer_failures",
         template: include_str!("../sql/0003_consumer_failures.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_enqueue_functions",
+        template: include_str!("../sql/0004_enqueue_functions.sql"),
+    },
 ];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
@@ -43,12 +48,10 @@ pub(crate) const PURGE_BATCH: i64 = 1000;
 /// The statements for one outbox table.
 #[derive(Debug)]
 pub(crate) struct Statements {
+    /// Calls the enqueue function of migration 0004: $1..$9 the message, $10 notify.
     pub(crate) enqueue: String,
-    pub(crate) enqueue_quiet: String,
+    /// Calls the batch enqueue function of migration 0004: $1..$11 the columns, $12 notify.
     pub(crate) enqueue_all: String,
-    pub(crate) enqueue_all_quiet: String,
-    pub(crate) find_keys: String,
-    pub(crate) delete_keys: String,
     pub(crate) dedupe: String,
     pub(crate) stats: String,
     pub(crate) dead_letters: String,
@@ -86,10 +89,6 @@ impl Statements {
         let counts = table.companion("_counts");
         let migrations = table.companion("_migrations");
         let channel = table.channel();
-        let notify = format!(
-            ", n AS (SELECT count(pg_notify('{channel}', '')) FROM (SELECT 1 FROM ins LIMIT 1) one)"
-        );
-        let from_notify = ", n";
         // One bounded batch of finished rows older than $1 microseconds, oldest first.
         let purge_batch = |status: &str| {
             format!(
@@ -103,49 +102,13 @@ impl Statements {
             )
         };
 
-        // $1 key, $2 topic, $3 aggregate key, $4 payload, $5 content type, $6 headers,
-        // $7 absolute available_at (or NULL), $8 delay in microseconds, $9 max attempts.
-        let insert_one = format!(
-            "WITH ins AS (
-               INSERT INTO {t} (key, topic, aggregate_key, payload, content_type, headers,
-                                available_at, max_attempts)
-               VALUES ($1, $2, $3, $4, $5, $6,
-                       COALESCE($7, now() + $8 * interval '1 microsecond'), $9)
-               ON CONFLICT (key) DO NOTHING
-               RETURNING key)"
-        );
-        // The same, for arrays: headers travel flattened in $6 and are sliced out by each
-        // message's offset ($10) and length ($11), since PostgreSQL has no ragged arrays.
-        let insert_all = format!(
-            "WITH input AS (
-               SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[],
-                                    $7::timestamptz[], $8::bigint[], $9::int[], $10::int[],
-                                    $11::int[])
-                 WITH ORDINALITY
-                 AS i(key, topic, aggregate_key, payload, content_type, available_at, delay_us,
-                      max_attempts, header_offset, header_len, ord)
-             ),
-             ins AS (
-               INSERT INTO {t} (key, topic, aggregate_key, payload, content_type, headers,
-                                available_at, max_attempts)
-               SELECT key, topic, aggregate_key, payload, content_type,
-                      ($6::text[])[header_offset + 1 : header_offset + header_len],
-                      COALESCE(available_at, now() + delay_us * interval '1 microsecond'),
-                      max_attempts
-               FROM input
-               WHERE NOT EXISTS (SELECT 1 FROM {t} o JOIN input d ON o.key = d.key)
-               ORDER BY ord
-               ON CONFLICT (key) DO NOTHING
-               RETURNING key)"
-        );
-
+        let enqueue_fn = table.companion("_enqueue");
+        let enqueue_n_fn = table.companion("_enqueue_n");
         Statements {
-            enqueue: format!("{insert_one}{notify} SELECT key FROM ins{from_notify}"),
-            enqueue_quiet: format!("{insert_one} SELECT key FROM ins"),
-            enqueue_all: format!("{insert_all}{notify} SELECT key FROM ins{from_notify}"),
-            enqueue_all_quiet: format!("{insert_all} SELECT key FROM ins"),
-            find_keys: format!("SELECT key FROM {t} WHERE key = ANY($1) ORDER BY key"),
-            delete_keys: format!("DELETE FROM {t} WHERE key = ANY($1)"),
+            enqueue: format!("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+            enqueue_all: format!(
+                "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+            ),
             dedupe: format!(
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING"
@@ -457,6 +420,9 @@ impl Migration {
             .replace("{table}", &table.quoted())
             .replace("{inbox}", &table.companion("_inbox"))
             .replace("{failures}", &table.companion("_failures"))
+            .replace("{enqueue_fn}", &table.companion("_enqueue"))
+            .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
+            .replace("{channel}", &table.channel())
             .replace("{counts}", &table.companion("_counts"))
             .replace("{key_constraint}", &table.derived("_key"))
             .replace("{due_idx_qualified}", &table.companion("_due"))

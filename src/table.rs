@@ -10,6 +10,8 @@ const SUFFIXES: &[&str] = &[
     "_migrations",
     "_inbox",
     "_failures",
+    "_enqueue",
+    "_enqueue_n",
     "_counts",
     "_key",
     "_due",

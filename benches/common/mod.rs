@@ -194,8 +194,8 @@ pub fn ratio(a: f64, b: f64) -> String {
     }
 }
 
-/// Drops an outbox's tables: the outbox and every `<outbox>_*` table its migrations made,
-/// found in its schema (`schema.name`) or the current one.
+/// Drops an outbox's tables (the outbox and every `<outbox>_*` table its migrations made,
+/// found in its schema (`schema.name`) or the current one) and its enqueue functions.
 pub fn drop_outbox(client: &mut Client, outbox: &Outbox) -> Result<()> {
     let (schema, name) = match outbox.table().split_once('.') {
         Some((schema, name)) => (Some(schema), name),
@@ -214,5 +214,14 @@ pub fn drop_outbox(client: &mut Client, outbox: &Outbox) -> Result<()> {
     if !tables.is_empty() {
         client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
     }
+    let qualified = |suffix: &str| match schema {
+        Some(schema) => format!("\"{schema}\".\"{name}{suffix}\""),
+        None => format!("\"{name}{suffix}\""),
+    };
+    client.batch_execute(&format!(
+        "DROP FUNCTION IF EXISTS {}, {}",
+        qualified("_enqueue"),
+        qualified("_enqueue_n")
+    ))?;
     Ok(())
 }
