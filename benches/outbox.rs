@@ -15,8 +15,10 @@
 //!   `(available_at, id)` for pending rows), on a table of its own;
 //! - `enqueue notify=on|off`: the same transaction plus `Outbox::enqueue` of a 512-byte
 //!   message with an aggregate key and a content type, with `ratio=` its rate over
-//!   `business` and `vs_raw=` over `enqueue-raw` at the same thread count (the four take
-//!   turns in 5 rounds, so load changes during the run hit them alike);
+//!   `business` and `vs_raw=` over `enqueue-raw` at the same thread count (the variants take
+//!   turns in 5 rounds, so load changes during the run hit them alike). No relay runs, so
+//!   `notify=on` sends no notification; `notify=on relay=waiting` has a relay announced as
+//!   waiting, so every commit notifies;
 //! - `copy`, `enqueue_all`: 1,000 such messages per transaction, in rows per second, by a
 //!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns; `vs_copy=` is
 //!   `enqueue_all`'s rate over `copy`'s;
@@ -284,6 +286,9 @@ enum Extra {
     Raw,
     /// `Outbox::enqueue` with notify on or off.
     Enqueue(bool),
+    /// `Outbox::enqueue` with notify on, while a relay waits for work (so each commit
+    /// notifies).
+    EnqueueWaited,
 }
 
 /// One kind of producer transaction, on its own fresh tables, and what it has done so far.
@@ -310,6 +315,15 @@ impl Producer {
         };
         let outbox = match extra {
             Extra::Enqueue(notify) => Some(scratch.outbox(notify)?),
+            Extra::EnqueueWaited => {
+                let outbox = scratch.outbox(true)?;
+                // As an idle relay announces itself.
+                scratch.client()?.batch_execute(&format!(
+                    "INSERT INTO {}_waiting (relay) VALUES ('bench')",
+                    outbox.table()
+                ))?;
+                Some(outbox)
+            }
             _ => None,
         };
         Ok(Producer {
@@ -370,6 +384,9 @@ impl Producer {
             Extra::Enqueue(notify) => {
                 Line::new("enqueue").kv("notify", if notify { "on" } else { "off" })
             }
+            Extra::EnqueueWaited => Line::new("enqueue")
+                .kv("notify", "on")
+                .kv("relay", "waiting"),
         };
         line = line
             .kv("threads", threads)
@@ -379,7 +396,7 @@ impl Producer {
         if self.extra != Extra::Nothing {
             line = line.kv("ratio", format!("{:.2}", self.rate() / business));
         }
-        if let Extra::Enqueue(_) = self.extra {
+        if let Extra::Enqueue(_) | Extra::EnqueueWaited = self.extra {
             line = line.kv("vs_raw", format!("{:.2}", self.rate() / raw));
         }
         line.print();
@@ -396,6 +413,7 @@ fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()
             Extra::Nothing,
             Extra::Raw,
             Extra::Enqueue(true),
+            Extra::EnqueueWaited,
             Extra::Enqueue(false),
         ]
     } else {

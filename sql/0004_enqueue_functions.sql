@@ -15,11 +15,23 @@ ALTER TABLE {failures}
     ALTER COLUMN consumer TYPE text COLLATE "C",
     ALTER COLUMN key TYPE text COLLATE "C";
 
+-- Relays with a worker waiting for work, so enqueue notifies only while one does: each
+-- notifying commit takes a lock that every notifying commit in the cluster queues on, and
+-- producers need not pay it while every relay is busy (or none listens). A relay keeps its
+-- row fresh while it waits and deletes it once busy; enqueue ignores rows not refreshed for a
+-- minute (a relay that died). Unlogged: after a crash it starts empty, and relays fill it
+-- again as they go idle.
+CREATE UNLOGGED TABLE {waiting} (
+    relay text        PRIMARY KEY,
+    seen  timestamptz NOT NULL DEFAULT now()
+);
+
 -- Enqueue through functions: PL/pgSQL keeps each statement's plan for the session, where a
 -- statement sent as text is parsed and planned on every call. Still one round trip.
 --
 -- One message; false when its key exists. $7 is an absolute time or NULL for now() plus the
--- delay $8 (microseconds); the notification, when asked for, is delivered at commit.
+-- delay $8 (microseconds); the notification, when asked for and a relay waits, is delivered
+-- at commit.
 CREATE FUNCTION {enqueue_fn}(
     p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
     p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
@@ -34,7 +46,8 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF p_notify THEN
+    IF p_notify AND EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')
+    THEN
         PERFORM pg_notify('{channel}', '');
     END IF;
     RETURN true;
@@ -72,7 +85,9 @@ BEGIN
         RETURNING ctid)
     SELECT array_agg(ctid) INTO inserted FROM ins;
     IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
-        IF p_notify THEN
+        IF p_notify
+           AND EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')
+        THEN
             PERFORM pg_notify('{channel}', '');
         END IF;
         RETURN NULL;

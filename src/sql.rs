@@ -78,6 +78,9 @@ pub(crate) struct Statements {
     pub(crate) applied_versions: String,
     pub(crate) record_migration: String,
     pub(crate) listen: String,
+    /// Marks relay $1 as waiting for work (and forgets relays long gone).
+    pub(crate) register_waiting: String,
+    pub(crate) unregister_waiting: String,
     pub(crate) probe: String,
 }
 
@@ -86,6 +89,7 @@ impl Statements {
         let t = table.quoted();
         let inbox = table.companion("_inbox");
         let failures = table.companion("_failures");
+        let waiting = table.companion("_waiting");
         let counts = table.companion("_counts");
         let migrations = table.companion("_migrations");
         let channel = table.channel();
@@ -270,6 +274,12 @@ impl Statements {
                 "INSERT INTO {migrations} (version, name) VALUES ($1, $2) ON CONFLICT DO NOTHING"
             ),
             listen: format!("LISTEN {}", crate::table::quote(&channel)),
+            register_waiting: format!(
+                "WITH expired AS (DELETE FROM {waiting} WHERE seen < now() - interval '1 hour')
+                 INSERT INTO {waiting} (relay) VALUES ($1)
+                 ON CONFLICT (relay) DO UPDATE SET seen = now()"
+            ),
+            unregister_waiting: format!("DELETE FROM {waiting} WHERE relay = $1"),
             probe: format!("SELECT 1 FROM {t} LIMIT 0"),
         }
     }
@@ -420,6 +430,7 @@ impl Migration {
             .replace("{table}", &table.quoted())
             .replace("{inbox}", &table.companion("_inbox"))
             .replace("{failures}", &table.companion("_failures"))
+            .replace("{waiting}", &table.companion("_waiting"))
             .replace("{enqueue_fn}", &table.companion("_enqueue"))
             .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
             .replace("{channel}", &table.channel())

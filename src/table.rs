@@ -11,6 +11,7 @@ const SUFFIXES: &[&str] = &[
     "_inbox",
     "_failures",
     "_enqueue",
+    "_waiting",
     "_enqueue_n",
     "_counts",
     "_key",

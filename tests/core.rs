@@ -402,7 +402,7 @@ fn duplicate_key_is_an_error_and_the_transaction_stays_usable() -> TestResult {
 }
 
 #[test]
-fn enqueue_notifies_on_commit_unless_notify_is_off() -> TestResult {
+fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
     let (outbox, mut client) = common::outbox("notify");
     let quiet = Outbox::builder()
         .table(outbox.table())
@@ -410,26 +410,54 @@ fn enqueue_notifies_on_commit_unless_notify_is_off() -> TestResult {
         .build()?;
     let mut listener = common::client();
     listener.batch_execute(&format!("LISTEN \"{}\"", outbox.channel()))?;
+    let waiting = format!("\"{}_waiting\"", outbox.table());
+    let loud = |client: &mut Client, outbox: &Outbox| -> TestResult {
+        let mut tx = client.transaction()?;
+        outbox.enqueue(&mut tx, Message::new("t", "loud"))?;
+        outbox.enqueue_all(&mut tx, [Message::new("t", "loud too")])?;
+        tx.commit()?;
+        Ok(())
+    };
+    let marker = |client: &mut Client, payload: &str| -> TestResult {
+        client.execute("SELECT pg_notify($1, $2)", &[&outbox.channel(), &payload])?;
+        Ok(())
+    };
 
+    // Notify off: never. Notify on, but no relay waits: not either.
     let mut tx = client.transaction()?;
     quiet.enqueue(&mut tx, Message::new("t", "quiet"))?;
     quiet.enqueue_all(&mut tx, [Message::new("t", "quiet too")])?;
     tx.commit()?;
+    loud(&mut client, &outbox)?;
+    marker(&mut client, "nobody waits")?;
+    // A relay waits: one notification per enqueueing transaction, at its commit.
+    client.execute(&format!("INSERT INTO {waiting} (relay) VALUES ('r1')"), &[])?;
     let mut tx = client.transaction()?;
     outbox.enqueue(&mut tx, Message::new("t", "loud"))?;
-    // Sent and committed after the quiet commit and before the loud one: it must come first.
-    listener.execute("SELECT pg_notify($1, 'marker')", &[&outbox.channel()])?;
+    // Sent and committed before the loud commit: it must come first.
+    marker(&mut listener, "a relay waits")?;
     tx.commit()?;
+    loud(&mut client, &outbox)?;
+    // A waiting row not refreshed for over a minute is a relay that died.
+    client.execute(
+        &format!("UPDATE {waiting} SET seen = now() - interval '2 minutes'"),
+        &[],
+    )?;
+    loud(&mut client, &outbox)?;
+    marker(&mut client, "the relay died")?;
 
     let mut payloads = Vec::new();
     let mut notifications = listener.notifications();
     let mut incoming = notifications.timeout_iter(Duration::from_secs(60));
-    while payloads.len() < 2 {
+    while payloads.len() < 4 {
         let n = incoming.next()?.expect("a notification within 60 s");
         assert_eq!(n.channel(), outbox.channel());
         payloads.push(n.payload().to_owned());
     }
-    assert_eq!(payloads, ["marker", ""]);
+    // PostgreSQL folds identical notifications of one transaction into one.
+    assert_eq!(payloads, ["nobody waits", "a relay waits", "", ""]);
+    let n = incoming.next()?.expect("the last marker");
+    assert_eq!(n.payload(), "the relay died");
     Ok(())
 }
 

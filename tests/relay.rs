@@ -1060,6 +1060,67 @@ fn notify_wakes_an_idle_relay_and_survives_a_killed_listener() {
     assert_eq!(report.published, 4);
 }
 
+/// How many relays the outbox's producers see waiting for work.
+fn waiting_relays(client: &mut Client, outbox: &Outbox) -> i64 {
+    client
+        .query_one(
+            &format!("SELECT count(*) FROM \"{}_waiting\"", outbox.table()),
+            &[],
+        )
+        .unwrap()
+        .get(0)
+}
+
+#[test]
+fn a_relay_is_announced_as_waiting_only_while_a_worker_waits() {
+    let (outbox, mut client) = common::outbox("rl_waiting");
+    let sink = Sink::default();
+    // The publisher blocks on "gated" until the test lets it go.
+    let (gate_tx, gate) = crossbeam_channel::unbounded::<()>();
+    let collect = sink.collect();
+    let config = relay_config(&outbox, move |record| {
+        if record.key == "gated" {
+            gate.recv().expect("the test holds the gate");
+        }
+        collect(record)
+    })
+    .concurrency(1)
+    // Polling once an hour: within wait_until's 60 s, only a notification can wake it.
+    .poll_interval(Duration::from_secs(3600));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("listening", || relay.is_listening());
+    assert_eq!(waiting_relays(&mut client, &outbox), 1);
+
+    // Its one worker busy: after a grace second, producers stop notifying.
+    enqueue_one(&mut client, &outbox, Message::new("t", "p").key("gated"));
+    wait_until("the worker is busy and the relay no longer waits", || {
+        sink.len() == 0 && waiting_relays(&mut client, &outbox) == 0
+    });
+    // Committed while nobody waits: not announced, so the worker finds it when it claims
+    // again after the gated one.
+    enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "p").key("unannounced"),
+    );
+    gate_tx.send(()).unwrap();
+    wait_until("both are published and the relay waits again", || {
+        sink.contains("unannounced") && waiting_relays(&mut client, &outbox) == 1
+    });
+    // Waiting again, it is woken by the next enqueue.
+    enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "p").key("announced"),
+    );
+    wait_until("the announced row is published", || {
+        sink.contains("announced")
+    });
+
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(waiting_relays(&mut client, &outbox), 0, "gone on shutdown");
+}
+
 #[test]
 fn without_notify_polling_picks_rows_up() {
     let (outbox, mut client) = common::outbox("rl_poll");

@@ -55,6 +55,13 @@ fn connect_and_listen(shared: &Shared, failures: &mut u32) {
                 log::warn!("outbox {table}: listener connection lost: {e}");
             }
             shared.listening.store(false, Ordering::SeqCst);
+            let sql = shared.config.outbox.statements();
+            shared.waiting.forget(sql, &mut |sql, relay| {
+                if conn.is_closed() {
+                    return Ok(());
+                }
+                execute(&mut conn, sql, relay)
+            });
             if !conn.is_closed() {
                 let _ = conn.batch_execute("UNLISTEN *; RESET application_name");
                 let _ = conn.notifications().iter().count();
@@ -71,6 +78,10 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
     client
         .batch_execute("SET application_name = 'postgres-outbox listener'")
         .map_err(db)?;
+    let sql = config.outbox.statements();
+    shared
+        .waiting
+        .start(sql, &mut |sql, relay| execute(client, sql, relay));
     client.batch_execute(listen).map_err(db)?;
     shared.listening.store(true, Ordering::SeqCst);
     *failures = 0;
@@ -83,6 +94,13 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
     shared.wake_one();
     let mut last_check = Instant::now();
     while !shared.stopping() {
+        let ran = shared
+            .waiting
+            .upkeep(sql, &mut |sql, relay| execute(client, sql, relay));
+        if ran {
+            // LISTEN again (a no-op), so it stays the last statement pg_stat_activity shows.
+            client.batch_execute(listen).map_err(db)?;
+        }
         let mut woken = false;
         {
             let mut notifications = client.notifications();
@@ -113,4 +131,12 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
         }
     }
     Ok(())
+}
+
+/// Runs a statement whose one parameter is the relay's id.
+fn execute(client: &mut Client, sql: &str, relay: &str) -> crate::Result<()> {
+    client
+        .execute(sql, &[&relay])
+        .map(drop)
+        .map_err(crate::Error::Db)
 }

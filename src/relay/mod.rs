@@ -16,6 +16,7 @@
 mod config;
 mod listener;
 mod rounds;
+mod waiting;
 mod worker;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -34,6 +35,7 @@ use crate::error::{Error, Result};
 use crate::pool::Session;
 use crate::retry::reconnect_delay;
 use crate::store;
+use waiting::Waiting;
 use worker::{Alone, Control, Cycle, Worker};
 
 /// Panics in a row, with no cycle finishing in between, after which a worker gives up and
@@ -54,6 +56,8 @@ pub(crate) struct Shared {
     wake_tx: Sender<()>,
     wake: Receiver<()>,
     listening: AtomicBool,
+    /// This relay's row in `<table>_waiting`, while a worker waits.
+    waiting: Waiting,
     published: AtomicU64,
     released: AtomicU64,
     /// Claimed rows whose outcomes are not recorded yet.
@@ -212,6 +216,7 @@ impl Relay {
             wake_tx,
             wake,
             listening: AtomicBool::new(false),
+            waiting: Waiting::new(),
             published: AtomicU64::new(0),
             released: AtomicU64::new(0),
             holding: AtomicU64::new(0),
@@ -420,10 +425,22 @@ fn run_worker(shared: &Shared) {
         let wait = match next {
             Cycle::Worked(_) => continue,
             Cycle::Pause(pause, _) => pause,
-            Cycle::Idle => config
-                .poll_interval
-                .mul_f64(rand::thread_rng().gen_range(0.5..=1.0)),
+            Cycle::Idle => {
+                if config.notify && !shared.stopping() {
+                    let sql = config.outbox.statements();
+                    if shared
+                        .waiting
+                        .going_idle(sql, &mut |sql, relay| worker.execute(sql, relay))
+                    {
+                        continue;
+                    }
+                }
+                config
+                    .poll_interval
+                    .mul_f64(rand::thread_rng().gen_range(0.5..=1.0))
+            }
         };
+        let _idle = shared.waiting.idle();
         select! {
             recv(shared.stop) -> _ => {},
             recv(shared.wake) -> _ => {},

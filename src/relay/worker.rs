@@ -105,6 +105,16 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// Runs a statement whose one parameter is `value`, on the worker's connection.
+    pub(crate) fn execute(&mut self, sql: &str, value: &str) -> Result<()> {
+        self.session.run(|conn| {
+            conn.client
+                .execute(sql, &[&value])
+                .map(drop)
+                .map_err(crate::Error::Db)
+        })
+    }
+
     /// After a panic escaped a cycle: start again with a fresh connection and publisher.
     /// The rows of that cycle stay leased and come back when the lease runs out.
     pub(crate) fn recover(&mut self) {
