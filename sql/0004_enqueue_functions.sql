@@ -46,9 +46,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF p_notify AND EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')
-    THEN
-        PERFORM pg_notify('{channel}', '');
+    IF p_notify THEN
+        IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
+            PERFORM pg_notify('{channel}', '');
+        END IF;
     END IF;
     RETURN true;
 END
@@ -85,10 +86,10 @@ BEGIN
         RETURNING ctid)
     SELECT array_agg(ctid) INTO inserted FROM ins;
     IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
-        IF p_notify
-           AND EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')
-        THEN
-            PERFORM pg_notify('{channel}', '');
+        IF p_notify THEN
+            IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
+                PERFORM pg_notify('{channel}', '');
+            END IF;
         END IF;
         RETURN NULL;
     END IF;

@@ -8,6 +8,7 @@ use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
 use postgres::{Client, Transaction};
 
+use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 use crate::retry::RetryPolicy;
@@ -194,6 +195,11 @@ impl Outbox {
         self.inner.table.channel()
     }
 
+    /// Whether enqueue sends notifications (to relays that wait).
+    pub(crate) fn notifies(&self) -> bool {
+        self.inner.notify
+    }
+
     pub(crate) fn statements(&self) -> &Statements {
         &self.inner.sql
     }
@@ -359,8 +365,9 @@ impl Outbox {
         Ok(key)
     }
 
-    /// Enqueues many messages in one round trip, all or nothing, and returns their keys in
-    /// order.
+    /// Enqueues many messages, all or nothing, and returns their keys in order. A batch of 64
+    /// or more messages that are all due at once is written with a binary `COPY` (in a
+    /// savepoint, four round trips); a smaller or scheduled one in one round trip.
     ///
     /// If any key is already in the outbox (or repeats within `messages`), nothing is
     /// written, the error's [`Error::duplicate_keys`] names them, and the transaction stays
@@ -374,38 +381,7 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        let batch = Batch::new(messages)?;
-        let notify = self.inner.notify;
-        let params: [(&(dyn ToSql + Sync), Type); 12] = [
-            (&batch.keys, Type::TEXT_ARRAY),
-            (&batch.topics, Type::TEXT_ARRAY),
-            (&batch.aggregate_keys, Type::TEXT_ARRAY),
-            (&batch.payloads, Type::BYTEA_ARRAY),
-            (&batch.content_types, Type::TEXT_ARRAY),
-            (&batch.headers, Type::TEXT_ARRAY),
-            (&batch.available_at, Type::TIMESTAMPTZ_ARRAY),
-            (&batch.delays, Type::INT8_ARRAY),
-            (&batch.max_attempts, Type::INT4_ARRAY),
-            (&batch.header_offsets, Type::INT4_ARRAY),
-            (&batch.header_lens, Type::INT4_ARRAY),
-            (&notify, Type::BOOL),
-        ];
-        // NULL when all went in; otherwise the keys that exist, with nothing written.
-        let existing: Option<Vec<String>> = tx
-            .query_typed_one(&self.statements().enqueue_all, &params)
-            .map_err(|e| self.db_error(e))?
-            .get(0);
-        match existing {
-            None => {
-                log::trace!(
-                    "outbox {}: enqueued {} messages",
-                    self.table(),
-                    batch.keys.len()
-                );
-                Ok(batch.keys)
-            }
-            Some(keys) => Err(Error::DuplicateKey { keys }),
-        }
+        Batch::new(messages)?.write(self, tx)
     }
 
     /// Records that `consumer` has processed the message `key`, in the consumer's own
@@ -451,70 +427,5 @@ impl Outbox {
             )
             .map_err(|e| self.db_error(e))?;
         Ok(n == 1)
-    }
-}
-
-/// `enqueue_all`'s messages as column arrays.
-struct Batch {
-    keys: Vec<String>,
-    topics: Vec<String>,
-    aggregate_keys: Vec<Option<String>>,
-    payloads: Vec<Vec<u8>>,
-    content_types: Vec<Option<String>>,
-    headers: Vec<String>,
-    header_offsets: Vec<i32>,
-    header_lens: Vec<i32>,
-    available_at: Vec<Option<std::time::SystemTime>>,
-    delays: Vec<i64>,
-    max_attempts: Vec<Option<i32>>,
-}
-
-impl Batch {
-    fn new(messages: Vec<Message>) -> Result<Batch> {
-        let n = messages.len();
-        let mut batch = Batch {
-            keys: Vec::with_capacity(n),
-            topics: Vec::with_capacity(n),
-            aggregate_keys: Vec::with_capacity(n),
-            payloads: Vec::with_capacity(n),
-            content_types: Vec::with_capacity(n),
-            headers: Vec::new(),
-            header_offsets: Vec::with_capacity(n),
-            header_lens: Vec::with_capacity(n),
-            available_at: Vec::with_capacity(n),
-            delays: Vec::with_capacity(n),
-            max_attempts: Vec::with_capacity(n),
-        };
-        let mut seen = std::collections::HashSet::with_capacity(n);
-        let mut repeated = Vec::new();
-        let mut keyed = Vec::with_capacity(n);
-        for message in messages {
-            let key = message.validate()?;
-            if !seen.insert(key.clone()) {
-                repeated.push(key.clone());
-            }
-            keyed.push((key, message));
-        }
-        if !repeated.is_empty() {
-            return Err(Error::DuplicateKey { keys: repeated });
-        }
-        for (key, message) in keyed {
-            let flat = message.headers_flat();
-            let offset = i32::try_from(batch.headers.len())
-                .map_err(|_| Error::invalid("headers", "too many headers in one batch"))?;
-            batch.header_offsets.push(offset);
-            batch.header_lens.push(flat.len() as i32);
-            batch.headers.extend(flat);
-            let (at, delay) = message.schedule();
-            batch.available_at.push(at);
-            batch.delays.push(delay);
-            batch.max_attempts.push(message.max_attempts_param());
-            batch.keys.push(key);
-            batch.topics.push(message.topic);
-            batch.aggregate_keys.push(message.aggregate_key);
-            batch.payloads.push(message.payload);
-            batch.content_types.push(message.content_type);
-        }
-        Ok(batch)
     }
 }

@@ -52,6 +52,10 @@ pub(crate) struct Statements {
     pub(crate) enqueue: String,
     /// Calls the batch enqueue function of migration 0004: $1..$11 the columns, $12 notify.
     pub(crate) enqueue_all: String,
+    /// A large batch due at once: binary COPY of the columns that have no default.
+    pub(crate) copy_in: String,
+    pub(crate) existing_keys: String,
+    pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     pub(crate) stats: String,
     pub(crate) dead_letters: String,
@@ -109,6 +113,16 @@ impl Statements {
         let enqueue_fn = table.companion("_enqueue");
         let enqueue_n_fn = table.companion("_enqueue_n");
         Statements {
+            copy_in: format!(
+                "COPY {t} (key, topic, aggregate_key, payload, content_type, headers, \
+                 max_attempts) FROM STDIN (FORMAT binary)"
+            ),
+            existing_keys: format!("SELECT key FROM {t} WHERE key = ANY($1) ORDER BY key"),
+            // As the enqueue functions decide it.
+            notify_if_waiting: format!(
+                "SELECT pg_notify('{channel}', '') WHERE EXISTS (
+                   SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')"
+            ),
             enqueue: format!("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
             enqueue_all: format!(
                 "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"

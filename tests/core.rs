@@ -418,6 +418,13 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
         tx.commit()?;
         Ok(())
     };
+    // Large enough to be written by COPY.
+    let loud_copy = |client: &mut Client, outbox: &Outbox| -> TestResult {
+        let mut tx = client.transaction()?;
+        outbox.enqueue_all(&mut tx, (0..70).map(|_| Message::new("t", "many")))?;
+        tx.commit()?;
+        Ok(())
+    };
     let marker = |client: &mut Client, payload: &str| -> TestResult {
         client.execute("SELECT pg_notify($1, $2)", &[&outbox.channel(), &payload])?;
         Ok(())
@@ -429,6 +436,7 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
     quiet.enqueue_all(&mut tx, [Message::new("t", "quiet too")])?;
     tx.commit()?;
     loud(&mut client, &outbox)?;
+    loud_copy(&mut client, &outbox)?;
     marker(&mut client, "nobody waits")?;
     // A relay waits: one notification per enqueueing transaction, at its commit.
     client.execute(&format!("INSERT INTO {waiting} (relay) VALUES ('r1')"), &[])?;
@@ -438,24 +446,26 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
     marker(&mut listener, "a relay waits")?;
     tx.commit()?;
     loud(&mut client, &outbox)?;
+    loud_copy(&mut client, &outbox)?;
     // A waiting row not refreshed for over a minute is a relay that died.
     client.execute(
         &format!("UPDATE {waiting} SET seen = now() - interval '2 minutes'"),
         &[],
     )?;
     loud(&mut client, &outbox)?;
+    loud_copy(&mut client, &outbox)?;
     marker(&mut client, "the relay died")?;
 
     let mut payloads = Vec::new();
     let mut notifications = listener.notifications();
     let mut incoming = notifications.timeout_iter(Duration::from_secs(60));
-    while payloads.len() < 4 {
+    while payloads.len() < 5 {
         let n = incoming.next()?.expect("a notification within 60 s");
         assert_eq!(n.channel(), outbox.channel());
         payloads.push(n.payload().to_owned());
     }
     // PostgreSQL folds identical notifications of one transaction into one.
-    assert_eq!(payloads, ["nobody waits", "a relay waits", "", ""]);
+    assert_eq!(payloads, ["nobody waits", "a relay waits", "", "", ""]);
     let n = incoming.next()?.expect("the last marker");
     assert_eq!(n.payload(), "the relay died");
     Ok(())
@@ -566,6 +576,76 @@ fn enqueue_all_rejects_a_key_repeated_within_the_batch() -> TestResult {
     Ok(())
 }
 
+/// Every stored field of every row, in id order; for `k3` its absolute available_at, for
+/// the others how long after enqueue they became due.
+fn columns(client: &mut Client, outbox: &Outbox) -> Vec<String> {
+    let sql = format!(
+        "SELECT format('%L %L %L %L %L %L %L %L %L %L', key, topic, aggregate_key, payload,
+                       content_type, headers, max_attempts, status, attempts,
+                       CASE WHEN key = 'k3' THEN available_at::text
+                            ELSE (available_at - created_at)::text END)
+         FROM {} ORDER BY id",
+        quoted(outbox)
+    );
+    let rows = client.query(&sql, &[]).expect("rows");
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+#[test]
+fn a_large_batch_due_at_once_is_copied_with_every_field() -> TestResult {
+    let messages = || {
+        (0..100).map(|i| {
+            let m =
+                Message::new(format!("topic-{}", i % 3), vec![i as u8; i]).key(format!("k-{i:03}"));
+            let m = (0..i % 4).fold(m, |m, h| m.header(format!("h{h}"), format!("{i}")));
+            match i % 5 {
+                0 => m.aggregate_key(format!("agg-{}", i % 7)).max_attempts(3),
+                1 => m.content_type("application/json"),
+                2 => m.content_type(""),
+                _ => m,
+            }
+        })
+    };
+    let (one_by_one, mut client) = common::outbox("copy_ref");
+    let mut tx = client.transaction()?;
+    for message in messages() {
+        one_by_one.enqueue(&mut tx, message)?;
+    }
+    tx.commit()?;
+    let (copied, _) = common::outbox("copied");
+    let mut tx = client.transaction()?;
+    let keys = copied.enqueue_all(&mut tx, messages())?;
+    tx.commit()?;
+    assert_eq!(keys[0], "k-000");
+    assert_eq!(keys.len(), 100);
+    let expected = columns(&mut client, &one_by_one);
+    assert_eq!(expected.len(), 100);
+    assert_eq!(columns(&mut client, &copied), expected);
+    Ok(())
+}
+
+#[test]
+fn a_large_batch_with_an_existing_key_writes_nothing() -> TestResult {
+    let (outbox, mut client) = common::outbox("copy_dup");
+    enqueue_keys(&outbox, &mut client, "t", &["k-050"])?;
+    let batch = |skip: Option<usize>| {
+        (0..100)
+            .filter(move |i| Some(*i) != skip)
+            .map(|i| Message::new("t", "new").key(format!("k-{i:03}")))
+    };
+    let mut tx = client.transaction()?;
+    let e = outbox.enqueue_all(&mut tx, batch(None)).unwrap_err();
+    assert!(e.is_duplicate_key(), "{e}");
+    assert_eq!(e.duplicate_keys(), ["k-050"]);
+    // The transaction is still usable and holds nothing of the batch.
+    assert_eq!(rows_in(&mut tx, &outbox), 1);
+    let rest = outbox.enqueue_all(&mut tx, batch(Some(50)))?;
+    assert_eq!(rest.len(), 99);
+    tx.commit()?;
+    assert_eq!(count(&mut client, &outbox, "true"), 100);
+    Ok(())
+}
+
 #[test]
 fn enqueue_all_stores_fields_like_enqueue() -> TestResult {
     let tomorrow = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() + 86_400;
@@ -602,18 +682,6 @@ fn enqueue_all_stores_fields_like_enqueue() -> TestResult {
     at_once.enqueue_all(&mut tx, messages())?;
     tx.commit()?;
 
-    let columns = |client: &mut Client, outbox: &Outbox| -> Vec<String> {
-        let sql = format!(
-            "SELECT format('%L %L %L %L %L %L %L %L %L %L', key, topic, aggregate_key, payload,
-                           content_type, headers, max_attempts, status, attempts,
-                           CASE WHEN key = 'k3' THEN available_at::text
-                                ELSE (available_at - created_at)::text END)
-             FROM {} ORDER BY id",
-            quoted(outbox)
-        );
-        let rows = client.query(&sql, &[]).expect("rows");
-        rows.iter().map(|r| r.get(0)).collect()
-    };
     let expected = columns(&mut client, &one_by_one);
     assert_eq!(expected.len(), 4);
     assert_eq!(columns(&mut client, &at_once), expected);
@@ -622,6 +690,17 @@ fn enqueue_all_stores_fields_like_enqueue() -> TestResult {
 
 #[test]
 fn enqueue_all_racing_a_concurrent_producer_keeps_its_row() -> TestResult {
+    racing_a_concurrent_producer(0)
+}
+
+#[test]
+fn a_copied_batch_racing_a_concurrent_producer_keeps_its_row() -> TestResult {
+    racing_a_concurrent_producer(100)
+}
+
+/// A batch of "mine", "shared" and `padding` more, while another producer has inserted
+/// "shared" and not committed yet.
+fn racing_a_concurrent_producer(padding: usize) -> TestResult {
     let (outbox, mut client) = common::outbox("race");
     // Another producer has inserted "shared" and not yet committed.
     let mut other = common::client();
@@ -633,7 +712,10 @@ fn enqueue_all_racing_a_concurrent_producer_keeps_its_row() -> TestResult {
         let outbox = outbox.clone();
         thread::spawn(move || -> Result<_, Error> {
             let mut tx = client.transaction()?;
-            let batch = ["mine", "shared"].map(|k| Message::new("t", "mine").key(k));
+            let batch = ["mine".to_owned(), "shared".to_owned()]
+                .into_iter()
+                .chain((0..padding).map(|i| format!("pad-{i}")))
+                .map(|k| Message::new("t", "mine").key(k));
             let result = outbox.enqueue_all(&mut tx, batch);
             tx.commit()?; // the caller carries on with its transaction
             Ok(result)
