@@ -35,7 +35,7 @@ use amiquip::{
     AmqpValue, Connection, ConsumerMessage, ConsumerOptions, ExchangeDeclareOptions, ExchangeType,
     FieldTable, QueueDeclareOptions,
 };
-use common::{amqp_url, client, database_url, quoted};
+use common::{amqp_url, client, database_url, quoted, schema, SCHEMA_VAR};
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{RabbitPublisher, AGGREGATE_HEADER};
 use postgres_outbox::{Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig};
@@ -366,6 +366,7 @@ impl Relays {
                 "--test-threads=1",
             ])
             .env(ROLE_VAR, "relay")
+            .env(SCHEMA_VAR, schema())
             .env("SOAK_SEED", self.started.to_string())
             .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())

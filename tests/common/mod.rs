@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -15,9 +15,9 @@ pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
 const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672";
 
-/// The PostgreSQL URL: `OUTBOX_TEST_DATABASE_URL`, `DATABASE_URL`, the local default, or
-/// (with the `containers` feature) a throwaway container when none of those answers.
-pub fn database_url() -> String {
+/// The PostgreSQL server's URL: `OUTBOX_TEST_DATABASE_URL`, `DATABASE_URL`, the local
+/// default, or (with the `containers` feature) a throwaway container when none answers.
+fn server_url() -> String {
     static URL: OnceLock<String> = OnceLock::new();
     URL.get_or_init(|| {
         resolve(
@@ -28,6 +28,98 @@ pub fn database_url() -> String {
         )
     })
     .clone()
+}
+
+/// The URL every test connection uses: the server's, with `search_path` set to this run's
+/// schema, so the tables a test makes without naming a schema land there.
+pub fn database_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        let base = server_url();
+        let separator = if base.contains('?') { '&' } else { '?' };
+        format!("{base}{separator}options=-c%20search_path%3D{}", schema())
+    })
+    .clone()
+}
+
+/// Where this run's tables go: `outbox_test_<pid>`, or the schema a parent test process
+/// handed down in `OUTBOX_TEST_SCHEMA` (the soak test's relay processes). The process that
+/// created it drops it, and every schema named after its pid (`unique_name`), when it exits
+/// after a run in which no test failed; after a failure they stay, for inspection.
+pub fn schema() -> &'static str {
+    SCHEMA.get_or_init(|| {
+        let (name, owned) = match std::env::var(SCHEMA_VAR) {
+            Ok(name) if !name.is_empty() => (name, false),
+            _ => (format!("outbox_test_{}", std::process::id()), true),
+        };
+        Client::connect(&server_url(), NoTls)
+            .and_then(|mut c| c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS \"{name}\"")))
+            .expect("create the test run's schema");
+        if owned {
+            OWNED.store(true, Ordering::SeqCst);
+            watch_for_failures();
+        }
+        name
+    })
+}
+
+/// Hands this run's schema down to a child test process.
+pub const SCHEMA_VAR: &str = "OUTBOX_TEST_SCHEMA";
+
+static SCHEMA: OnceLock<String> = OnceLock::new();
+static OWNED: AtomicBool = AtomicBool::new(false);
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+/// A test fails by panicking on its own thread (or one it spawned). Panics on the library's
+/// threads (`outbox-*`) are the faults some tests inject on purpose, which the library
+/// contains.
+fn watch_for_failures() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let thread = std::thread::current();
+        if !thread.name().is_some_and(|n| n.starts_with("outbox-")) {
+            FAILED.store(true, Ordering::SeqCst);
+        }
+        default(info);
+    }));
+}
+
+/// When the test binary exits: drop the run's schemas unless a test failed. A lock held
+/// by a connection still open cannot make the exit hang: the drop gives up after 10 s.
+#[ctor::dtor]
+fn drop_run_schemas() {
+    let Some(schema) = SCHEMA.get() else {
+        return;
+    };
+    if !OWNED.load(Ordering::SeqCst) {
+        return;
+    }
+    if FAILED.load(Ordering::SeqCst) {
+        eprintln!(
+            "a test failed: kept schema {schema} (and *_{}_* schemas) for inspection",
+            std::process::id()
+        );
+        return;
+    }
+    let dropped = Client::connect(&server_url(), NoTls).and_then(|mut client| {
+        client.batch_execute("SET lock_timeout = '10s'")?;
+        let pattern = format!("%\\_{}\\_%", std::process::id());
+        let extra: Vec<String> = client
+            .query(
+                "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE $1",
+                &[&pattern],
+            )?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for name in std::iter::once(schema.clone()).chain(extra) {
+            client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))?;
+        }
+        Ok(())
+    });
+    if let Err(e) = dropped {
+        eprintln!("could not drop the test schema {schema}: {e}");
+    }
 }
 
 /// The RabbitMQ URL, resolved like [`database_url`].
