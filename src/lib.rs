@@ -72,7 +72,7 @@ pub mod rabbitmq;
 pub use error::{Error, Result};
 pub use message::{Message, MAX_DELAY, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{Metrics, NoMetrics};
-pub use operate::{DeadLetter, Purge, Redrive, Stats};
+pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Stats, TopicStats};
 pub use outbox::{Outbox, OutboxBuilder};
 pub use process::ProcessReport;
 pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};

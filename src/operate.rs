@@ -2,7 +2,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use postgres::types::Type;
 use postgres::Client;
 use rand::Rng;
 
@@ -85,6 +84,137 @@ pub enum Purge {
     },
 }
 
+/// Which rows an operator's command applies to: every condition given must hold; a filter
+/// with none selects every row. Built like a `postgres::Config`:
+///
+/// ```
+/// use std::time::Duration;
+/// use postgres_outbox::Filter;
+/// let filter = Filter::new()
+///     .topic("order.created")
+///     .error_contains("timeout")
+///     .older_than(Duration::from_secs(7 * 24 * 3600));
+/// assert!(!filter.is_empty());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    keys: Vec<String>,
+    topic: Option<String>,
+    error_contains: Option<String>,
+    older_than: Option<Duration>,
+}
+
+impl Filter {
+    /// A filter that selects every row.
+    pub fn new() -> Filter {
+        Filter::default()
+    }
+
+    /// Only the row with this key; call it again for more keys (any of them).
+    pub fn key(mut self, key: impl Into<String>) -> Filter {
+        self.keys.push(key.into());
+        self
+    }
+
+    /// Only rows of this topic.
+    pub fn topic(mut self, topic: impl Into<String>) -> Filter {
+        self.topic = Some(topic.into());
+        self
+    }
+
+    /// Only rows whose last error contains this text (case-sensitive).
+    pub fn error_contains(mut self, text: impl Into<String>) -> Filter {
+        self.error_contains = Some(text.into());
+        self
+    }
+
+    /// Only rows that finished (were sent, died, or were processed, for the inbox) longer
+    /// ago than this.
+    pub fn older_than(mut self, age: Duration) -> Filter {
+        self.older_than = Some(age);
+        self
+    }
+
+    /// True when the filter has no condition.
+    pub fn is_empty(&self) -> bool {
+        self == &Filter::default()
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.keys.iter().any(String::is_empty) {
+            return Err(Error::invalid("key", "must not be empty"));
+        }
+        if self.error_contains.as_deref() == Some("") {
+            return Err(Error::invalid("error text", "must not be empty"));
+        }
+        if self
+            .older_than
+            .is_some_and(|age| age > crate::message::MAX_DELAY)
+        {
+            return Err(Error::invalid("age", "is beyond what a timestamp can hold"));
+        }
+        Ok(())
+    }
+
+    /// The four parameters of the SQL filter.
+    fn params(&self) -> FilterParams<'_> {
+        (
+            (!self.keys.is_empty()).then_some(self.keys.as_slice()),
+            self.topic.as_deref(),
+            self.error_contains.as_deref(),
+            self.older_than.map(micros),
+        )
+    }
+}
+
+/// A filter as SQL parameters: keys, topic, error text, age in microseconds.
+type FilterParams<'a> = (
+    Option<&'a [String]>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<i64>,
+);
+
+/// Finished rows that [`Outbox::purge_where`] deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PurgeTarget {
+    /// Sent rows.
+    Sent,
+    /// Dead letters.
+    Dead,
+    /// Dedupe records of consumers (filters: keys and age only).
+    Inbox,
+}
+
+/// Dead letters that share one error text, from [`Outbox::dead_letter_errors`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ErrorGroup {
+    /// The last error they all ended with.
+    pub error: Option<String>,
+    /// How many.
+    pub count: u64,
+    /// When the first of them died.
+    pub first_dead_at: SystemTime,
+    /// When the last of them died.
+    pub last_dead_at: SystemTime,
+    /// One of their keys, to look at.
+    pub sample_key: String,
+}
+
+/// Pending and dead rows of one topic, from [`Outbox::topic_stats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicStats {
+    /// The topic.
+    pub topic: String,
+    /// Rows not yet sent (including in flight).
+    pub pending: u64,
+    /// Dead letters.
+    pub dead: u64,
+}
+
 impl Outbox {
     /// Counts rows by state. Reads only pending rows (through the two claim indexes), the
     /// dead-letter index and a counter table, so it stays fast however many sent rows are
@@ -123,9 +253,24 @@ impl Outbox {
 
     /// Up to `limit` dead letters, oldest first.
     pub fn dead_letters(&self, client: &mut Client, limit: usize) -> Result<Vec<DeadLetter>> {
+        self.dead_letters_where(client, &Filter::new(), limit)
+    }
+
+    /// Up to `limit` dead letters that match `filter`, oldest first.
+    pub fn dead_letters_where(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        filter.check()?;
+        let (keys, topic, error, age) = filter.params();
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = client
-            .query(&self.statements().dead_letters, &[&limit])
+            .query(
+                &self.statements().dead_where,
+                &[&keys, &topic, &error, &age, &limit],
+            )
             .map_err(|e| self.db_error(e))?;
         rows.iter()
             .map(|row| {
@@ -139,82 +284,229 @@ impl Outbox {
             .map_err(Error::Db)
     }
 
+    /// Dead letters that match `filter`, grouped by their last error, most common first:
+    /// what broke, how often, since when, and one key to look at.
+    pub fn dead_letter_errors(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+    ) -> Result<Vec<ErrorGroup>> {
+        filter.check()?;
+        let (keys, topic, error, age) = filter.params();
+        let rows = client
+            .query(
+                &self.statements().dead_errors,
+                &[&keys, &topic, &error, &age],
+            )
+            .map_err(|e| self.db_error(e))?;
+        rows.iter()
+            .map(|row| {
+                Ok(ErrorGroup {
+                    error: row.try_get(0)?,
+                    count: u64::try_from(row.try_get::<_, i64>(1)?).unwrap_or(0),
+                    first_dead_at: row.try_get(2)?,
+                    last_dead_at: row.try_get(3)?,
+                    sample_key: row.try_get(4)?,
+                })
+            })
+            .collect::<Result<_, postgres::Error>>()
+            .map_err(Error::Db)
+    }
+
+    /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
+    /// are not read).
+    pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
+        let rows = client
+            .query(&self.statements().topic_stats, &[])
+            .map_err(|e| self.db_error(e))?;
+        Ok(rows
+            .iter()
+            .map(|row| TopicStats {
+                topic: row.get(0),
+                pending: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+                dead: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+            })
+            .collect())
+    }
+
     /// Makes dead letters pending again, due now with a fresh attempt budget; returns how
     /// many. A redriven row of an aggregate may now be published after later rows of the
     /// same aggregate that went out while it was dead.
     pub fn redrive(&self, client: &mut Client, which: Redrive<'_>) -> Result<u64> {
+        let filter = match which {
+            Redrive::All => Filter::new(),
+            Redrive::Keys([]) => return Ok(0),
+            Redrive::Keys(keys) => keys.iter().fold(Filter::new(), |f, k| f.key(*k)),
+        };
+        self.redrive_where(client, &filter, false)
+    }
+
+    /// Makes the dead letters that match `filter` pending again, as [`Outbox::redrive`]
+    /// does, and returns how many; with `dry_run`, only counts them and changes nothing.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{Filter, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let outbox = Outbox::new("orders_outbox")?;
+    /// let filter = Filter::new().error_contains("connection refused");
+    /// let n = outbox.redrive_where(&mut client, &filter, true)?;
+    /// println!("would redrive {n}");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn redrive_where(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+        dry_run: bool,
+    ) -> Result<u64> {
+        filter.check()?;
+        let (keys, topic, error, age) = filter.params();
         let sql = self.statements();
-        let n = match which {
-            Redrive::All => client.execute(&sql.redrive_all, &[]),
-            Redrive::Keys(keys) => {
-                client.execute_typed(&sql.redrive_keys, &[(&keys, Type::TEXT_ARRAY)])
-            }
-        }
-        .map_err(|e| self.db_error(e))?;
-        if n > 0 {
+        let n = if dry_run {
+            let n: i64 = client
+                .query_one(&sql.count_where, &[&keys, &topic, &error, &age, &"dead"])
+                .map_err(|e| self.db_error(e))?
+                .get(0);
+            u64::try_from(n).unwrap_or(0)
+        } else {
+            client
+                .execute(&sql.redrive_where, &[&keys, &topic, &error, &age])
+                .map_err(|e| self.db_error(e))?
+        };
+        if n > 0 && !dry_run {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
         Ok(n)
+    }
+
+    /// Deletes the finished rows of `target` that match `filter`, in batches of 1,000 rows
+    /// each committed on its own, and returns how many; with `dry_run`, only counts them.
+    /// Pending rows are never touched. For [`PurgeTarget::Inbox`] only keys and age apply;
+    /// a topic or error filter is an error.
+    pub fn purge_where(
+        &self,
+        client: &mut Client,
+        target: PurgeTarget,
+        filter: &Filter,
+        dry_run: bool,
+    ) -> Result<u64> {
+        filter.check()?;
+        let (keys, topic, error, age) = filter.params();
+        let sql = self.statements();
+        let status = match target {
+            PurgeTarget::Sent => "sent",
+            PurgeTarget::Dead => "dead",
+            PurgeTarget::Inbox => {
+                if topic.is_some() || error.is_some() {
+                    return Err(Error::invalid(
+                        "filter",
+                        "dedupe records have no topic or error: filter them by key or age",
+                    ));
+                }
+                return self.purge_inbox_where(client, keys, age, filter, dry_run);
+            }
+        };
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        if dry_run {
+            let n: i64 = client
+                .query_one(&sql.count_where, &[&keys, &topic, &error, &age, &status])
+                .map_err(|e| self.db_error(e))?
+                .get(0);
+            return Ok(count(n));
+        }
+        let mut total = 0;
+        loop {
+            let slot: i16 = rand::thread_rng().gen_range(0..16);
+            let n: i64 = client
+                .query_one(
+                    &sql.purge_where,
+                    &[&keys, &topic, &error, &age, &status, &slot],
+                )
+                .map_err(|e| self.db_error(e))?
+                .get(0);
+            total += count(n);
+            if n < PURGE_BATCH {
+                break;
+            }
+        }
+        if total > 0 {
+            log::info!("outbox {}: purged {total} {status} rows", self.table());
+        }
+        Ok(total)
+    }
+
+    fn purge_inbox_where(
+        &self,
+        client: &mut Client,
+        keys: Option<&[String]>,
+        age: Option<i64>,
+        filter: &Filter,
+        dry_run: bool,
+    ) -> Result<u64> {
+        let sql = self.statements();
+        let n: i64 = match (keys, age) {
+            (Some(keys), age) if dry_run => client
+                .query_one(&sql.count_inbox_keys, &[&keys, &age])
+                .map(|row| row.get(0)),
+            (Some(keys), age) => client
+                .execute(&sql.purge_inbox_keys, &[&keys, &age])
+                .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+            (None, age) if dry_run => client
+                .query_one(&sql.count_inbox_older, &[&age.unwrap_or(0)])
+                .map(|row| row.get(0)),
+            (None, _) => {
+                let older_than = filter.older_than.unwrap_or(Duration::ZERO);
+                return self.purge_inbox(client, older_than);
+            }
+        }
+        .map_err(|e| self.db_error(e))?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// Deletes finished rows (or dedupe records) older than a cutoff, in batches of 1,000
     /// rows each committed on its own so no statement holds locks for long; returns how
     /// many. Pending rows are never touched.
     pub fn purge(&self, client: &mut Client, which: Purge) -> Result<u64> {
+        let (target, older_than) = match which {
+            Purge::Sent { older_than } => (PurgeTarget::Sent, older_than),
+            Purge::Dead { older_than } => (PurgeTarget::Dead, older_than),
+            Purge::Inbox { older_than } => return self.purge_inbox(client, older_than),
+        };
+        self.purge_where(client, target, &Filter::new().older_than(older_than), false)
+    }
+
+    /// The inbox has no index on processed_at (every dedupe would pay for one): walk the
+    /// primary key, a batch per statement. Then the consumers' stray failure counts.
+    fn purge_inbox(&self, client: &mut Client, older_than: Duration) -> Result<u64> {
         let sql = self.statements();
+        let age = micros(older_than);
         let mut total = 0;
-        // Where the inbox walk has got to, by primary key.
         let mut cursor = (String::new(), String::new());
         loop {
-            let (deleted, more) = match which {
-                Purge::Sent { older_than } => {
-                    let slot: i16 = rand::thread_rng().gen_range(0..16);
-                    let n: i64 = client
-                        .query_one(&sql.purge_sent, &[&micros(older_than), &slot])
-                        .map_err(|e| self.db_error(e))?
-                        .get(0);
-                    (n, n >= PURGE_BATCH)
-                }
-                Purge::Dead { older_than } => {
-                    let n: i64 = client
-                        .query_one(&sql.purge_dead, &[&micros(older_than)])
-                        .map_err(|e| self.db_error(e))?
-                        .get(0);
-                    (n, n >= PURGE_BATCH)
-                }
-                Purge::Inbox { older_than } => {
-                    let row = client
-                        .query_one(
-                            &sql.purge_inbox,
-                            &[&micros(older_than), &cursor.0, &cursor.1],
-                        )
-                        .map_err(|e| self.db_error(e))?;
-                    let read: i64 = row.get(1);
-                    if let (Some(consumer), Some(key)) = (row.get(2), row.get(3)) {
-                        cursor = (consumer, key);
-                    }
-                    (row.get(0), read >= PURGE_BATCH)
-                }
-            };
+            let row = client
+                .query_one(&sql.purge_inbox, &[&age, &cursor.0, &cursor.1])
+                .map_err(|e| self.db_error(e))?;
+            let (deleted, read): (i64, i64) = (row.get(0), row.get(1));
             total += u64::try_from(deleted).unwrap_or(0);
-            if !more {
+            match (row.get(2), row.get(3)) {
+                (Some(consumer), Some(key)) if read >= PURGE_BATCH => cursor = (consumer, key),
+                _ => break,
+            }
+        }
+        loop {
+            let n: i64 = client
+                .query_one(&sql.purge_failures, &[&age])
+                .map_err(|e| self.db_error(e))?
+                .get(0);
+            total += u64::try_from(n).unwrap_or(0);
+            if n < PURGE_BATCH {
                 break;
             }
         }
-        if let Purge::Inbox { older_than } = which {
-            loop {
-                let n: i64 = client
-                    .query_one(&sql.purge_failures, &[&micros(older_than)])
-                    .map_err(|e| self.db_error(e))?
-                    .get(0);
-                total += u64::try_from(n).unwrap_or(0);
-                if n < PURGE_BATCH {
-                    break;
-                }
-            }
-        }
         if total > 0 {
-            log::info!("outbox {}: purged {total} rows", self.table());
+            log::info!("outbox {}: purged {total} dedupe records", self.table());
         }
         Ok(total)
     }

@@ -42,6 +42,14 @@ pub(crate) const RECORD_COLUMNS: &str =
     "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
      t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until";
 
+/// The conditions of an operator's filter on rows `t`, each ignored when its parameter is
+/// NULL: $1 keys, $2 topic, $3 text the last error contains, $4 minimum age in microseconds
+/// since the row finished.
+const FILTER: &str = "($1::text[] IS NULL OR t.key = ANY($1))
+     AND ($2::text IS NULL OR t.topic = $2)
+     AND ($3::text IS NULL OR strpos(t.last_error, $3) > 0)
+     AND ($4::bigint IS NULL OR t.done_at < now() - $4 * interval '1 microsecond')";
+
 /// How many rows one purge statement deletes, so no statement holds locks for long.
 pub(crate) const PURGE_BATCH: i64 = 1000;
 
@@ -58,11 +66,18 @@ pub(crate) struct Statements {
     pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     pub(crate) stats: String,
-    pub(crate) dead_letters: String,
-    pub(crate) redrive_all: String,
-    pub(crate) redrive_keys: String,
-    pub(crate) purge_sent: String,
-    pub(crate) purge_dead: String,
+    /// Dead letters matching a filter ($1..$4, see `FILTER`), oldest first, at most $5.
+    pub(crate) dead_where: String,
+    /// Dead letters matching a filter, grouped by error text.
+    pub(crate) dead_errors: String,
+    /// Rows in state $5 matching a filter.
+    pub(crate) count_where: String,
+    pub(crate) redrive_where: String,
+    pub(crate) purge_where: String,
+    pub(crate) topic_stats: String,
+    pub(crate) purge_inbox_keys: String,
+    pub(crate) count_inbox_keys: String,
+    pub(crate) count_inbox_older: String,
     pub(crate) purge_inbox: String,
     pub(crate) purge_failures: String,
     /// Counts one more handler failure of a consumer on a message; returns the new count.
@@ -97,19 +112,6 @@ impl Statements {
         let counts = table.companion("_counts");
         let migrations = table.companion("_migrations");
         let channel = table.channel();
-        // One bounded batch of finished rows older than $1 microseconds, oldest first.
-        let purge_batch = |status: &str| {
-            format!(
-                "DELETE FROM {t} WHERE id IN (
-                   SELECT id FROM {t}
-                   WHERE status = '{status}'
-                     AND done_at < now() - $1::bigint * interval '1 microsecond'
-                   ORDER BY status, done_at LIMIT {PURGE_BATCH}
-                   FOR UPDATE SKIP LOCKED)
-                 RETURNING 1"
-            )
-        };
-
         let enqueue_fn = table.companion("_enqueue");
         let enqueue_n_fn = table.companion("_enqueue_n");
         Statements {
@@ -168,32 +170,65 @@ impl Statements {
                         extract(epoch FROM now() - o.blocked_head)::float8
                  FROM u, o"
             ),
-            dead_letters: format!(
+            dead_where: format!(
                 "SELECT {RECORD_COLUMNS}, t.last_error, t.done_at
-                 FROM {t} t WHERE t.status = 'dead'
-                 ORDER BY t.status, t.done_at, t.id LIMIT $1"
+                 FROM {t} t WHERE t.status = 'dead' AND {FILTER}
+                 ORDER BY t.status, t.done_at, t.id LIMIT $5"
             ),
-            redrive_all: format!(
-                "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(),
-                                lease_until = NULL, done_at = NULL
-                 WHERE status = 'dead'"
+            dead_errors: format!(
+                "SELECT t.last_error, count(*), min(t.done_at), max(t.done_at), min(t.key)
+                 FROM {t} t WHERE t.status = 'dead' AND {FILTER}
+                 GROUP BY t.last_error ORDER BY count(*) DESC, t.last_error"
             ),
-            redrive_keys: format!(
-                "UPDATE {t} SET status = 'pending', attempts = 0, available_at = now(),
-                                lease_until = NULL, done_at = NULL
-                 WHERE status = 'dead' AND key = ANY($1)"
+            count_where: format!(
+                "SELECT count(*) FROM {t} t WHERE t.status = $5 AND {FILTER}"
             ),
-            purge_sent: format!(
-                "WITH gone AS ({}),
-                 c AS (SELECT count(*) AS n FROM gone),
-                 bump AS (UPDATE {counts} SET sent = sent - c.n FROM c
-                          WHERE slot = $2 AND c.n > 0)
-                 SELECT n FROM c",
-                purge_batch("sent")
+            redrive_where: format!(
+                "UPDATE {t} t SET status = 'pending', attempts = 0, available_at = now(),
+                                  lease_until = NULL, done_at = NULL
+                 WHERE t.status = 'dead' AND {FILTER}"
             ),
-            purge_dead: format!(
-                "WITH gone AS ({}) SELECT count(*) FROM gone",
-                purge_batch("dead")
+            // One bounded batch of finished rows in state $5, oldest first; the sent counter
+            // (slot $6) goes down by the sent rows deleted.
+            purge_where: format!(
+                "WITH gone AS (
+                   DELETE FROM {t} WHERE id IN (
+                     SELECT t.id FROM {t} t WHERE t.status = $5 AND {FILTER}
+                     ORDER BY t.status, t.done_at LIMIT {PURGE_BATCH}
+                     FOR UPDATE SKIP LOCKED)
+                   RETURNING status),
+                 c AS (SELECT count(*) FILTER (WHERE status = 'sent') AS gone_sent,
+                              count(*) AS n
+                       FROM gone),
+                 bump AS (UPDATE {counts} SET sent = sent - c.gone_sent FROM c
+                          WHERE slot = $6 AND c.gone_sent > 0)
+                 SELECT n FROM c"
+            ),
+            // Pending rows through their two partial indexes, dead ones through the done
+            // index: sent rows, however many, are never read.
+            topic_stats: format!(
+                "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
+                   SELECT topic, count(*) AS pending, 0 AS dead FROM {t}
+                   WHERE status = 'pending' AND aggregate_key IS NULL GROUP BY topic
+                   UNION ALL
+                   SELECT topic, count(*), 0 FROM {t}
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL GROUP BY topic
+                   UNION ALL
+                   SELECT topic, 0, count(*) FROM {t} WHERE status = 'dead' GROUP BY topic
+                 ) per GROUP BY topic ORDER BY topic"
+            ),
+            // Dedupe records by message key ($1), older than $2 microseconds if given.
+            purge_inbox_keys: format!(
+                "DELETE FROM {inbox} WHERE key = ANY($1)
+                   AND ($2::bigint IS NULL OR processed_at < now() - $2 * interval '1 microsecond')"
+            ),
+            count_inbox_keys: format!(
+                "SELECT count(*) FROM {inbox} WHERE key = ANY($1)
+                   AND ($2::bigint IS NULL OR processed_at < now() - $2 * interval '1 microsecond')"
+            ),
+            count_inbox_older: format!(
+                "SELECT count(*) FROM {inbox}
+                 WHERE processed_at < now() - $1::bigint * interval '1 microsecond'"
             ),
             // The inbox has no index on processed_at (every dedupe would pay for one), so
             // purging walks the primary key once, a bounded batch per statement from the

@@ -12,8 +12,8 @@ use postgres::error::SqlState;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Transaction};
 use postgres_outbox::{
-    Error, HandlerError, Message, Outbox, ProcessReport, Purge, Redrive, MAX_INDEXED_KEY,
-    MAX_SHORT_STRING,
+    Error, Filter, HandlerError, Message, Outbox, ProcessReport, Purge, PurgeTarget, Redrive,
+    MAX_INDEXED_KEY, MAX_SHORT_STRING,
 };
 
 type TestResult = Result<(), Box<dyn StdError>>;
@@ -1683,5 +1683,196 @@ fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() 
     assert!(!outbox.dedupe(&mut tx, "shipping", "k-0001")?);
     tx.rollback()?;
     assert_eq!(count(&mut client, &outbox, "true"), 1);
+    Ok(())
+}
+
+// ---- filtered operations ----
+
+/// Rows in every state for the filter tests: dead letters of two topics and three errors,
+/// some old; a sent row; a pending row.
+fn operator_rows(client: &mut Client, outbox: &Outbox) -> TestResult {
+    let mut tx = client.transaction()?;
+    for (key, topic) in [
+        ("d1", "orders"),
+        ("d2", "orders"),
+        ("d3", "invoices"),
+        ("d4", "invoices"),
+        ("d5", "orders"),
+        ("s1", "orders"),
+        ("p1", "orders"),
+    ] {
+        outbox.enqueue(&mut tx, Message::new(topic, "x").key(key))?;
+    }
+    tx.commit()?;
+    let t = quoted(outbox);
+    client.batch_execute(&format!(
+        "UPDATE {t} SET status = 'dead', attempts = 3, done_at = now() - interval '10 days',
+                        last_error = 'timeout talking to broker' WHERE key IN ('d1', 'd3');
+         UPDATE {t} SET status = 'dead', attempts = 3, done_at = now(),
+                        last_error = 'timeout talking to broker' WHERE key = 'd2';
+         UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(),
+                        last_error = 'bad payload' WHERE key = 'd4';
+         UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(), last_error = NULL
+         WHERE key = 'd5';
+         UPDATE {t} SET status = 'sent', attempts = 1, done_at = now() - interval '10 days'
+         WHERE key = 's1';"
+    ))?;
+    Ok(())
+}
+
+fn keys_of(letters: &[postgres_outbox::DeadLetter]) -> Vec<String> {
+    let mut keys: Vec<String> = letters.iter().map(|d| d.record.key.clone()).collect();
+    keys.sort();
+    keys
+}
+
+#[test]
+fn filters_select_exactly_the_dead_letters_they_name() -> TestResult {
+    let (outbox, mut client) = common::outbox("filters");
+    operator_rows(&mut client, &outbox)?;
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let cases = [
+        (Filter::new(), vec!["d1", "d2", "d3", "d4", "d5"]),
+        (Filter::new().topic("orders"), vec!["d1", "d2", "d5"]),
+        (
+            Filter::new().error_contains("timeout"),
+            vec!["d1", "d2", "d3"],
+        ),
+        (Filter::new().older_than(week), vec!["d1", "d3"]),
+        (
+            Filter::new().key("d4").key("d5").key("s1"),
+            vec!["d4", "d5"],
+        ),
+        (
+            Filter::new()
+                .topic("orders")
+                .error_contains("timeout")
+                .older_than(week),
+            vec!["d1"],
+        ),
+    ];
+    for (filter, want) in &cases {
+        let got = outbox.dead_letters_where(&mut client, filter, 100)?;
+        assert_eq!(keys_of(&got), *want, "{filter:?}");
+        // A dry run counts the same rows and changes nothing.
+        let n = outbox.redrive_where(&mut client, filter, true)?;
+        assert_eq!(n, want.len() as u64, "{filter:?}");
+        assert_eq!(outbox.stats(&mut client)?.dead, 5);
+    }
+
+    let groups = outbox.dead_letter_errors(&mut client, &Filter::new())?;
+    let summary: Vec<(Option<&str>, u64)> = groups
+        .iter()
+        .map(|g| (g.error.as_deref(), g.count))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (Some("timeout talking to broker"), 3),
+            (Some("bad payload"), 1),
+            (None, 1)
+        ]
+    );
+    assert_eq!(groups[0].sample_key, "d1");
+    assert!(groups[0].first_dead_at < groups[0].last_dead_at);
+
+    let topics = outbox.topic_stats(&mut client)?;
+    let topics: Vec<(&str, u64, u64)> = topics
+        .iter()
+        .map(|t| (t.topic.as_str(), t.pending, t.dead))
+        .collect();
+    assert_eq!(topics, [("invoices", 0, 2), ("orders", 1, 3)]);
+
+    // Redrive for real: only the old timeouts of "orders".
+    let filter = Filter::new()
+        .topic("orders")
+        .error_contains("timeout")
+        .older_than(week);
+    assert_eq!(outbox.redrive_where(&mut client, &filter, false)?, 1);
+    assert_eq!(row_state(&mut client, &outbox, "d1"), ("pending".into(), 0));
+    assert_eq!(outbox.stats(&mut client)?.dead, 4);
+    Ok(())
+}
+
+#[test]
+fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
+    let (outbox, mut client) = common::outbox("purge_filter");
+    operator_rows(&mut client, &outbox)?;
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let old = Filter::new().older_than(week);
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Dead, &old, true)?,
+        2
+    );
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Sent, &old, true)?,
+        1
+    );
+    assert_eq!(
+        count(&mut client, &outbox, "true"),
+        7,
+        "dry runs change nothing"
+    );
+
+    let bad = Filter::new().error_contains("bad");
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Dead, &bad, false)?,
+        1
+    );
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Sent, &old, false)?,
+        1
+    );
+    assert_eq!(
+        outbox.stats(&mut client)?.sent,
+        0,
+        "the sent counter follows"
+    );
+    let mut left: Vec<String> = client
+        .query(
+            &format!("SELECT key FROM {} ORDER BY key", quoted(&outbox)),
+            &[],
+        )?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    left.sort();
+    assert_eq!(left, ["d1", "d2", "d3", "d5", "p1"]);
+
+    // Dedupe records by key, with a dry run first.
+    let mut tx = client.transaction()?;
+    for key in ["m1", "m2", "m3"] {
+        outbox.dedupe(&mut tx, "billing", key)?;
+    }
+    tx.commit()?;
+    let two = Filter::new().key("m1").key("m3");
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Inbox, &two, true)?,
+        2
+    );
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Inbox, &two, false)?,
+        2
+    );
+    let mut tx = client.transaction()?;
+    assert!(
+        outbox.dedupe(&mut tx, "billing", "m1")?,
+        "purged: fresh again"
+    );
+    assert!(!outbox.dedupe(&mut tx, "billing", "m2")?, "kept");
+    tx.rollback()?;
+
+    // What cannot apply, or cannot be stored, is refused before any SQL.
+    for (target, filter) in [
+        (PurgeTarget::Inbox, Filter::new().topic("orders")),
+        (PurgeTarget::Dead, Filter::new().key("")),
+        (PurgeTarget::Dead, Filter::new().error_contains("")),
+    ] {
+        let e = outbox
+            .purge_where(&mut client, target, &filter, false)
+            .unwrap_err();
+        assert!(e.is_invalid_input(), "{e}");
+    }
+    assert_eq!(count(&mut client, &outbox, "true"), 5);
     Ok(())
 }
