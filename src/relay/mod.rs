@@ -266,6 +266,12 @@ impl Relay {
         self.shared.listening.load(Ordering::SeqCst)
     }
 
+    /// True once the relay has stopped on its own (see [`Relay::join`]): a caller that
+    /// waits for something else, such as a signal, can poll it.
+    pub fn has_stopped(&self) -> bool {
+        self.shared.stopping()
+    }
+
     /// Stops the relay: no more claims; claimed rows not yet handed to a publisher are
     /// released with their attempt counts restored as soon as the confirm round under way
     /// returns (idle workers hold none); publishes under way get until

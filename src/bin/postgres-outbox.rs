@@ -1,0 +1,473 @@
+//! `postgres-outbox`: operate an outbox from the shell. See `postgres-outbox --help`.
+//!
+//! Exit status: 0 on success, 1 on an error (one line on stderr), 2 on bad usage.
+
+#![forbid(unsafe_code)]
+
+use std::error::Error;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use postgres::{Client, NoTls};
+use postgres_outbox::rabbitmq::RabbitPublisher;
+use postgres_outbox::{Filter, Outbox, PurgeTarget, Relay, RelayConfig};
+use r2d2_postgres::PostgresConnectionManager;
+use serde_json::{json, Value};
+
+type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
+
+/// Operate a postgres-outbox table: migrate it, see what is stuck and why, redrive or purge
+/// exactly the rows you name, and run a relay to RabbitMQ.
+#[derive(Parser)]
+#[command(name = "postgres-outbox", version)]
+struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user:password@host/db.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// The outbox table (`name` or `schema.name`).
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
+    table: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade the outbox's tables (safe to run again).
+    Migrate,
+    /// Print the DDL `migrate` would apply.
+    Sql,
+    /// Rows by state, the oldest pending and blocked ages, and per topic pending and dead.
+    Stats {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List dead letters, oldest first, or group them by error with --by-error.
+    Dead {
+        /// At most this many (not with --by-error).
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// One line per distinct error: count, first and last seen, one sample key.
+        #[arg(long)]
+        by_error: bool,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make dead letters pending again, with a fresh attempt budget.
+    Redrive {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Redrive every dead letter (required when no filter is given).
+        #[arg(long)]
+        all: bool,
+        /// Print how many would be redriven and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Delete finished rows: sent rows, dead letters, or consumers' dedupe records.
+    Purge {
+        /// What to delete.
+        what: What,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print how many would be deleted and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Run a relay to a RabbitMQ exchange until SIGINT or SIGTERM (logs via RUST_LOG).
+    Relay(RelayArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum What {
+    Sent,
+    Dead,
+    Inbox,
+}
+
+#[derive(Args)]
+struct FilterArgs {
+    /// Only this key (repeat for more).
+    #[arg(long = "key", value_name = "KEY")]
+    keys: Vec<String>,
+    /// Only this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Only rows whose last error contains this text.
+    #[arg(long, value_name = "TEXT")]
+    error_contains: Option<String>,
+    /// Only rows finished longer ago than this, e.g. 7d, 12h, 30m.
+    #[arg(long, value_name = "AGE")]
+    older_than: Option<String>,
+}
+
+#[derive(Args)]
+struct RelayArgs {
+    /// RabbitMQ URL, e.g. amqp://user:password@host:5672/vhost.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: String,
+    /// The exchange to publish to (it must exist).
+    #[arg(long)]
+    exchange: String,
+    /// Rows per claim.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Worker threads.
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// How long a claim holds its rows, e.g. 30s.
+    #[arg(long, value_name = "DURATION")]
+    lease: Option<String>,
+    /// How often an idle worker looks for due rows, e.g. 2s.
+    #[arg(long, value_name = "DURATION")]
+    poll_interval: Option<String>,
+    /// Attempts before a row becomes a dead letter.
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// How long publishes under way may take to finish at shutdown.
+    #[arg(long, value_name = "DURATION", default_value = "10s")]
+    drain_timeout: String,
+}
+
+fn main() -> ExitCode {
+    // Usage errors exit with 2, from clap.
+    let cli = Cli::parse();
+    let default_level = if matches!(cli.command, Command::Relay(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default_level))
+        .init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("postgres-outbox: error: {}", one_line(e.as_ref()));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The error and its causes, on one line, with a hint where one helps. The crate's own
+/// errors already show their cause.
+fn one_line(error: &(dyn Error + 'static)) -> String {
+    let mut text = error.to_string();
+    if let Some(e) = error.downcast_ref::<postgres_outbox::Error>() {
+        if e.is_not_migrated() {
+            text.push_str(" (`postgres-outbox migrate` creates it)");
+        }
+    } else {
+        let mut cause = error.source();
+        while let Some(e) = cause {
+            text.push_str(": ");
+            text.push_str(&e.to_string());
+            cause = e.source();
+        }
+    }
+    text.replace('\n', " ")
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let outbox = Outbox::new(&cli.table)?;
+    let config = database_config(&cli.database_url)?;
+    if let Command::Sql = cli.command {
+        print!("{}", outbox.sql());
+        return Ok(());
+    }
+    if let Command::Relay(args) = cli.command {
+        return relay(outbox, config, args);
+    }
+    let mut client = config
+        .connect(NoTls)
+        .map_err(|e| format!("cannot connect to the database: {}", one_line(&e)))?;
+    match cli.command {
+        Command::Migrate => {
+            outbox.migrate(&mut client)?;
+            println!("migrated {}", outbox.table());
+        }
+        Command::Stats { json } => stats(&outbox, &mut client, json)?,
+        Command::Dead {
+            limit,
+            by_error,
+            filter,
+            json,
+        } => {
+            let filter = filter.build()?;
+            if by_error {
+                dead_by_error(&outbox, &mut client, &filter, json)?;
+            } else {
+                dead(&outbox, &mut client, &filter, limit, json)?;
+            }
+        }
+        Command::Redrive {
+            filter,
+            all,
+            dry_run,
+        } => {
+            let filter = filter.build()?;
+            if filter.is_empty() && !all {
+                return Err("redrive needs a filter (--key, --topic, --error-contains, \
+                            --older-than), or --all to redrive every dead letter"
+                    .into());
+            }
+            let n = outbox.redrive_where(&mut client, &filter, dry_run)?;
+            let verb = if dry_run { "would redrive" } else { "redrove" };
+            println!("{verb} {n} dead letters");
+        }
+        Command::Purge {
+            what,
+            filter,
+            dry_run,
+        } => {
+            let filter = filter.build()?;
+            let (target, noun) = match what {
+                What::Sent => (PurgeTarget::Sent, "sent rows"),
+                What::Dead => (PurgeTarget::Dead, "dead letters"),
+                What::Inbox => (PurgeTarget::Inbox, "dedupe records"),
+            };
+            let n = outbox.purge_where(&mut client, target, &filter, dry_run)?;
+            let verb = if dry_run { "would purge" } else { "purged" };
+            println!("{verb} {n} {noun}");
+        }
+        Command::Sql | Command::Relay(_) => {}
+    }
+    Ok(())
+}
+
+/// The database settings, with a connect timeout unless the URL sets one, so an unreachable
+/// host fails within seconds. The URL itself is never echoed: it may hold a password.
+fn database_config(url: &str) -> Result<postgres::Config> {
+    let mut config: postgres::Config = url
+        .parse()
+        .map_err(|e| format!("invalid --database-url (not shown, it may hold a password): {e}"))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(10));
+    }
+    Ok(config)
+}
+
+impl FilterArgs {
+    fn build(self) -> Result<Filter> {
+        let mut filter = self.keys.into_iter().fold(Filter::new(), Filter::key);
+        if let Some(topic) = self.topic {
+            filter = filter.topic(topic);
+        }
+        if let Some(text) = self.error_contains {
+            filter = filter.error_contains(text);
+        }
+        if let Some(age) = self.older_than {
+            filter = filter.older_than(duration("--older-than", &age)?);
+        }
+        Ok(filter)
+    }
+}
+
+/// A human duration: `7d`, `12h`, `30m`, `1h 30m`.
+fn duration(option: &str, text: &str) -> Result<Duration> {
+    humantime::parse_duration(text)
+        .map_err(|e| format!("{option} {text:?} is not a duration like 7d, 12h or 30m: {e}").into())
+}
+
+fn secs(age: Option<Duration>) -> Value {
+    age.map_or(Value::Null, |a| json!(a.as_secs_f64()))
+}
+
+fn human(age: Option<Duration>) -> String {
+    age.map_or_else(
+        || "-".to_owned(),
+        |a| humantime::format_duration(Duration::from_secs(a.as_secs())).to_string(),
+    )
+}
+
+fn time(at: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
+    let stats = outbox.stats(client)?;
+    let topics = outbox.topic_stats(client)?;
+    if as_json {
+        let value = json!({
+            "table": outbox.table(),
+            "pending": stats.pending,
+            "due": stats.due,
+            "blocked": stats.blocked,
+            "in_flight": stats.in_flight,
+            "sent": stats.sent,
+            "dead": stats.dead,
+            "oldest_pending_age_secs": secs(stats.oldest_pending_age),
+            "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
+            "topics": topics.iter().map(|t| json!({
+                "topic": t.topic, "pending": t.pending, "dead": t.dead,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{value}");
+        return Ok(());
+    }
+    println!("table              {}", outbox.table());
+    println!("pending            {}", stats.pending);
+    println!("  due              {}", stats.due);
+    println!("  blocked          {}", stats.blocked);
+    println!("in flight          {}", stats.in_flight);
+    println!("sent               {}", stats.sent);
+    println!("dead               {}", stats.dead);
+    println!("oldest pending     {}", human(stats.oldest_pending_age));
+    println!("oldest blocked     {}", human(stats.oldest_blocked_age));
+    if !topics.is_empty() {
+        println!();
+        println!("{:<32} {:>10} {:>10}", "topic", "pending", "dead");
+        for t in &topics {
+            println!("{:<32} {:>10} {:>10}", t.topic, t.pending, t.dead);
+        }
+    }
+    Ok(())
+}
+
+fn dead(
+    outbox: &Outbox,
+    client: &mut Client,
+    filter: &Filter,
+    limit: usize,
+    as_json: bool,
+) -> Result<()> {
+    let letters = outbox.dead_letters_where(client, filter, limit)?;
+    if as_json {
+        let rows: Vec<Value> = letters
+            .iter()
+            .map(|d| {
+                json!({
+                    "key": d.record.key,
+                    "topic": d.record.topic,
+                    "aggregate_key": d.record.aggregate_key,
+                    "attempts": d.record.attempt,
+                    "last_error": d.last_error,
+                    "dead_at": time(d.dead_at),
+                })
+            })
+            .collect();
+        println!("{}", Value::Array(rows));
+        return Ok(());
+    }
+    for d in &letters {
+        println!(
+            "{}  {}  {}  attempts={}  {}",
+            time(d.dead_at),
+            d.record.key,
+            d.record.topic,
+            d.record.attempt,
+            d.last_error.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(())
+}
+
+fn dead_by_error(
+    outbox: &Outbox,
+    client: &mut Client,
+    filter: &Filter,
+    as_json: bool,
+) -> Result<()> {
+    let groups = outbox.dead_letter_errors(client, filter)?;
+    if as_json {
+        let rows: Vec<Value> = groups
+            .iter()
+            .map(|g| {
+                json!({
+                    "error": g.error,
+                    "count": g.count,
+                    "first_dead_at": time(g.first_dead_at),
+                    "last_dead_at": time(g.last_dead_at),
+                    "sample_key": g.sample_key,
+                })
+            })
+            .collect();
+        println!("{}", Value::Array(rows));
+        return Ok(());
+    }
+    for g in &groups {
+        println!(
+            "{:>8}  {}  {}  {}  {}",
+            g.count,
+            time(g.first_dead_at),
+            time(g.last_dead_at),
+            g.sample_key,
+            g.error.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(())
+}
+
+/// Runs a relay until SIGINT or SIGTERM (or until it stops on its own, with an error), then
+/// shuts it down within the drain timeout.
+fn relay(outbox: Outbox, database: postgres::Config, args: RelayArgs) -> Result<()> {
+    let drain = duration("--drain-timeout", &args.drain_timeout)?;
+    // Connections of the relay's own, with keepalives; the pool only serves the start-up
+    // check.
+    let pool = r2d2::Pool::builder()
+        .max_size(1)
+        .min_idle(Some(0))
+        .build(PostgresConnectionManager::new(database.clone(), NoTls))?;
+    let (url, exchange) = (args.amqp_url, args.exchange);
+    // Fail fast on a wrong broker or exchange, before taking rows.
+    RabbitPublisher::connect(&url, &exchange)?.close();
+    let mut config = RelayConfig::new(outbox.clone(), pool, move || {
+        RabbitPublisher::connect(&url, &exchange)
+    })
+    .connections(database, NoTls)
+    .drain_timeout(drain);
+    if let Some(n) = args.batch_size {
+        config = config.batch_size(n);
+    }
+    if let Some(n) = args.concurrency {
+        config = config.concurrency(n);
+    }
+    if let Some(lease) = args.lease {
+        config = config.lease(duration("--lease", &lease)?);
+    }
+    if let Some(poll) = args.poll_interval {
+        config = config.poll_interval(duration("--poll-interval", &poll)?);
+    }
+    if let Some(n) = args.max_attempts {
+        config = config.max_attempts(n);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, stop.clone())?;
+    }
+    let relay = Relay::spawn(config)?;
+    log::info!(
+        "relay for {} running; SIGINT or SIGTERM stops it",
+        outbox.table()
+    );
+    while !stop.load(Ordering::SeqCst) && !relay.has_stopped() {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let on_its_own = !stop.load(Ordering::SeqCst);
+    log::info!("relay for {} stopping", outbox.table());
+    let report = relay.shutdown(drain)?;
+    if on_its_own {
+        return Err("the relay stopped on its own: its table is gone".into());
+    }
+    log::info!(
+        "relay stopped: {} published, {} released, {} abandoned",
+        report.published,
+        report.released,
+        report.abandoned
+    );
+    if report.abandoned > 0 {
+        return Err(format!(
+            "{} claimed rows were still being published at the drain timeout; they will be \
+             published again when their leases run out",
+            report.abandoned
+        )
+        .into());
+    }
+    Ok(())
+}

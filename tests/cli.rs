@@ -1,0 +1,363 @@
+//! The `postgres-outbox` binary end to end, against the real database and broker.
+#![cfg(feature = "cli")]
+
+mod common;
+
+use std::process::{Command as StdCommand, Stdio};
+use std::time::Duration;
+
+use amiquip::{Connection, ExchangeDeclareOptions, ExchangeType};
+use assert_cmd::Command;
+use common::*;
+use postgres::Client;
+use postgres_outbox::{Message, Outbox};
+use serde_json::Value;
+
+/// The binary, pointed at the test database and `outbox`'s table.
+fn cli(outbox: &Outbox) -> Command {
+    let mut command = Command::cargo_bin("postgres-outbox").expect("the binary is built");
+    command
+        .env("DATABASE_URL", database_url())
+        .env("OUTBOX_TABLE", outbox.table())
+        .env_remove("RUST_LOG");
+    command
+}
+
+/// Runs it and returns its stdout, asserting it succeeded.
+fn ok(outbox: &Outbox, args: &[&str]) -> String {
+    let output = cli(outbox).args(args).output().expect("run the binary");
+    assert!(
+        output.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("utf-8 output")
+}
+
+/// Runs it, asserting it failed with `code`, and returns its stderr.
+fn fails(outbox: &Outbox, args: &[&str], code: i32) -> String {
+    let output = cli(outbox).args(args).output().expect("run the binary");
+    assert_eq!(output.status.code(), Some(code), "{args:?}");
+    assert!(output.stdout.is_empty(), "{args:?} printed to stdout");
+    String::from_utf8(output.stderr).expect("utf-8 output")
+}
+
+/// Dead letters of two topics and three errors (two of them old), an old sent row, a pending
+/// row and a dedupe record.
+fn rows(client: &mut Client, outbox: &Outbox) {
+    let mut tx = client.transaction().unwrap();
+    for (key, topic) in [
+        ("d1", "orders"),
+        ("d2", "orders"),
+        ("d3", "invoices"),
+        ("d4", "invoices"),
+        ("s1", "orders"),
+        ("p1", "orders"),
+    ] {
+        outbox
+            .enqueue(&mut tx, Message::new(topic, "x").key(key))
+            .unwrap();
+    }
+    outbox.dedupe(&mut tx, "billing", "m1").unwrap();
+    tx.commit().unwrap();
+    let t = quoted(outbox);
+    client
+        .batch_execute(&format!(
+            "UPDATE {t} SET status = 'dead', attempts = 3, done_at = now() - interval '10 days',
+                            last_error = 'timeout talking to broker' WHERE key IN ('d1', 'd3');
+             UPDATE {t} SET status = 'dead', attempts = 3, done_at = now(),
+                            last_error = 'timeout talking to broker' WHERE key = 'd2';
+             UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(),
+                            last_error = 'bad payload' WHERE key = 'd4';
+             UPDATE {t} SET status = 'sent', attempts = 1, done_at = now() - interval '10 days'
+             WHERE key = 's1';"
+        ))
+        .unwrap();
+}
+
+fn json(text: &str) -> Value {
+    serde_json::from_str(text).expect("valid JSON")
+}
+
+fn statuses(client: &mut Client, outbox: &Outbox) -> Vec<(String, String)> {
+    client
+        .query(
+            &format!("SELECT key, status FROM {} ORDER BY key", quoted(outbox)),
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+#[test]
+fn migrate_and_sql() {
+    let outbox = Outbox::new(&unique_name("cli_migrate")).unwrap();
+    let ddl = ok(&outbox, &["sql"]);
+    assert!(
+        ddl.contains(&format!("CREATE TABLE \"{}\"", outbox.table())),
+        "{ddl}"
+    );
+    assert!(fails(&outbox, &["stats"], 1).contains("migrate"));
+    for _ in 0..2 {
+        assert!(ok(&outbox, &["migrate"]).contains(outbox.table()));
+    }
+    let stats = json(&ok(&outbox, &["stats", "--json"]));
+    assert_eq!(stats["pending"], 0);
+}
+
+#[test]
+fn stats_show_states_ages_and_topics() {
+    let (outbox, mut client) = outbox("cli_stats");
+    rows(&mut client, &outbox);
+    let stats = json(&ok(&outbox, &["stats", "--json"]));
+    assert_eq!(
+        (
+            &stats["pending"],
+            &stats["due"],
+            &stats["sent"],
+            &stats["dead"]
+        ),
+        (
+            &Value::from(1),
+            &Value::from(1),
+            &Value::from(0),
+            &Value::from(4)
+        )
+    );
+    assert!(stats["oldest_pending_age_secs"].as_f64().is_some());
+    assert_eq!(stats["oldest_blocked_age_secs"], Value::Null);
+    assert_eq!(
+        stats["topics"],
+        json(
+            r#"[{"topic": "invoices", "pending": 0, "dead": 2},
+                 {"topic": "orders", "pending": 1, "dead": 2}]"#
+        )
+    );
+    let text = ok(&outbox, &["stats"]);
+    assert!(text.contains("dead               4"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("orders") && l.ends_with(" 2")),
+        "{text}"
+    );
+}
+
+#[test]
+fn dead_lists_and_groups_what_its_filters_name() {
+    let (outbox, mut client) = outbox("cli_dead");
+    rows(&mut client, &outbox);
+    let keys = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["dead", "--json"];
+        all.extend_from_slice(args);
+        let mut keys: Vec<String> = json(&ok(&outbox, &all))
+            .as_array()
+            .expect("an array")
+            .iter()
+            .map(|d| d["key"].as_str().expect("a key").to_owned())
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(keys(&[]), ["d1", "d2", "d3", "d4"]);
+    assert_eq!(keys(&["--topic", "orders"]), ["d1", "d2"]);
+    assert_eq!(keys(&["--error-contains", "bad"]), ["d4"]);
+    assert_eq!(keys(&["--older-than", "7d"]), ["d1", "d3"]);
+    assert_eq!(keys(&["--key", "d2", "--key", "d3"]), ["d2", "d3"]);
+    assert_eq!(keys(&["--limit", "1"]).len(), 1);
+
+    let groups = json(&ok(&outbox, &["dead", "--by-error", "--json"]));
+    assert_eq!(groups[0]["error"], "timeout talking to broker");
+    assert_eq!(groups[0]["count"], 3);
+    assert_eq!(groups[0]["sample_key"], "d1");
+    assert_eq!(groups[1]["count"], 1);
+    let text = ok(&outbox, &["dead", "--by-error"]);
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(ok(&outbox, &["dead"]).contains("timeout talking to broker"));
+}
+
+#[test]
+fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
+    let (outbox, mut client) = outbox("cli_redrive");
+    rows(&mut client, &outbox);
+    let before = statuses(&mut client, &outbox);
+
+    let refused = fails(&outbox, &["redrive"], 1);
+    assert!(refused.contains("--all"), "{refused}");
+    let dry = ok(
+        &outbox,
+        &["redrive", "--error-contains", "timeout", "--dry-run"],
+    );
+    assert_eq!(dry.trim(), "would redrive 3 dead letters");
+    assert_eq!(
+        ok(&outbox, &["redrive", "--all", "--dry-run"]).trim(),
+        "would redrive 4 dead letters"
+    );
+    assert_eq!(
+        statuses(&mut client, &outbox),
+        before,
+        "dry runs change nothing"
+    );
+
+    let done = ok(
+        &outbox,
+        &["redrive", "--topic", "invoices", "--older-than", "7d"],
+    );
+    assert_eq!(done.trim(), "redrove 1 dead letters");
+    let after = statuses(&mut client, &outbox);
+    let changed: Vec<&(String, String)> =
+        after.iter().filter(|row| !before.contains(row)).collect();
+    assert_eq!(changed, [&("d3".to_owned(), "pending".to_owned())]);
+
+    ok(&outbox, &["redrive", "--key", "d4"]);
+    assert_eq!(row_state(&mut client, &outbox, "d4"), ("pending".into(), 0));
+    assert_eq!(
+        ok(&outbox, &["redrive", "--all"]).trim(),
+        "redrove 2 dead letters"
+    );
+}
+
+#[test]
+fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
+    let (outbox, mut client) = outbox("cli_purge");
+    rows(&mut client, &outbox);
+    assert_eq!(
+        ok(
+            &outbox,
+            &["purge", "dead", "--older-than", "7d", "--dry-run"]
+        )
+        .trim(),
+        "would purge 2 dead letters"
+    );
+    assert_eq!(count(&mut client, &outbox, "true"), 6);
+    assert_eq!(
+        ok(
+            &outbox,
+            &[
+                "purge",
+                "dead",
+                "--error-contains",
+                "timeout",
+                "--topic",
+                "orders"
+            ]
+        )
+        .trim(),
+        "purged 2 dead letters"
+    );
+    assert_eq!(
+        ok(&outbox, &["purge", "sent", "--older-than", "1d"]).trim(),
+        "purged 1 sent rows"
+    );
+    let left: Vec<String> = statuses(&mut client, &outbox)
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(left, ["d3", "d4", "p1"]);
+    assert_eq!(
+        ok(&outbox, &["purge", "inbox", "--key", "m1", "--dry-run"]).trim(),
+        "would purge 1 dedupe records"
+    );
+    assert_eq!(
+        ok(&outbox, &["purge", "inbox", "--key", "m1"]).trim(),
+        "purged 1 dedupe records"
+    );
+    let refused = fails(&outbox, &["purge", "inbox", "--topic", "orders"], 1);
+    assert!(refused.contains("topic"), "{refused}");
+}
+
+#[test]
+fn bad_input_exits_1_or_2_with_a_clear_message_and_no_password() {
+    let (outbox, _client) = outbox("cli_bad");
+    let missing = Outbox::new(&unique_name("cli_missing")).unwrap();
+    let e = fails(&missing, &["dead"], 1);
+    assert!(e.contains(missing.table()) && e.contains("migrate"), "{e}");
+    let e = fails(&outbox, &["purge", "sent", "--older-than", "seven days"], 1);
+    assert!(e.contains("--older-than"), "{e}");
+    let e = fails(&outbox, &["redrive", "--all", "--older-than=-1d"], 1);
+    assert!(e.contains("--older-than"), "{e}");
+    let e = fails(&outbox, &["bogus"], 2);
+    assert!(e.contains("bogus"), "{e}");
+    let e = fails(&outbox, &["purge", "everything"], 2);
+    assert!(e.contains("everything"), "{e}");
+    let output = cli(&outbox)
+        .env(
+            "DATABASE_URL",
+            "postgres://someone:s3cret@127.0.0.1:1/nowhere",
+        )
+        .arg("stats")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&output.stderr);
+    assert!(e.contains("cannot connect"), "{e}");
+    assert!(!e.contains("s3cret"), "{e}");
+    let e = fails(&outbox, &["--table", "no such; table", "stats"], 1);
+    assert!(e.contains("no such; table"), "{e}");
+}
+
+#[test]
+fn relay_publishes_and_stops_cleanly_on_sigterm() {
+    let (outbox, mut client) = outbox("cli_relay");
+    let (exchange, queue) = (unique_name("x_cli"), unique_name("q_cli"));
+    let mut connection = Connection::insecure_open(&amqp_url()).unwrap();
+    let channel = connection.open_channel(None).unwrap();
+    channel
+        .exchange_declare(
+            ExchangeType::Topic,
+            exchange.as_str(),
+            ExchangeDeclareOptions::default(),
+        )
+        .unwrap();
+    // Bound, so the relay's mandatory publishes are routed.
+    channel
+        .queue_declare(queue.as_str(), Default::default())
+        .unwrap();
+    channel
+        .queue_bind(queue.as_str(), exchange.as_str(), "#", Default::default())
+        .unwrap();
+    let mut tx = client.transaction().unwrap();
+    for i in 0..50 {
+        outbox
+            .enqueue(&mut tx, Message::new("orders", "x").key(format!("k{i}")))
+            .unwrap();
+    }
+    tx.commit().unwrap();
+
+    let binary = assert_cmd::cargo::cargo_bin("postgres-outbox");
+    let relay = StdCommand::new(binary)
+        .env("DATABASE_URL", database_url())
+        .args(["--table", outbox.table(), "relay", "--exchange", &exchange])
+        .args(["--amqp-url", &amqp_url(), "--poll-interval", "200ms"])
+        .args(["--drain-timeout", "10s"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("every row is sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 50
+    });
+    let terminated = StdCommand::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(terminated.success());
+    let output = relay.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("relay stopped"), "{log}");
+    assert!(!log.contains("guest:guest"), "{log}");
+    let stats = outbox.stats(&mut client).unwrap();
+    assert_eq!((stats.pending, stats.in_flight, stats.sent), (0, 0, 50));
+    assert_eq!(stats.oldest_pending_age, None::<Duration>);
+    let delivered = channel
+        .queue_declare_passive(queue.as_str())
+        .unwrap()
+        .declared_message_count();
+    assert_eq!(delivered, Some(50));
+    channel
+        .queue_delete(queue.as_str(), Default::default())
+        .unwrap();
+    channel.exchange_delete(exchange.as_str(), false).unwrap();
+}
