@@ -52,6 +52,8 @@
 mod batch;
 mod clock;
 mod error;
+#[cfg(feature = "metrics")]
+pub mod facade;
 mod message;
 mod metrics;
 mod operate;
@@ -70,6 +72,10 @@ mod table;
 pub mod rabbitmq;
 
 pub use error::{Error, Result};
+#[cfg(feature = "metrics")]
+pub use facade::OutboxMetrics;
+#[cfg(all(feature = "metrics", feature = "rabbitmq"))]
+pub use facade::QueueMetrics;
 pub use message::{Message, MAX_DELAY, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{Metrics, NoMetrics};
 pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Stats, TopicStats};

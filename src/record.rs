@@ -33,6 +33,24 @@ pub struct Record {
 }
 
 impl Record {
+    /// A first-attempt record with an empty payload, keyed by its id.
+    #[cfg(test)]
+    pub(crate) fn for_tests(id: i64, topic: &str, aggregate: Option<&str>) -> Record {
+        Record {
+            id,
+            key: id.to_string(),
+            topic: topic.into(),
+            aggregate_key: aggregate.map(str::to_owned),
+            payload: Vec::new(),
+            content_type: None,
+            headers: Vec::new(),
+            attempt: 1,
+            max_attempts: None,
+            created_at: SystemTime::now(),
+            lease: None,
+        }
+    }
+
     /// Reads the columns `sql::RECORD_COLUMNS` lists, in that order.
     pub(crate) fn from_row(row: &Row) -> Result<Record, postgres::Error> {
         let flat: Vec<String> = row.try_get(6)?;

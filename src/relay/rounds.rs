@@ -35,19 +35,7 @@ mod tests {
     use super::*;
 
     fn record(id: i64, aggregate: Option<&str>) -> Record {
-        Record {
-            id,
-            key: id.to_string(),
-            topic: "t".into(),
-            aggregate_key: aggregate.map(str::to_owned),
-            payload: Vec::new(),
-            content_type: None,
-            headers: Vec::new(),
-            attempt: 1,
-            max_attempts: None,
-            created_at: std::time::SystemTime::now(),
-            lease: None,
-        }
+        Record::for_tests(id, "t", aggregate)
     }
 
     #[test]

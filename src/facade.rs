@@ -1,0 +1,381 @@
+//! Reporting to the `metrics` crate facade (feature `metrics`), so any exporter (Prometheus,
+//! StatsD, OpenTelemetry...) sees the relay and the consumer.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `outbox_claimed_rows_total` | counter | `table` | rows claimed |
+//! | `outbox_published_total` | counter | `table`, `topic` | records published and confirmed |
+//! | `outbox_publish_latency_seconds` | histogram | `table`, `topic` | claim to confirmation |
+//! | `outbox_failed_total` | counter | `table`, `topic` | failed publish attempts |
+//! | `outbox_dead_lettered_total` | counter | `table`, `topic` | records that became dead letters |
+//! | `outbox_released_rows_total` | counter | `table` | claimed rows handed back unpublished |
+//! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
+//! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
+//! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
+//! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
+//! | `outbox_consumer_duplicates_total` | counter | `queue`, `consumer` | redeliveries skipped |
+//! | `outbox_consumer_failed_total` | counter | `queue`, `consumer` | handler failures |
+//! | `outbox_consumer_dead_lettered_total` | counter | `queue`, `consumer` | deliveries given up on |
+//! | `outbox_consumer_database_failures_total` | counter | `queue`, `consumer` | database trouble, deliveries held |
+//!
+//! Topics become label values: keep them a bounded set (event types, not ids).
+
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+
+use crate::metrics::Metrics;
+use crate::operate::Stats;
+use crate::outbox::Outbox;
+use crate::publish::PublishError;
+use crate::record::Record;
+
+/// The relay's [`Metrics`], reported to the `metrics` facade under the outbox's table name.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use postgres_outbox::{publisher_fn, OutboxMetrics, Outbox, Relay, RelayConfig};
+/// use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // Install an exporter first, e.g. metrics_exporter_prometheus::PrometheusBuilder.
+/// let url = "postgres://postgres@localhost/app";
+/// let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
+/// let outbox = Outbox::new("orders_outbox")?;
+/// let metrics = OutboxMetrics::new(&outbox);
+/// let relay = Relay::spawn(
+///     RelayConfig::new(outbox.clone(), pool.clone(), || {
+///         Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())))
+///     })
+///     .metrics(metrics.clone()),
+/// )?;
+/// // Now and then (every 15 s, say), the gauges worth alerting on:
+/// metrics.record_stats(&outbox.stats(&mut *pool.get()?)?);
+/// # relay.shutdown(Duration::from_secs(10))?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct OutboxMetrics {
+    table: String,
+}
+
+impl OutboxMetrics {
+    /// Reports under `table="<the outbox's table>"`.
+    pub fn new(outbox: &Outbox) -> OutboxMetrics {
+        OutboxMetrics {
+            table: outbox.table().to_owned(),
+        }
+    }
+
+    /// Sets the gauges from a [`Stats`] snapshot (see [`Outbox::stats`]).
+    pub fn record_stats(&self, stats: &Stats) {
+        let table = self.table.clone();
+        let counts = [
+            ("outbox_pending", stats.pending),
+            ("outbox_due", stats.due),
+            ("outbox_blocked", stats.blocked),
+            ("outbox_in_flight", stats.in_flight),
+            ("outbox_dead", stats.dead),
+        ];
+        for (name, value) in counts {
+            gauge!(name, "table" => table.clone()).set(value as f64);
+        }
+        let ages = [
+            (
+                "outbox_oldest_pending_age_seconds",
+                stats.oldest_pending_age,
+            ),
+            (
+                "outbox_oldest_blocked_age_seconds",
+                stats.oldest_blocked_age,
+            ),
+        ];
+        for (name, age) in ages {
+            let secs = age.map_or(0.0, |a| a.as_secs_f64());
+            gauge!(name, "table" => table.clone()).set(secs);
+        }
+    }
+
+    fn by_topic(&self, record: &Record) -> [(&'static str, String); 2] {
+        [
+            ("table", self.table.clone()),
+            ("topic", record.topic.clone()),
+        ]
+    }
+}
+
+impl Metrics for OutboxMetrics {
+    fn claimed(&self, n: usize) {
+        counter!("outbox_claimed_rows_total", "table" => self.table.clone()).increment(n as u64);
+    }
+
+    fn published(&self, record: &Record, took: Duration) {
+        let labels = self.by_topic(record);
+        counter!("outbox_published_total", &labels).increment(1);
+        histogram!("outbox_publish_latency_seconds", &labels).record(took.as_secs_f64());
+    }
+
+    fn failed(&self, record: &Record, _error: &PublishError) {
+        counter!("outbox_failed_total", &self.by_topic(record)).increment(1);
+    }
+
+    fn dead_lettered(&self, record: &Record) {
+        counter!("outbox_dead_lettered_total", &self.by_topic(record)).increment(1);
+    }
+
+    fn released(&self, n: usize) {
+        counter!("outbox_released_rows_total", "table" => self.table.clone()).increment(n as u64);
+    }
+}
+
+#[cfg(feature = "rabbitmq")]
+mod consumer {
+    use std::time::Duration;
+
+    use metrics::{counter, histogram};
+
+    use crate::publish::HandlerError;
+    use crate::rabbitmq::{ConsumerMetrics, Delivery};
+
+    /// A `rabbitmq::Consumer`'s [`ConsumerMetrics`], reported to the `metrics` facade under
+    /// its queue and consumer name (see the module's table).
+    ///
+    /// ```
+    /// use postgres_outbox::rabbitmq::ConsumerConfig;
+    /// use postgres_outbox::QueueMetrics;
+    /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
+    ///     .metrics(QueueMetrics::new("invoices", "invoicing"));
+    /// # let _ = config;
+    /// ```
+    #[derive(Debug, Clone)]
+    pub struct QueueMetrics {
+        labels: [(&'static str, String); 2],
+    }
+
+    impl QueueMetrics {
+        /// Reports under `queue` and `consumer` labels.
+        pub fn new(queue: &str, consumer: &str) -> QueueMetrics {
+            QueueMetrics {
+                labels: [
+                    ("queue", queue.to_owned()),
+                    ("consumer", consumer.to_owned()),
+                ],
+            }
+        }
+    }
+
+    impl ConsumerMetrics for QueueMetrics {
+        fn handled(&self, _delivery: &Delivery, took: Duration) {
+            counter!("outbox_consumer_handled_total", &self.labels).increment(1);
+            histogram!("outbox_consumer_handle_seconds", &self.labels).record(took.as_secs_f64());
+        }
+
+        fn duplicate(&self, _delivery: &Delivery) {
+            counter!("outbox_consumer_duplicates_total", &self.labels).increment(1);
+        }
+
+        fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {
+            counter!("outbox_consumer_failed_total", &self.labels).increment(1);
+        }
+
+        fn dead_lettered(&self, _delivery: &Delivery) {
+            counter!("outbox_consumer_dead_lettered_total", &self.labels).increment(1);
+        }
+
+        fn database_failed(&self, _error: &crate::Error) {
+            counter!("outbox_consumer_database_failures_total", &self.labels).increment(1);
+        }
+    }
+}
+
+#[cfg(feature = "rabbitmq")]
+pub use consumer::QueueMetrics;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use metrics_util::MetricKind;
+
+    /// (kind, name, sorted labels, value) of everything reported while `f` ran.
+    fn reported(f: impl FnOnce()) -> Vec<(MetricKind, String, Vec<String>, DebugValue)> {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, f);
+        let mut seen: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let (kind, key) = key.into_parts();
+                let mut labels: Vec<String> = key
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect();
+                labels.sort();
+                (kind, key.name().to_owned(), labels, value)
+            })
+            .collect();
+        seen.sort_by(|a, b| (a.1.as_str(), &a.2).cmp(&(b.1.as_str(), &b.2)));
+        seen
+    }
+
+    fn record(topic: &str) -> Record {
+        Record::for_tests(1, topic, None)
+    }
+
+    #[test]
+    fn relay_events_become_labelled_counters_and_a_latency_histogram() {
+        let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
+        let seen = reported(|| {
+            metrics.claimed(3);
+            metrics.published(&record("order.created"), Duration::from_millis(250));
+            metrics.published(&record("order.created"), Duration::from_millis(750));
+            metrics.failed(&record("order.paid"), &PublishError::transient("down"));
+            metrics.dead_lettered(&record("order.paid"));
+            metrics.released(2);
+        });
+        let table = "table=orders_outbox".to_owned();
+        let labels = |topic: &str| vec![table.clone(), format!("topic={topic}")];
+        assert_eq!(
+            seen,
+            [
+                (
+                    MetricKind::Counter,
+                    "outbox_claimed_rows_total".into(),
+                    vec![table.clone()],
+                    DebugValue::Counter(3)
+                ),
+                (
+                    MetricKind::Counter,
+                    "outbox_dead_lettered_total".into(),
+                    labels("order.paid"),
+                    DebugValue::Counter(1)
+                ),
+                (
+                    MetricKind::Counter,
+                    "outbox_failed_total".into(),
+                    labels("order.paid"),
+                    DebugValue::Counter(1)
+                ),
+                (
+                    MetricKind::Histogram,
+                    "outbox_publish_latency_seconds".into(),
+                    labels("order.created"),
+                    DebugValue::Histogram(vec![0.25.into(), 0.75.into()])
+                ),
+                (
+                    MetricKind::Counter,
+                    "outbox_published_total".into(),
+                    labels("order.created"),
+                    DebugValue::Counter(2)
+                ),
+                (
+                    MetricKind::Counter,
+                    "outbox_released_rows_total".into(),
+                    vec![table.clone()],
+                    DebugValue::Counter(2)
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn stats_become_gauges() {
+        let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
+        let stats = Stats {
+            pending: 7,
+            due: 2,
+            blocked: 5,
+            in_flight: 1,
+            sent: 100,
+            dead: 3,
+            oldest_pending_age: Some(Duration::from_secs(90)),
+            oldest_blocked_age: None,
+        };
+        let seen = reported(|| metrics.record_stats(&stats));
+        let gauges: Vec<(String, f64)> = seen
+            .into_iter()
+            .map(|(kind, name, _, value)| {
+                assert_eq!(kind, MetricKind::Gauge);
+                match value {
+                    DebugValue::Gauge(v) => (name, v.into_inner()),
+                    other => panic!("{name}: {other:?}"),
+                }
+            })
+            .collect();
+        assert_eq!(
+            gauges,
+            [
+                ("outbox_blocked".to_owned(), 5.0),
+                ("outbox_dead".to_owned(), 3.0),
+                ("outbox_due".to_owned(), 2.0),
+                ("outbox_in_flight".to_owned(), 1.0),
+                ("outbox_oldest_blocked_age_seconds".to_owned(), 0.0),
+                ("outbox_oldest_pending_age_seconds".to_owned(), 90.0),
+                ("outbox_pending".to_owned(), 7.0),
+            ]
+        );
+    }
+
+    #[cfg(feature = "rabbitmq")]
+    #[test]
+    fn consumer_events_become_counters_and_a_histogram_per_queue() {
+        use crate::rabbitmq::{ConsumerMetrics, Delivery};
+        let delivery = Delivery {
+            key: "k".into(),
+            exchange: String::new(),
+            routing_key: "t".into(),
+            body: Vec::new(),
+            content_type: None,
+            headers: Vec::new(),
+            aggregate_key: None,
+            attempt: None,
+            redelivered: false,
+        };
+        let metrics = QueueMetrics::new("invoices", "billing");
+        let seen = reported(|| {
+            metrics.handled(&delivery, Duration::from_millis(500));
+            metrics.duplicate(&delivery);
+            metrics.failed(&delivery, &PublishError::transient("no"));
+            metrics.failed(&delivery, &PublishError::transient("no"));
+            metrics.dead_lettered(&delivery);
+        });
+        let names: Vec<(String, Vec<String>, DebugValue)> = seen
+            .into_iter()
+            .map(|(_, name, labels, value)| (name, labels, value))
+            .collect();
+        let labels = vec!["consumer=billing".to_owned(), "queue=invoices".to_owned()];
+        assert_eq!(
+            names,
+            [
+                (
+                    "outbox_consumer_dead_lettered_total".into(),
+                    labels.clone(),
+                    DebugValue::Counter(1)
+                ),
+                (
+                    "outbox_consumer_duplicates_total".into(),
+                    labels.clone(),
+                    DebugValue::Counter(1)
+                ),
+                (
+                    "outbox_consumer_failed_total".into(),
+                    labels.clone(),
+                    DebugValue::Counter(2)
+                ),
+                (
+                    "outbox_consumer_handle_seconds".into(),
+                    labels.clone(),
+                    DebugValue::Histogram(vec![0.5.into()])
+                ),
+                (
+                    "outbox_consumer_handled_total".into(),
+                    labels,
+                    DebugValue::Counter(1)
+                ),
+            ]
+        );
+    }
+}
