@@ -28,6 +28,8 @@
 //!   round-robin over 40 aggregates, or all in one aggregate, into a no-op publisher;
 //!   `vs_unordered=` is its rate over `unordered`'s. A shape still draining after the time cap
 //!   gets its rate from the rows sent so far, with `sent=<rows> capped=true`;
+//! - `wake`: an idle relay (polling once an hour) woken by enqueues' notifications: the
+//!   median, 90th percentile and maximum time from commit to the publisher, in ms;
 //! - `rss`: `Relay` with default settings draining rows of 1 MiB payloads into a no-op
 //!   publisher: `rate=`, `peak_rss_mib=` (VmHWM) and `baseline_rss_mib=` (VmRSS after the
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
@@ -48,7 +50,7 @@ mod common;
 use std::error::Error;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -92,6 +94,9 @@ fn main() -> Result<()> {
     }
     if settings.wants("ordered") {
         ordered(&settings, &scratch)?;
+    }
+    if settings.wants("wake") {
+        wake(&scratch)?;
     }
     Ok(())
 }
@@ -642,6 +647,65 @@ fn proc_status_mib(field: &str) -> Result<f64> {
         .ok_or_else(|| format!("no {field} in /proc/self/status"))?
         .parse()?;
     Ok(kb / 1024.0)
+}
+
+// ------------------------------------------------------------------ wake
+
+const WAKE_SAMPLES: usize = 50;
+
+/// How long an idle relay (polling once an hour, so only a notification wakes it) takes
+/// from an enqueue's commit to handing the row to its publisher.
+fn wake(scratch: &Scratch) -> Result<()> {
+    let outbox = scratch.outbox(true)?;
+    let published: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let seen = published.clone();
+    let config = RelayConfig::new(outbox.clone(), scratch.pool(RELAY_POOL_SIZE)?, move || {
+        let seen = seen.clone();
+        Ok::<_, std::io::Error>(publisher_fn(move |_| {
+            if let Ok(mut at) = seen.lock() {
+                *at = Some(Instant::now());
+            }
+            Ok(())
+        }))
+    })
+    .poll_interval(Duration::from_secs(3600));
+    let relay = postgres_outbox::Relay::spawn(config)?;
+    let mut client = scratch.client()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !relay.is_listening() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(10));
+    }
+    let mut took = Vec::with_capacity(WAKE_SAMPLES);
+    for i in 0..WAKE_SAMPLES {
+        *published.lock().map_err(|_| "poisoned")? = None;
+        let mut tx = client.transaction()?;
+        outbox.enqueue(&mut tx, event(i as i64))?;
+        tx.commit()?;
+        let committed = Instant::now();
+        let deadline = committed + Duration::from_secs(30);
+        loop {
+            if let Some(at) = *published.lock().map_err(|_| "poisoned")? {
+                took.push(at.saturating_duration_since(committed));
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err("the idle relay was not woken within 30 s".into());
+            }
+            thread::sleep(Duration::from_micros(200));
+        }
+        // Idle again before the next one.
+        thread::sleep(Duration::from_millis(100));
+    }
+    relay.shutdown(Duration::from_secs(10))?;
+    took.sort();
+    let ms = |d: Duration| format!("{:.2}", d.as_secs_f64() * 1e3);
+    Line::new("wake")
+        .kv("samples", WAKE_SAMPLES)
+        .kv("median_ms", ms(took[WAKE_SAMPLES / 2]))
+        .kv("p90_ms", ms(took[WAKE_SAMPLES * 9 / 10]))
+        .kv("max_ms", ms(took[WAKE_SAMPLES - 1]))
+        .print();
+    Ok(())
 }
 
 /// The relay's publisher factory: a publisher that accepts every record and does nothing.
