@@ -365,11 +365,7 @@ impl Outbox {
         let (keys, topic, error, age) = filter.params();
         let sql = self.statements();
         let n = if dry_run {
-            let n: i64 = client
-                .query_one(&sql.count_where, &[&keys, &topic, &error, &age, &"dead"])
-                .map_err(|e| self.db_error(e))?
-                .get(0);
-            u64::try_from(n).unwrap_or(0)
+            self.count_matching(client, filter, "dead")?
         } else {
             client
                 .execute(&sql.redrive_where, &[&keys, &topic, &error, &age])
@@ -410,11 +406,7 @@ impl Outbox {
         };
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
         if dry_run {
-            let n: i64 = client
-                .query_one(&sql.count_where, &[&keys, &topic, &error, &age, &status])
-                .map_err(|e| self.db_error(e))?
-                .get(0);
-            return Ok(count(n));
+            return self.count_matching(client, filter, status);
         }
         let mut total = 0;
         loop {
@@ -435,6 +427,19 @@ impl Outbox {
             log::info!("outbox {}: purged {total} {status} rows", self.table());
         }
         Ok(total)
+    }
+
+    /// What a dry run reports: the rows in `status` that match `filter`.
+    fn count_matching(&self, client: &mut Client, filter: &Filter, status: &str) -> Result<u64> {
+        let (keys, topic, error, age) = filter.params();
+        let n: i64 = client
+            .query_one(
+                &self.statements().count_where,
+                &[&keys, &topic, &error, &age, &status],
+            )
+            .map_err(|e| self.db_error(e))?
+            .get(0);
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     fn purge_inbox_where(

@@ -42,39 +42,6 @@ fn fails(outbox: &Outbox, args: &[&str], code: i32) -> String {
     String::from_utf8(output.stderr).expect("utf-8 output")
 }
 
-/// Dead letters of two topics and three errors (two of them old), an old sent row, a pending
-/// row and a dedupe record.
-fn rows(client: &mut Client, outbox: &Outbox) {
-    let mut tx = client.transaction().unwrap();
-    for (key, topic) in [
-        ("d1", "orders"),
-        ("d2", "orders"),
-        ("d3", "invoices"),
-        ("d4", "invoices"),
-        ("s1", "orders"),
-        ("p1", "orders"),
-    ] {
-        outbox
-            .enqueue(&mut tx, Message::new(topic, "x").key(key))
-            .unwrap();
-    }
-    outbox.dedupe(&mut tx, "billing", "m1").unwrap();
-    tx.commit().unwrap();
-    let t = quoted(outbox);
-    client
-        .batch_execute(&format!(
-            "UPDATE {t} SET status = 'dead', attempts = 3, done_at = now() - interval '10 days',
-                            last_error = 'timeout talking to broker' WHERE key IN ('d1', 'd3');
-             UPDATE {t} SET status = 'dead', attempts = 3, done_at = now(),
-                            last_error = 'timeout talking to broker' WHERE key = 'd2';
-             UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(),
-                            last_error = 'bad payload' WHERE key = 'd4';
-             UPDATE {t} SET status = 'sent', attempts = 1, done_at = now() - interval '10 days'
-             WHERE key = 's1';"
-        ))
-        .unwrap();
-}
-
 fn json(text: &str) -> Value {
     serde_json::from_str(text).expect("valid JSON")
 }
@@ -110,7 +77,7 @@ fn migrate_and_sql() {
 #[test]
 fn stats_show_states_ages_and_topics() {
     let (outbox, mut client) = outbox("cli_stats");
-    rows(&mut client, &outbox);
+    operator_rows(&mut client, &outbox);
     let stats = json(&ok(&outbox, &["stats", "--json"]));
     assert_eq!(
         (
@@ -123,7 +90,7 @@ fn stats_show_states_ages_and_topics() {
             &Value::from(1),
             &Value::from(1),
             &Value::from(0),
-            &Value::from(4)
+            &Value::from(5)
         )
     );
     assert!(stats["oldest_pending_age_secs"].as_f64().is_some());
@@ -132,14 +99,14 @@ fn stats_show_states_ages_and_topics() {
         stats["topics"],
         json(
             r#"[{"topic": "invoices", "pending": 0, "dead": 2},
-                 {"topic": "orders", "pending": 1, "dead": 2}]"#
+                 {"topic": "orders", "pending": 1, "dead": 3}]"#
         )
     );
     let text = ok(&outbox, &["stats"]);
-    assert!(text.contains("dead               4"), "{text}");
+    assert!(text.contains("dead               5"), "{text}");
     assert!(
         text.lines()
-            .any(|l| l.starts_with("orders") && l.ends_with(" 2")),
+            .any(|l| l.starts_with("orders") && l.ends_with(" 3")),
         "{text}"
     );
 }
@@ -147,7 +114,7 @@ fn stats_show_states_ages_and_topics() {
 #[test]
 fn dead_lists_and_groups_what_its_filters_name() {
     let (outbox, mut client) = outbox("cli_dead");
-    rows(&mut client, &outbox);
+    operator_rows(&mut client, &outbox);
     let keys = |args: &[&str]| -> Vec<String> {
         let mut all = vec!["dead", "--json"];
         all.extend_from_slice(args);
@@ -160,8 +127,8 @@ fn dead_lists_and_groups_what_its_filters_name() {
         keys.sort();
         keys
     };
-    assert_eq!(keys(&[]), ["d1", "d2", "d3", "d4"]);
-    assert_eq!(keys(&["--topic", "orders"]), ["d1", "d2"]);
+    assert_eq!(keys(&[]), ["d1", "d2", "d3", "d4", "d5"]);
+    assert_eq!(keys(&["--topic", "orders"]), ["d1", "d2", "d5"]);
     assert_eq!(keys(&["--error-contains", "bad"]), ["d4"]);
     assert_eq!(keys(&["--older-than", "7d"]), ["d1", "d3"]);
     assert_eq!(keys(&["--key", "d2", "--key", "d3"]), ["d2", "d3"]);
@@ -173,14 +140,14 @@ fn dead_lists_and_groups_what_its_filters_name() {
     assert_eq!(groups[0]["sample_key"], "d1");
     assert_eq!(groups[1]["count"], 1);
     let text = ok(&outbox, &["dead", "--by-error"]);
-    assert_eq!(text.lines().count(), 2, "{text}");
+    assert_eq!(text.lines().count(), 3, "{text}");
     assert!(ok(&outbox, &["dead"]).contains("timeout talking to broker"));
 }
 
 #[test]
 fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     let (outbox, mut client) = outbox("cli_redrive");
-    rows(&mut client, &outbox);
+    operator_rows(&mut client, &outbox);
     let before = statuses(&mut client, &outbox);
 
     let refused = fails(&outbox, &["redrive"], 1);
@@ -192,7 +159,7 @@ fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     assert_eq!(dry.trim(), "would redrive 3 dead letters");
     assert_eq!(
         ok(&outbox, &["redrive", "--all", "--dry-run"]).trim(),
-        "would redrive 4 dead letters"
+        "would redrive 5 dead letters"
     );
     assert_eq!(
         statuses(&mut client, &outbox),
@@ -214,14 +181,14 @@ fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     assert_eq!(row_state(&mut client, &outbox, "d4"), ("pending".into(), 0));
     assert_eq!(
         ok(&outbox, &["redrive", "--all"]).trim(),
-        "redrove 2 dead letters"
+        "redrove 3 dead letters"
     );
 }
 
 #[test]
 fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     let (outbox, mut client) = outbox("cli_purge");
-    rows(&mut client, &outbox);
+    operator_rows(&mut client, &outbox);
     assert_eq!(
         ok(
             &outbox,
@@ -230,7 +197,7 @@ fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
         .trim(),
         "would purge 2 dead letters"
     );
-    assert_eq!(count(&mut client, &outbox, "true"), 6);
+    assert_eq!(count(&mut client, &outbox, "true"), 7);
     assert_eq!(
         ok(
             &outbox,
@@ -254,7 +221,7 @@ fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
         .into_iter()
         .map(|(k, _)| k)
         .collect();
-    assert_eq!(left, ["d3", "d4", "p1"]);
+    assert_eq!(left, ["d3", "d4", "d5", "p1"]);
     assert_eq!(
         ok(&outbox, &["purge", "inbox", "--key", "m1", "--dry-run"]).trim(),
         "would purge 1 dedupe records"

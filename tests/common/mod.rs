@@ -301,3 +301,40 @@ pub fn count(client: &mut Client, outbox: &Outbox, filter: &str) -> i64 {
         .expect("count")
         .get(0)
 }
+
+/// Rows in every state for the operator tests: dead letters of two topics and three errors
+/// (`d1`, `d3` ten days old; `d5` without an error), a sent row ten days old (`s1`), a
+/// pending row (`p1`), and consumer `billing`'s dedupe record of `m1`.
+pub fn operator_rows(client: &mut Client, outbox: &Outbox) {
+    let mut tx = client.transaction().expect("begin");
+    for (key, topic) in [
+        ("d1", "orders"),
+        ("d2", "orders"),
+        ("d3", "invoices"),
+        ("d4", "invoices"),
+        ("d5", "orders"),
+        ("s1", "orders"),
+        ("p1", "orders"),
+    ] {
+        outbox
+            .enqueue(&mut tx, postgres_outbox::Message::new(topic, "x").key(key))
+            .expect("enqueue");
+    }
+    outbox.dedupe(&mut tx, "billing", "m1").expect("dedupe");
+    tx.commit().expect("commit");
+    let t = quoted(outbox);
+    client
+        .batch_execute(&format!(
+            "UPDATE {t} SET status = 'dead', attempts = 3, done_at = now() - interval '10 days',
+                            last_error = 'timeout talking to broker' WHERE key IN ('d1', 'd3');
+             UPDATE {t} SET status = 'dead', attempts = 3, done_at = now(),
+                            last_error = 'timeout talking to broker' WHERE key = 'd2';
+             UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(),
+                            last_error = 'bad payload' WHERE key = 'd4';
+             UPDATE {t} SET status = 'dead', attempts = 1, done_at = now(), last_error = NULL
+             WHERE key = 'd5';
+             UPDATE {t} SET status = 'sent', attempts = 1, done_at = now() - interval '10 days'
+             WHERE key = 's1';"
+        ))
+        .expect("age the rows");
+}
