@@ -102,12 +102,16 @@ impl Dispatcher {
                         self.shared.config.name
                     );
                     let resume = after(pause);
+                    // Results of the lost channel still come in meanwhile; once every worker
+                    // has gone (they only end by panicking) there are none to wait for.
+                    let mut results = self.results.clone();
                     let stopped = loop {
                         select! {
                             recv(self.stop) -> _ => break true,
                             recv(resume) -> _ => break false,
-                            recv(self.results) -> done => if let Ok(done) = done {
-                                self.stale(done);
+                            recv(results) -> done => match done {
+                                Ok(done) => self.stale(done),
+                                Err(_) => results = never(),
                             },
                         }
                     };

@@ -408,7 +408,10 @@ impl Consumer {
         let endpoint = Endpoint::parse(&config.url)?;
         // Fail fast on a wrong broker or queue; the dispatcher opens its own connection.
         check_broker(endpoint.open()?, &config)?;
-        check_tables(&pool, &outbox)?;
+        // A database that is down now must not hold the start up for the pool's timeout.
+        let mut probe = pool.get_timeout(Duration::from_secs(5));
+        check_tables(probe.as_deref_mut().map_err(|e| e.to_string()), &outbox)?;
+        drop(probe);
 
         let shared = Arc::new(Shared {
             config,
@@ -507,8 +510,8 @@ fn check_broker(mut connection: amiquip::Connection, config: &ConsumerConfig) ->
 }
 
 /// The consumer's tables must exist, if the database can say so now.
-fn check_tables(pool: &dyn Pool, outbox: &Outbox) -> Result<(), Error> {
-    let mut conn = match pool.get() {
+fn check_tables(conn: Result<&mut postgres::Client, String>, outbox: &Outbox) -> Result<(), Error> {
+    let conn = match conn {
         Ok(conn) => conn,
         Err(e) => {
             log::warn!("rabbitmq consumer: no database connection to check the tables: {e}");
