@@ -76,6 +76,13 @@ impl Broker {
         }
     }
 
+    /// A fresh durable queue on the default exchange, for a consumer to read.
+    fn plain_queue(&self, name: &str) -> String {
+        let queue = unique_name(&format!("q_{name}"));
+        self.queue(&queue, "", FieldTable::new());
+        queue
+    }
+
     /// A fresh exchange and a fresh queue bound to it for every routing key.
     fn routed(&self, name: &str, arguments: FieldTable) -> (String, String) {
         let (exchange, queue) = (
@@ -498,8 +505,7 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
     let (outbox, mut client) = outbox("rmq_consume");
     let table = handled_table(&mut client);
     let broker = Broker::new();
-    let queue = unique_name("q_consume");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("consume");
     let calls = Arc::new(AtomicUsize::new(0));
 
     let handler_table = table.clone();
@@ -589,8 +595,7 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
     let (outbox, mut client) = outbox("rmq_stop");
     let table = handled_table(&mut client);
     let broker = Broker::new();
-    let queue = unique_name("q_stop");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("stop");
     let total = 40;
     for i in 0..total {
         broker.send(&queue, Some(&format!("m{i}")), b"x");
@@ -697,8 +702,7 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
 
     // No dead-letter exchange: a rejected message would be gone.
     let broker = Broker::new();
-    let queue = unique_name("q_outage");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("outage");
     let calls = Arc::new(AtomicUsize::new(0));
     let (handler_table, handler_calls) = (table.clone(), calls.clone());
     let consumer = Consumer::spawn(
@@ -866,8 +870,7 @@ impl ConsumerMetrics for ConsumerCounts {
 fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
     let (outbox, _client) = outbox("rmq_cmetrics");
     let broker = Broker::new();
-    let queue = unique_name("q_cmetrics");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("cmetrics");
     let counts = ConsumerCounts::default();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "metered")
@@ -925,8 +928,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     let (outbox, mut client) = outbox("rmq_poison");
     let broker = Broker::new();
     // No dead-letter exchange: the consumer's own dead-letter queue must catch it.
-    let queue = unique_name("q_poison");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("poison");
     let calls = Arc::new(AtomicUsize::new(0));
     let spawn = |backoff: Duration| {
         let calls = calls.clone();
@@ -988,8 +990,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
 fn retries_back_off_exponentially() {
     let (outbox, _client) = outbox("rmq_backoff");
     let broker = Broker::new();
-    let queue = unique_name("q_backoff");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("backoff");
     let calls: Arc<Mutex<Vec<Instant>>> = Arc::default();
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
@@ -1060,8 +1061,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
     let (outbox, mut client) = outbox("rmq_order");
     let table = ordered_table(&mut client);
     let broker = Broker::new();
-    let queue = unique_name("q_order");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("order");
     let failures: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     let (handler_table, handler_failures) = (table.clone(), failures.clone());
     let consumer = Consumer::spawn(
@@ -1127,8 +1127,7 @@ fn order_is_kept_through_failures_at_concurrency_4() {
 fn a_failing_aggregate_holds_only_itself() {
     let (outbox, _client) = outbox("rmq_holds");
     let broker = Broker::new();
-    let queue = unique_name("q_holds");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("holds");
     let release = Arc::new(AtomicBool::new(false));
     let handled: Arc<Mutex<Vec<String>>> = Arc::default();
     let (handler_release, handler_handled) = (release.clone(), handled.clone());
@@ -1174,8 +1173,7 @@ fn a_failing_aggregate_holds_only_itself() {
 fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     let (outbox, _client) = outbox("rmq_cut");
     let broker = Broker::new();
-    let queue = unique_name("q_cut");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("cut");
     let calls = Arc::new(AtomicUsize::new(0));
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
@@ -1205,8 +1203,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
 fn a_message_without_an_id_is_dead_lettered_unhandled() {
     let (outbox, _client) = outbox("rmq_noid");
     let broker = Broker::new();
-    let queue = unique_name("q_noid");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("noid");
     let calls = Arc::new(AtomicUsize::new(0));
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
@@ -1266,8 +1263,7 @@ fn consumer_settings_that_cannot_work_are_refused_before_connecting() {
 fn a_consumer_of_an_outbox_never_migrated_is_refused() {
     let outbox = Outbox::new(&unique_name("never_migrated")).unwrap();
     let broker = Broker::new();
-    let queue = unique_name("q_unmigrated");
-    broker.queue(&queue, "", FieldTable::new());
+    let queue = broker.plain_queue("unmigrated");
     let refused = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "c"),
         outbox,
