@@ -26,6 +26,16 @@ CREATE UNLOGGED TABLE {waiting} (
     seen  timestamptz NOT NULL DEFAULT now()
 );
 
+-- Wakes a waiting relay, if there is one; the notification goes out at commit. The one place
+-- that decides whether an enqueue notifies.
+CREATE FUNCTION {notify_fn}() RETURNS void LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;
+END
+$fn$;
+
 -- Enqueue through functions: PL/pgSQL keeps each statement's plan for the session, where a
 -- statement sent as text is parsed and planned on every call. Still one round trip.
 --
@@ -47,9 +57,7 @@ BEGIN
         RETURN false;
     END IF;
     IF p_notify THEN
-        IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
-            PERFORM pg_notify('{channel}', '');
-        END IF;
+        PERFORM {notify_fn}();
     END IF;
     RETURN true;
 END
@@ -87,9 +95,7 @@ BEGIN
     SELECT array_agg(ctid) INTO inserted FROM ins;
     IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
         IF p_notify THEN
-            IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
-                PERFORM pg_notify('{channel}', '');
-            END IF;
+            PERFORM {notify_fn}();
         END IF;
         RETURN NULL;
     END IF;

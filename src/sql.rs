@@ -120,11 +120,7 @@ impl Statements {
                  max_attempts) FROM STDIN (FORMAT binary)"
             ),
             existing_keys: format!("SELECT key FROM {t} WHERE key = ANY($1) ORDER BY key"),
-            // As the enqueue functions decide it.
-            notify_if_waiting: format!(
-                "SELECT pg_notify('{channel}', '') WHERE EXISTS (
-                   SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')"
-            ),
+            notify_if_waiting: format!("SELECT {}()", table.companion("_notify")),
             enqueue: format!("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
             enqueue_all: format!(
                 "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
@@ -226,9 +222,12 @@ impl Statements {
                 "SELECT count(*) FROM {inbox} WHERE key = ANY($1)
                    AND ($2::bigint IS NULL OR processed_at < now() - $2 * interval '1 microsecond')"
             ),
+            // What `purge_inbox` would delete: dedupe records and stray failure counts.
             count_inbox_older: format!(
-                "SELECT count(*) FROM {inbox}
-                 WHERE processed_at < now() - $1::bigint * interval '1 microsecond'"
+                "SELECT (SELECT count(*) FROM {inbox}
+                         WHERE processed_at < now() - $1::bigint * interval '1 microsecond')
+                      + (SELECT count(*) FROM {failures}
+                         WHERE updated_at < now() - $1::bigint * interval '1 microsecond')"
             ),
             // The inbox has no index on processed_at (every dedupe would pay for one), so
             // purging walks the primary key once, a bounded batch per statement from the
@@ -480,6 +479,7 @@ impl Migration {
             .replace("{inbox}", &table.companion("_inbox"))
             .replace("{failures}", &table.companion("_failures"))
             .replace("{waiting}", &table.companion("_waiting"))
+            .replace("{notify_fn}", &table.companion("_notify"))
             .replace("{enqueue_fn}", &table.companion("_enqueue"))
             .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
             .replace("{channel}", &table.channel())

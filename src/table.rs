@@ -12,6 +12,7 @@ const SUFFIXES: &[&str] = &[
     "_failures",
     "_enqueue",
     "_waiting",
+    "_notify",
     "_enqueue_n",
     "_counts",
     "_key",

@@ -1653,6 +1653,12 @@ fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() 
     ))?;
 
     let day = Duration::from_secs(24 * 3600);
+    // A dry run counts what the purge then deletes.
+    let old = Filter::new().older_than(day);
+    assert_eq!(
+        outbox.purge_where(&mut client, PurgeTarget::Inbox, &old, true)?,
+        1_251
+    );
     assert_eq!(
         outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
         1_251

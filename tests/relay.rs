@@ -1385,10 +1385,13 @@ fn join_returns_when_the_table_is_dropped() {
     let relay = Relay::spawn(config).unwrap();
     let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
     wait_until("published", || sink.contains(&key));
+    assert!(!relay.has_stopped());
 
     client
         .batch_execute(&format!("DROP TABLE {}", quoted(&outbox)))
         .unwrap();
+    // What a caller waiting on something else (the CLI, on a signal) polls.
+    wait_until("the relay says it stopped", || relay.has_stopped());
     let joined = thread::spawn(move || relay.join());
     wait_until("the relay stops on its own", || joined.is_finished());
     let err = joined.join().unwrap().unwrap_err();

@@ -219,9 +219,10 @@ pub fn drop_outbox(client: &mut Client, outbox: &Outbox) -> Result<()> {
         None => format!("\"{name}{suffix}\""),
     };
     client.batch_execute(&format!(
-        "DROP FUNCTION IF EXISTS {}, {}",
+        "DROP FUNCTION IF EXISTS {}, {}, {}",
         qualified("_enqueue"),
-        qualified("_enqueue_n")
+        qualified("_enqueue_n"),
+        qualified("_notify")
     ))?;
     Ok(())
 }
