@@ -49,13 +49,17 @@ pub(crate) struct Guarded<M>(pub(crate) M);
 
 static PANIC_LOGGED: AtomicBool = AtomicBool::new(false);
 
+/// Runs a metrics callback (the relay's or a consumer's); a panic in it is logged the first
+/// time and otherwise ignored, so observing can never stop what is observed.
+pub(crate) fn contained(name: &str, f: impl FnOnce()) {
+    if catch_unwind(AssertUnwindSafe(f)).is_err() && !PANIC_LOGGED.swap(true, Ordering::Relaxed) {
+        log::error!("a metrics callback ({name}) panicked; ignoring it and any later panics");
+    }
+}
+
 impl<M: Metrics> Guarded<M> {
     fn call(&self, name: &str, f: impl FnOnce(&M)) {
-        if catch_unwind(AssertUnwindSafe(|| f(&self.0))).is_err()
-            && !PANIC_LOGGED.swap(true, Ordering::Relaxed)
-        {
-            log::error!("a Metrics callback ({name}) panicked; ignoring it and any later panics");
-        }
+        contained(name, || f(&self.0));
     }
 }
 

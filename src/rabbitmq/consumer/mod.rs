@@ -11,7 +11,6 @@ mod lanes;
 mod worker;
 
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -304,12 +303,7 @@ impl Shared {
     /// Calls the metrics hook; a panic in it is logged and goes no further.
     fn observe(&self, f: impl FnOnce(&dyn ConsumerMetrics)) {
         let metrics = self.config.metrics.as_ref();
-        if catch_unwind(AssertUnwindSafe(|| f(metrics))).is_err() {
-            log::error!(
-                "rabbitmq consumer {}: a ConsumerMetrics callback panicked; ignoring it",
-                self.config.name
-            );
-        }
+        crate::metrics::contained("ConsumerMetrics", || f(metrics));
     }
 }
 
