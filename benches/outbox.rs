@@ -28,6 +28,11 @@
 //!   round-robin over 40 aggregates, or all in one aggregate, into a no-op publisher;
 //!   `vs_unordered=` is its rate over `unordered`'s. A shape still draining after the time cap
 //!   gets its rate from the rows sent so far, with `sent=<rows> capped=true`;
+//! - `enqueue-parts`: where an enqueue's cost goes, on one connection, in microseconds per
+//!   transaction over an empty one: the hand-written prepared INSERT (`raw_us`), our
+//!   `enqueue` (`enqueue_us`), the same function call prepared (`call_prepared_us`), and our
+//!   row by a prepared INSERT without the function (`insert_prepared_us`), and that INSERT
+//!   sent as text every time (`insert_sent_us`);
 //! - `wake`: an idle relay (polling once an hour) woken by enqueues' notifications: the
 //!   median, 90th percentile and maximum time from commit to the publisher, in ms;
 //! - `rss`: `Relay` with default settings draining rows of 1 MiB payloads into a no-op
@@ -97,6 +102,9 @@ fn main() -> Result<()> {
     }
     if settings.wants("wake") {
         wake(&scratch)?;
+    }
+    if settings.wants("enqueue-parts") {
+        enqueue_parts(&scratch)?;
     }
     Ok(())
 }
@@ -647,6 +655,142 @@ fn proc_status_mib(field: &str) -> Result<f64> {
         .ok_or_else(|| format!("no {field} in /proc/self/status"))?
         .parse()?;
     Ok(kb / 1024.0)
+}
+
+// ------------------------------------------------------------------ enqueue-parts
+
+const PARTS_ROUNDS: u32 = 4;
+
+/// Where an enqueue's cost goes, on one connection: each variant is a transaction of its own
+/// (BEGIN, one write, COMMIT) and the line gives its microseconds over an empty one.
+/// `raw` is the hand-written prepared INSERT; `enqueue` our call as sent (parsed and planned
+/// on every call); `call_prepared` the same call prepared once; `insert_prepared` our row
+/// written by a prepared INSERT with `ON CONFLICT`, no function; `insert_sent` that INSERT
+/// sent as text, parsed and planned on every call, as enqueue was before the function.
+fn enqueue_parts(scratch: &Scratch) -> Result<()> {
+    let outbox = scratch.outbox(false)?;
+    let raw_table = scratch.raw_outbox()?;
+    let mut client = scratch.client()?;
+    let (table, schema) = (outbox.table().to_owned(), outbox.table().split_once('.'));
+    let function = match schema {
+        Some((schema, name)) => format!("{schema}.{name}_enqueue"),
+        None => format!("{table}_enqueue"),
+    };
+    let raw = client.prepare(&format!(
+        "INSERT INTO {raw_table} (key, topic, aggregate_key, payload, headers) \
+         VALUES ($1, $2, $3, $4, $5::text::jsonb)"
+    ))?;
+    let types = [
+        Type::TEXT,
+        Type::TEXT,
+        Type::TEXT,
+        Type::BYTEA,
+        Type::TEXT,
+        Type::TEXT_ARRAY,
+        Type::TIMESTAMPTZ,
+        Type::INT8,
+        Type::INT4,
+        Type::BOOL,
+    ];
+    let call = client.prepare_typed(
+        &format!("SELECT {function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+        &types,
+    )?;
+    let insert_sql = format!(
+        "INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers, \
+                              available_at, max_attempts) \
+         VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now() + $8 * interval '1 microsecond'), $9) \
+         ON CONFLICT (key) DO NOTHING"
+    );
+    let insert = client.prepare_typed(&insert_sql, &types[..9])?;
+    let payload = payload();
+    let no_headers: Vec<String> = Vec::new();
+    let no_time: Option<std::time::SystemTime> = None;
+    let no_limit: Option<i32> = None;
+    let variants = [
+        "empty",
+        "raw",
+        "enqueue",
+        "call_prepared",
+        "insert_prepared",
+        "insert_sent",
+    ];
+    let mut spent = vec![(Duration::ZERO, 0u64); variants.len()];
+    for _ in 0..PARTS_ROUNDS {
+        for (v, variant) in variants.iter().enumerate() {
+            let started = Instant::now();
+            let mut n = 0u64;
+            while started.elapsed() < Duration::from_secs(1) {
+                let key = uuid::Uuid::now_v7();
+                let text_key = key.to_string();
+                let aggregate = format!("order-{n}");
+                let mut tx = client.transaction()?;
+                let ours: [&(dyn postgres::types::ToSql + Sync); 10] = [
+                    &text_key,
+                    &"order.created",
+                    &aggregate,
+                    &payload,
+                    &"application/json",
+                    &no_headers,
+                    &no_time,
+                    &0i64,
+                    &no_limit,
+                    &false,
+                ];
+                match *variant {
+                    "raw" => {
+                        tx.execute(
+                            &raw,
+                            &[
+                                &key,
+                                &"order.created",
+                                &aggregate,
+                                &payload,
+                                &r#"{"content-type": "application/json"}"#,
+                            ],
+                        )?;
+                    }
+                    "enqueue" => {
+                        outbox.enqueue(
+                            &mut tx,
+                            Message::new("order.created", payload.clone())
+                                .key(text_key.clone())
+                                .aggregate_key(aggregate.clone())
+                                .content_type("application/json"),
+                        )?;
+                    }
+                    "call_prepared" => {
+                        tx.query_one(&call, &ours)?;
+                    }
+                    "insert_prepared" => {
+                        tx.execute(&insert, &ours[..9])?;
+                    }
+                    "insert_sent" => {
+                        let typed: Vec<_> = ours[..9].iter().copied().zip(types.clone()).collect();
+                        tx.execute_typed(&insert_sql, &typed)?;
+                    }
+                    _ => {}
+                }
+                tx.commit()?;
+                n += 1;
+            }
+            spent[v].0 += started.elapsed();
+            spent[v].1 += n;
+        }
+    }
+    let micros = |(took, n): (Duration, u64)| took.as_secs_f64() * 1e6 / n.max(1) as f64;
+    let empty = micros(spent[0]);
+    let mut line = Line::new("enqueue-parts")
+        .kv("rounds", PARTS_ROUNDS)
+        .kv("empty_us", format!("{empty:.0}"));
+    for (v, variant) in variants.iter().enumerate().skip(1) {
+        line = line.kv(
+            &format!("{variant}_us"),
+            format!("{:.0}", micros(spent[v]) - empty),
+        );
+    }
+    line.print();
+    Ok(())
 }
 
 // ------------------------------------------------------------------ wake
