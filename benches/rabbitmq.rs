@@ -17,6 +17,9 @@
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
 //!   broker; `vs_db_only=` is the consumer's rate over that. Two rounds, taking turns.
+//!   `db_only_cpu_us=` and `cpu_us=` are this process's CPU per message in each (the
+//!   database server's is not counted), `broker_cpu_us=` the broker's while the consumer
+//!   drains (`?` when no `beam.smp` runs on this machine).
 //!
 //! Messages are persistent, 512 bytes, into a durable queue, purged before each measurement.
 //! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
@@ -156,24 +159,29 @@ fn main() -> Result<()> {
                     "unordered"
                 };
                 let outbox = fresh_outbox(&mut client)?;
+                let cpu = CpuTimes::now();
                 let db_only = db_only_rate(&db_url, &outbox, consumed, concurrency)?;
+                let db_only_cpu = cpu.per_op(consumed);
                 drop_outbox(&mut client, &outbox)?;
                 let outbox = fresh_outbox(&mut client)?;
-                let rate = consumer_rate(
-                    &db_url,
-                    &amqp_url,
-                    &outbox,
-                    consumed,
-                    concurrency,
-                    aggregates,
-                )?;
+                // The broker's work filling the queue is not the consumer's.
+                Broker::connect()?.fill(CONSUMED, consumed, aggregates)?;
+                let cpu = CpuTimes::now();
+                let rate = consumer_rate(&db_url, &amqp_url, &outbox, consumed, concurrency)?;
+                let consumer_cpu = cpu.per_op(consumed);
                 drop_outbox(&mut client, &outbox)?;
                 println!(
                     "bench=consumer round={round} concurrency={concurrency} shape={shape} \
-                     messages={consumed} db_only={} rate={} vs_db_only={}",
+                     messages={consumed} db_only={} rate={} vs_db_only={} \
+                     db_only_cpu_us={:.0} cpu_us={:.0} broker_cpu_us={}",
                     fmt_rate(db_only),
                     fmt_rate(rate),
-                    ratio(rate, db_only)
+                    ratio(rate, db_only),
+                    db_only_cpu.0,
+                    consumer_cpu.0,
+                    consumer_cpu
+                        .1
+                        .map_or("?".to_owned(), |us| format!("{us:.0}")),
                 );
             }
         }
@@ -216,16 +224,14 @@ fn db_only_rate(db_url: &str, outbox: &Outbox, messages: usize, threads: usize) 
     Ok(messages as f64 / started.elapsed().as_secs_f64())
 }
 
-/// A `Consumer` with a no-op handler draining `messages` from a freshly filled queue.
+/// A `Consumer` with a no-op handler draining `messages` from the filled queue.
 fn consumer_rate(
     db_url: &str,
     amqp_url: &str,
     outbox: &Outbox,
     messages: usize,
     concurrency: usize,
-    aggregates: Option<usize>,
 ) -> Result<f64> {
-    Broker::connect()?.fill(CONSUMED, messages, aggregates)?;
     let manager = PostgresConnectionManager::new(db_url.parse()?, NoTls);
     let pool = r2d2::Pool::builder()
         .max_size(concurrency as u32)
@@ -245,6 +251,51 @@ fn consumer_rate(
     let took = started.elapsed();
     consumer.shutdown(Duration::from_secs(10));
     Ok(messages as f64 / took.as_secs_f64())
+}
+
+/// CPU time (user and system) of this process and of the broker (`beam.smp`, if it runs on
+/// this machine), read from `/proc` in clock ticks of 10 ms (Linux's USER_HZ).
+struct CpuTimes {
+    own: f64,
+    broker: Option<f64>,
+}
+
+impl CpuTimes {
+    fn now() -> CpuTimes {
+        CpuTimes {
+            own: cpu_seconds("self").unwrap_or(0.0),
+            broker: broker_pid().and_then(|pid| cpu_seconds(&pid)),
+        }
+    }
+
+    /// Microseconds of CPU per operation since `self`: ours, and the broker's.
+    fn per_op(&self, ops: usize) -> (f64, Option<f64>) {
+        let later = CpuTimes::now();
+        let per = |secs: f64| secs * 1e6 / ops.max(1) as f64;
+        let broker = match (self.broker, later.broker) {
+            (Some(before), Some(after)) => Some(per(after - before)),
+            _ => None,
+        };
+        (per(later.own - self.own), broker)
+    }
+}
+
+fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may hold spaces, ends with ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+fn broker_pid() -> Option<String> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
+            (comm.trim() == "beam.smp").then(|| entry.file_name().to_string_lossy().into_owned())
+        })
 }
 
 /// A fresh, migrated, empty outbox.
