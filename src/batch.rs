@@ -27,6 +27,7 @@ pub(crate) struct Batch {
     available_at: Vec<Option<std::time::SystemTime>>,
     delays: Vec<i64>,
     max_attempts: Vec<Option<i32>>,
+    parks: Vec<Option<bool>>,
 }
 
 impl Batch {
@@ -44,6 +45,7 @@ impl Batch {
             available_at: Vec::with_capacity(n),
             delays: Vec::with_capacity(n),
             max_attempts: Vec::with_capacity(n),
+            parks: Vec::with_capacity(n),
         };
         let mut seen = std::collections::HashSet::with_capacity(n);
         let mut repeated = Vec::new();
@@ -69,6 +71,7 @@ impl Batch {
             batch.available_at.push(at);
             batch.delays.push(delay);
             batch.max_attempts.push(message.max_attempts_param());
+            batch.parks.push(message.park);
             batch.keys.push(key);
             batch.topics.push(message.topic);
             batch.aggregate_keys.push(message.aggregate_key);
@@ -101,7 +104,7 @@ impl Batch {
     /// One round trip: the batch enqueue function.
     fn insert(&self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<()> {
         let notify = outbox.notifies();
-        let params: [(&(dyn ToSql + Sync), Type); 12] = [
+        let params: [(&(dyn ToSql + Sync), Type); 13] = [
             (&self.keys, Type::TEXT_ARRAY),
             (&self.topics, Type::TEXT_ARRAY),
             (&self.aggregate_keys, Type::TEXT_ARRAY),
@@ -113,6 +116,7 @@ impl Batch {
             (&self.max_attempts, Type::INT4_ARRAY),
             (&self.header_offsets, Type::INT4_ARRAY),
             (&self.header_lens, Type::INT4_ARRAY),
+            (&self.parks, Type::BOOL_ARRAY),
             (&notify, Type::BOOL),
         ];
         // NULL when all went in; otherwise the keys that exist, with nothing written.
@@ -127,7 +131,8 @@ impl Batch {
     }
 
     /// A binary `COPY` inside a savepoint, so an existing key (which fails the whole copy)
-    /// rolls back only the copy; then the notification, if a relay waits.
+    /// rolls back only the copy (and the aggregate locks taken for it); then the
+    /// notification, if a relay waits.
     fn copy(&self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<()> {
         let sql = outbox.statements();
         let types = [
@@ -138,25 +143,39 @@ impl Batch {
             Type::TEXT,
             Type::TEXT_ARRAY,
             Type::INT4,
+            Type::BOOL,
         ];
         let mut savepoint = tx.savepoint("outbox_enqueue_all")?;
-        let copied = savepoint.copy_in(&sql.copy_in).and_then(|sink| {
-            let mut writer = BinaryCopyInWriter::new(sink, &types);
-            for i in 0..self.keys.len() {
-                let start = self.header_offsets[i] as usize;
-                let headers = &self.headers[start..start + self.header_lens[i] as usize];
-                writer.write(&[
-                    &self.keys[i],
-                    &self.topics[i],
-                    &self.aggregate_keys[i],
-                    &self.payloads[i],
-                    &self.content_types[i],
-                    &headers,
-                    &self.max_attempts[i],
-                ])?;
-            }
-            writer.finish()
-        });
+        let locked = if self.aggregate_keys.iter().any(Option::is_some) {
+            savepoint
+                .query_typed(
+                    &sql.lock_aggregates,
+                    &[(&self.aggregate_keys, Type::TEXT_ARRAY)],
+                )
+                .map(drop)
+        } else {
+            Ok(())
+        };
+        let copied = locked
+            .and_then(|()| savepoint.copy_in(&sql.copy_in))
+            .and_then(|sink| {
+                let mut writer = BinaryCopyInWriter::new(sink, &types);
+                for i in 0..self.keys.len() {
+                    let start = self.header_offsets[i] as usize;
+                    let headers = &self.headers[start..start + self.header_lens[i] as usize];
+                    writer.write(&[
+                        &self.keys[i],
+                        &self.topics[i],
+                        &self.aggregate_keys[i],
+                        &self.payloads[i],
+                        &self.content_types[i],
+                        &headers,
+                        &self.max_attempts[i],
+                        &self.parks[i],
+                    ])?;
+                }
+                writer.finish()
+            });
         match copied {
             Ok(_) => savepoint.commit()?,
             Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {

@@ -9,7 +9,7 @@
 //! | `outbox_failed_total` | counter | `table`, `topic` | failed publish attempts |
 //! | `outbox_dead_lettered_total` | counter | `table`, `topic` | records that became dead letters |
 //! | `outbox_released_rows_total` | counter | `table` | claimed rows handed back unpublished |
-//! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
+//! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead`, `outbox_parked` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
@@ -77,6 +77,7 @@ impl OutboxMetrics {
             ("outbox_blocked", stats.blocked),
             ("outbox_in_flight", stats.in_flight),
             ("outbox_dead", stats.dead),
+            ("outbox_parked", stats.parked),
         ];
         for (name, value) in counts {
             gauge!(name, "table" => table.clone()).set(value as f64);
@@ -291,6 +292,7 @@ mod tests {
             in_flight: 1,
             sent: 100,
             dead: 3,
+            parked: 1,
             oldest_pending_age: Some(Duration::from_secs(90)),
             oldest_blocked_age: None,
         };
@@ -314,6 +316,7 @@ mod tests {
                 ("outbox_in_flight".to_owned(), 1.0),
                 ("outbox_oldest_blocked_age_seconds".to_owned(), 0.0),
                 ("outbox_oldest_pending_age_seconds".to_owned(), 90.0),
+                ("outbox_parked".to_owned(), 1.0),
                 ("outbox_pending".to_owned(), 7.0),
             ]
         );

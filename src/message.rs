@@ -40,6 +40,7 @@ pub struct Message {
     pub(crate) headers: Vec<(String, String)>,
     pub(crate) when: When,
     pub(crate) max_attempts: Option<u32>,
+    pub(crate) park: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +63,7 @@ impl Message {
             headers: Vec::new(),
             when: When::Delay(Duration::ZERO),
             max_attempts: None,
+            park: None,
         }
     }
 
@@ -107,6 +109,15 @@ impl Message {
     /// Overrides the relay's attempt limit for this message; must be at least 1.
     pub fn max_attempts(mut self, max_attempts: u32) -> Message {
         self.max_attempts = Some(max_attempts);
+        self
+    }
+
+    /// Overrides the relay's [`park_on_dead`](crate::RelayConfig::park_on_dead) for this
+    /// message: whether, should it become a dead letter, the later messages of its aggregate
+    /// wait for it to be redriven or skipped (`true`), or go on without it (`false`). A
+    /// message without an aggregate key never parks anything.
+    pub fn park_on_dead(mut self, park: bool) -> Message {
+        self.park = Some(park);
         self
     }
 

@@ -28,13 +28,18 @@ pub struct Stats {
     pub in_flight: u64,
     /// Rows published and not yet purged (kept as a counter, so this costs no scan).
     pub sent: u64,
-    /// Dead letters: rows that ran out of attempts or failed permanently.
+    /// Dead letters: rows that ran out of attempts or failed permanently (parked ones
+    /// included).
     pub dead: u64,
+    /// Aggregates held by a parked dead letter (see
+    /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)): their later
+    /// messages wait until it is redriven or skipped.
+    pub parked: u64,
     /// Age of the oldest row not yet sent or dead (pending or in flight).
     pub oldest_pending_age: Option<Duration>,
     /// Age of the oldest message that holds others back: the head of an aggregate with
-    /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying
-    /// or delayed); alert on it.
+    /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying,
+    /// delayed or parked); alert on it.
     pub oldest_blocked_age: Option<Duration>,
 }
 
@@ -102,6 +107,7 @@ pub struct Filter {
     topic: Option<String>,
     error_contains: Option<String>,
     older_than: Option<Duration>,
+    parked: bool,
 }
 
 impl Filter {
@@ -135,6 +141,13 @@ impl Filter {
         self
     }
 
+    /// Only dead letters that park their aggregate (see
+    /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)).
+    pub fn parked(mut self) -> Filter {
+        self.parked = true;
+        self
+    }
+
     /// True when the filter has no condition.
     pub fn is_empty(&self) -> bool {
         self == &Filter::default()
@@ -156,24 +169,36 @@ impl Filter {
         Ok(())
     }
 
-    /// The four parameters of the SQL filter.
-    fn params(&self) -> FilterParams<'_> {
+    /// The five parameters of the SQL filter (`sql::FILTER`) over rows in `states`; a
+    /// parked-only filter narrows dead letters to the parked ones.
+    fn params<'a>(&'a self, states: &'static [&'static str]) -> FilterParams<'a> {
+        let states = if self.parked && states.contains(&PARKED) {
+            &[PARKED]
+        } else {
+            states
+        };
         (
             (!self.keys.is_empty()).then_some(self.keys.as_slice()),
             self.topic.as_deref(),
             self.error_contains.as_deref(),
             self.older_than.map(micros),
+            states,
         )
     }
 }
 
-/// A filter as SQL parameters: keys, topic, error text, age in microseconds.
+/// A filter as SQL parameters: keys, topic, error text, age in microseconds, the states.
 type FilterParams<'a> = (
     Option<&'a [String]>,
     Option<&'a str>,
     Option<&'a str>,
     Option<i64>,
+    &'static [&'static str],
 );
+
+const PARKED: &str = "parked";
+/// Every dead letter: parked or not.
+const DEAD_LETTERS: &[&str] = &["dead", PARKED];
 
 /// Finished rows that [`Outbox::purge_where`] deletes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,6 +273,7 @@ impl Outbox {
             oldest_pending_age: age(5),
             blocked: count(6),
             oldest_blocked_age: age(7),
+            parked: count(8),
         })
     }
 
@@ -264,20 +290,20 @@ impl Outbox {
         limit: usize,
     ) -> Result<Vec<DeadLetter>> {
         filter.check()?;
-        let (keys, topic, error, age) = filter.params();
+        let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = client
             .query(
                 &self.statements().dead_where,
-                &[&keys, &topic, &error, &age, &limit],
+                &[&keys, &topic, &error, &age, &states, &limit],
             )
             .map_err(|e| self.db_error(e))?;
         rows.iter()
             .map(|row| {
                 Ok(DeadLetter {
                     record: Record::from_row(row)?,
-                    last_error: row.try_get(11)?,
-                    dead_at: row.try_get(12)?,
+                    last_error: row.try_get(12)?,
+                    dead_at: row.try_get(13)?,
                 })
             })
             .collect::<Result<_, postgres::Error>>()
@@ -292,11 +318,11 @@ impl Outbox {
         filter: &Filter,
     ) -> Result<Vec<ErrorGroup>> {
         filter.check()?;
-        let (keys, topic, error, age) = filter.params();
+        let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
         let rows = client
             .query(
                 &self.statements().dead_errors,
-                &[&keys, &topic, &error, &age],
+                &[&keys, &topic, &error, &age, &states],
             )
             .map_err(|e| self.db_error(e))?;
         rows.iter()
@@ -330,8 +356,9 @@ impl Outbox {
     }
 
     /// Makes dead letters pending again, due now with a fresh attempt budget; returns how
-    /// many. A redriven row of an aggregate may now be published after later rows of the
-    /// same aggregate that went out while it was dead.
+    /// many. A redriven row keeps its place in its aggregate: it goes before the messages
+    /// still pending behind it (a parked one first of all), but after those that went out
+    /// while it was dead, unless it was parked.
     pub fn redrive(&self, client: &mut Client, which: Redrive<'_>) -> Result<u64> {
         let filter = match which {
             Redrive::All => Filter::new(),
@@ -361,26 +388,67 @@ impl Outbox {
         filter: &Filter,
         dry_run: bool,
     ) -> Result<u64> {
-        filter.check()?;
-        let (keys, topic, error, age) = filter.params();
-        let sql = self.statements();
-        let n = if dry_run {
-            self.count_matching(client, filter, "dead")?
-        } else {
-            client
-                .execute(&sql.redrive_where, &[&keys, &topic, &error, &age])
-                .map_err(|e| self.db_error(e))?
-        };
+        let n = self.update_where(client, filter, dry_run, &self.statements().redrive_where)?;
         if n > 0 && !dry_run {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
         Ok(n)
     }
 
+    /// Lets the aggregates of the parked dead letters that match `filter` go on without
+    /// them: each stays a dead letter (it can still be redriven, but no longer goes first),
+    /// and the messages it held back are published in order. Returns how many; with
+    /// `dry_run`, only counts them.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{Filter, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let outbox = Outbox::new("orders_outbox")?;
+    /// outbox.skip(&mut client, &Filter::new().key("0190-poison"), false)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn skip(&self, client: &mut Client, filter: &Filter, dry_run: bool) -> Result<u64> {
+        let filter = filter.clone().parked();
+        let n = self.update_where(client, &filter, dry_run, &self.statements().skip_where)?;
+        if n > 0 && !dry_run {
+            log::info!("outbox {}: skipped {n} parked dead letters", self.table());
+        }
+        Ok(n)
+    }
+
+    /// Redrive or skip: one statement over the dead letters that match, then a wake-up for
+    /// a waiting relay, as their aggregates may move now.
+    fn update_where(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+        dry_run: bool,
+        update: &str,
+    ) -> Result<u64> {
+        filter.check()?;
+        if dry_run {
+            return self.count_matching(client, filter, DEAD_LETTERS);
+        }
+        let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
+        let sql = self.statements();
+        let n = client
+            .execute(update, &[&keys, &topic, &error, &age, &states])
+            .map_err(|e| self.db_error(e))?;
+        if n > 0 {
+            client
+                .execute(&sql.notify_if_waiting, &[])
+                .map_err(|e| self.db_error(e))?;
+        }
+        Ok(n)
+    }
+
     /// Deletes the finished rows of `target` that match `filter`, in batches of 1,000 rows
     /// each committed on its own, and returns how many; with `dry_run`, only counts them.
-    /// Pending rows are never touched. For [`PurgeTarget::Inbox`] only keys and age apply;
-    /// a topic or error filter is an error.
+    /// Pending rows are never touched, nor are parked dead letters: they hold their
+    /// aggregates, so redrive or skip them first. For [`PurgeTarget::Inbox`] only keys and
+    /// age apply; a topic or error filter is an error.
     pub fn purge_where(
         &self,
         client: &mut Client,
@@ -389,12 +457,18 @@ impl Outbox {
         dry_run: bool,
     ) -> Result<u64> {
         filter.check()?;
-        let (keys, topic, error, age) = filter.params();
+        if filter.parked {
+            return Err(Error::invalid(
+                "filter",
+                "parked dead letters are never purged: redrive or skip them first",
+            ));
+        }
         let sql = self.statements();
-        let status = match target {
-            PurgeTarget::Sent => "sent",
-            PurgeTarget::Dead => "dead",
+        let states: &'static [&'static str] = match target {
+            PurgeTarget::Sent => &["sent"],
+            PurgeTarget::Dead => &["dead"],
             PurgeTarget::Inbox => {
+                let (keys, topic, error, age, _) = filter.params(&[]);
                 if topic.is_some() || error.is_some() {
                     return Err(Error::invalid(
                         "filter",
@@ -406,15 +480,16 @@ impl Outbox {
         };
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
         if dry_run {
-            return self.count_matching(client, filter, status);
+            return self.count_matching(client, filter, states);
         }
+        let (keys, topic, error, age, states) = filter.params(states);
         let mut total = 0;
         loop {
             let slot: i16 = rand::thread_rng().gen_range(0..16);
             let n: i64 = client
                 .query_one(
                     &sql.purge_where,
-                    &[&keys, &topic, &error, &age, &status, &slot],
+                    &[&keys, &topic, &error, &age, &states, &slot],
                 )
                 .map_err(|e| self.db_error(e))?
                 .get(0);
@@ -424,18 +499,23 @@ impl Outbox {
             }
         }
         if total > 0 {
-            log::info!("outbox {}: purged {total} {status} rows", self.table());
+            log::info!("outbox {}: purged {total} {} rows", self.table(), states[0]);
         }
         Ok(total)
     }
 
-    /// What a dry run reports: the rows in `status` that match `filter`.
-    fn count_matching(&self, client: &mut Client, filter: &Filter, status: &str) -> Result<u64> {
-        let (keys, topic, error, age) = filter.params();
+    /// What a dry run reports: the rows in `states` that match `filter`.
+    fn count_matching(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+        states: &'static [&'static str],
+    ) -> Result<u64> {
+        let (keys, topic, error, age, states) = filter.params(states);
         let n: i64 = client
             .query_one(
                 &self.statements().count_where,
-                &[&keys, &topic, &error, &age, &status],
+                &[&keys, &topic, &error, &age, &states],
             )
             .map_err(|e| self.db_error(e))?
             .get(0);

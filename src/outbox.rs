@@ -42,6 +42,7 @@ struct Inner {
     notify: bool,
     lease: Duration,
     retry: RetryPolicy,
+    park: bool,
     sql: Statements,
 }
 
@@ -74,6 +75,7 @@ pub struct OutboxBuilder {
     notify: bool,
     lease: Duration,
     retry: RetryPolicy,
+    park: bool,
 }
 
 impl Default for OutboxBuilder {
@@ -83,6 +85,7 @@ impl Default for OutboxBuilder {
             notify: true,
             lease: Duration::from_secs(30),
             retry: RetryPolicy::default(),
+            park: false,
         }
     }
 }
@@ -122,6 +125,17 @@ impl OutboxBuilder {
         self
     }
 
+    /// Whether a message that becomes a dead letter *parks* its aggregate (default false):
+    /// the later messages of the aggregate then stay pending until an operator redrives it
+    /// (it goes first, then the rest in order) or skips it. Off, a dead message stops
+    /// blocking its aggregate and the later ones go on without it. The default for relays
+    /// and [`Outbox::process`]; a message can say otherwise with
+    /// [`Message::park_on_dead`].
+    pub fn park_on_dead(mut self, park: bool) -> OutboxBuilder {
+        self.park = park;
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Outbox> {
         let table = TableName::parse(&self.table)?;
@@ -134,6 +148,7 @@ impl OutboxBuilder {
                 notify: self.notify,
                 lease: self.lease,
                 retry: self.retry,
+                park: self.park,
                 sql,
             }),
         })
@@ -210,6 +225,11 @@ impl Outbox {
 
     pub(crate) fn retry(&self) -> RetryPolicy {
         self.inner.retry
+    }
+
+    /// Whether a dead message parks its aggregate unless it says otherwise.
+    pub(crate) fn parks(&self) -> bool {
+        self.inner.park
     }
 
     /// Maps "relation does not exist" on our own statements (or "function" or "schema does
@@ -342,7 +362,7 @@ impl Outbox {
         let headers = message.headers_flat();
         let max_attempts = message.max_attempts_param();
         let notify = self.inner.notify;
-        let params: [(&(dyn ToSql + Sync), Type); 10] = [
+        let params: [(&(dyn ToSql + Sync), Type); 11] = [
             (&key, Type::TEXT),
             (&message.topic, Type::TEXT),
             (&message.aggregate_key, Type::TEXT),
@@ -352,6 +372,7 @@ impl Outbox {
             (&at, Type::TIMESTAMPTZ),
             (&delay, Type::INT8),
             (&max_attempts, Type::INT4),
+            (&message.park, Type::BOOL),
             (&notify, Type::BOOL),
         ];
         let inserted: bool = tx

@@ -68,7 +68,7 @@ impl Outbox {
     {
         let lease = self.lease();
         let claimed_at = Instant::now();
-        let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts);
+        let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts, self.parks());
         // In a transaction of its own, only to turn JIT off for it (see the relay's sessions).
         let claimed = {
             let mut tx = client.transaction()?;
@@ -90,8 +90,9 @@ impl Outbox {
                 (*fence, Outcome::Dead { error })
             })
             .collect();
-        // An aggregate whose record did not commit: its later records wait for the next call.
-        let mut stopped: HashSet<&str> = HashSet::new();
+        // An aggregate whose record did not commit (or died at the claim): its later records
+        // wait for the next call.
+        let mut stopped: HashSet<&str> = claimed.ended.iter().map(String::as_str).collect();
         for record in &claimed.records {
             let aggregate = record.aggregate_key.as_deref();
             // Leave a tenth of the lease as margin: past it, another worker may take the row.
@@ -116,7 +117,9 @@ impl Outbox {
                     false
                 }
                 Handled::Failed(error) => {
-                    let outcome = self.retry().after_failure(self.table(), record, &error);
+                    let outcome =
+                        self.retry()
+                            .after_failure(self.table(), record, &error, self.parks());
                     match outcome {
                         Outcome::Dead { .. } => report.dead += 1,
                         _ => report.retried += 1,
@@ -129,7 +132,7 @@ impl Outbox {
                 stopped.insert(aggregate);
             }
         }
-        store::record(&mut Conn::uncached(client), self, &outcomes)?;
+        store::record(&mut Conn::uncached(client), self, &outcomes, self.parks())?;
         Ok(report)
     }
 
@@ -153,6 +156,7 @@ impl Outbox {
             &mut Conn::uncached(&mut tx),
             self,
             &[(record.fence(), Outcome::Sent)],
+            self.parks(),
         ) {
             Ok(recorded) if recorded.changed == 0 => {
                 tx.rollback()?;

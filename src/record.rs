@@ -30,6 +30,8 @@ pub struct Record {
     pub created_at: SystemTime,
     /// The lease the claim stamped: with `attempt`, the fencing token of every outcome.
     pub(crate) lease: Option<SystemTime>,
+    /// The message's own say on whether its death parks its aggregate.
+    pub(crate) park: Option<bool>,
 }
 
 impl Record {
@@ -48,6 +50,7 @@ impl Record {
             max_attempts: None,
             created_at: SystemTime::now(),
             lease: None,
+            park: None,
         }
     }
 
@@ -73,7 +76,15 @@ impl Record {
             max_attempts: max_attempts.and_then(|n| u32::try_from(n).ok()),
             created_at: row.try_get(9)?,
             lease: row.try_get(10)?,
+            park: row.try_get(11)?,
         })
+    }
+
+    /// Whether this record parks its aggregate if it dies: only a record with an aggregate
+    /// does, by its own setting or else `default`. (The statements that record a death
+    /// decide the same way, in SQL: `sql::PARKS`.)
+    pub(crate) fn parks(&self, default: bool) -> bool {
+        self.aggregate_key.is_some() && self.park.unwrap_or(default)
     }
 
     /// What an outcome of this claim is fenced on.

@@ -54,17 +54,24 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// Dead when the error is permanent or the record used its last attempt; otherwise a
     /// retry after a backoff. The delay is relative: the database adds it to its own `now()`.
-    /// Logs the failure: a dead letter at error level, a retry at warn.
+    /// Logs the failure: a dead letter at error level (saying whether it parks its aggregate,
+    /// by its own setting or `park`), a retry at warn.
     pub(crate) fn after_failure(
         &self,
         table: &str,
         record: &Record,
         error: &PublishError,
+        park: bool,
     ) -> Outcome {
         let limit = record.max_attempts.unwrap_or(self.max_attempts);
         let (key, attempt) = (&record.key, record.attempt);
         if error.is_permanent() || attempt >= limit {
-            log::error!("outbox {table}: {key} dead after attempt {attempt}: {error}");
+            let parked = if record.parks(park) {
+                " (its aggregate is parked until it is redriven or skipped)"
+            } else {
+                ""
+            };
+            log::error!("outbox {table}: {key} dead after attempt {attempt}{parked}: {error}");
             Outcome::Dead {
                 error: error.to_string(),
             }

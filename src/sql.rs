@@ -35,17 +35,27 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0004_enqueue_functions",
         template: include_str!("../sql/0004_enqueue_functions.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_aggregate_locks_and_parking",
+        template: include_str!("../sql/0005_aggregate_locks_and_parking.sql"),
+    },
 ];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
 pub(crate) const RECORD_COLUMNS: &str =
     "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
-     t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until";
+     t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until, t.park";
 
-/// The conditions of an operator's filter on rows `t`, each ignored when its parameter is
-/// NULL: $1 keys, $2 topic, $3 text the last error contains, $4 minimum age in microseconds
-/// since the row finished.
-const FILTER: &str = "($1::text[] IS NULL OR t.key = ANY($1))
+/// Whether a row that dies parks its aggregate: it has one, and its own setting, or else
+/// the caller's (`$8` in the statements that use it), says so.
+const PARKS: &str = "(t.aggregate_key IS NOT NULL AND coalesce(t.park, $8))";
+
+/// The conditions of an operator's filter on rows `t`: $5 the states it selects, and, each
+/// ignored when NULL, $1 keys, $2 topic, $3 text the last error contains, $4 minimum age in
+/// microseconds since the row finished.
+const FILTER: &str = "t.status = ANY($5::text[])
+     AND ($1::text[] IS NULL OR t.key = ANY($1))
      AND ($2::text IS NULL OR t.topic = $2)
      AND ($3::text IS NULL OR strpos(t.last_error, $3) > 0)
      AND ($4::bigint IS NULL OR t.done_at < now() - $4 * interval '1 microsecond')";
@@ -56,23 +66,27 @@ pub(crate) const PURGE_BATCH: i64 = 1000;
 /// The statements for one outbox table.
 #[derive(Debug)]
 pub(crate) struct Statements {
-    /// Calls the enqueue function of migration 0004: $1..$9 the message, $10 notify.
+    /// Calls the enqueue function of migration 0005: $1..$10 the message, $11 notify.
     pub(crate) enqueue: String,
-    /// Calls the batch enqueue function of migration 0004: $1..$11 the columns, $12 notify.
+    /// Calls the batch enqueue function of migration 0005: $1..$12 the columns, $13 notify.
     pub(crate) enqueue_all: String,
+    /// Locks the aggregates of a batch ($1) before it is copied in.
+    pub(crate) lock_aggregates: String,
     /// A large batch due at once: binary COPY of the columns that have no default.
     pub(crate) copy_in: String,
     pub(crate) existing_keys: String,
     pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     pub(crate) stats: String,
-    /// Dead letters matching a filter ($1..$4, see `FILTER`), oldest first, at most $5.
+    /// Rows matching a filter ($1..$5, see `FILTER`), oldest first, at most $6.
     pub(crate) dead_where: String,
     /// Dead letters matching a filter, grouped by error text.
     pub(crate) dead_errors: String,
-    /// Rows in state $5 matching a filter.
+    /// Rows matching a filter.
     pub(crate) count_where: String,
     pub(crate) redrive_where: String,
+    /// Parked dead letters matching a filter stop holding their aggregates.
+    pub(crate) skip_where: String,
     pub(crate) purge_where: String,
     pub(crate) topic_stats: String,
     pub(crate) purge_inbox_keys: String,
@@ -117,21 +131,24 @@ impl Statements {
         Statements {
             copy_in: format!(
                 "COPY {t} (key, topic, aggregate_key, payload, content_type, headers, \
-                 max_attempts) FROM STDIN (FORMAT binary)"
+                 max_attempts, park) FROM STDIN (FORMAT binary)"
             ),
+            lock_aggregates: format!("SELECT {}($1)", table.companion("_lock_n")),
             existing_keys: format!("SELECT key FROM {t} WHERE key = ANY($1) ORDER BY key"),
             notify_if_waiting: format!("SELECT {}()", table.companion("_notify")),
-            enqueue: format!("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"),
+            enqueue: format!(
+                "SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+            ),
             enqueue_all: format!(
-                "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+                "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
             ),
             dedupe: format!(
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING"
             ),
             // Each half reads its own partial index. Per aggregate: its head (oldest pending
-            // row), how many rows wait (not leased) and how many are leased; every waiting row
-            // but a waiting head is blocked.
+            // or parked row), how many rows wait (not leased) and how many are leased; every
+            // waiting row but a waiting head is blocked, so behind a parked head all are.
             stats: format!(
                 "WITH u AS (
                    SELECT count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
@@ -140,14 +157,19 @@ impl Statements {
                           min(created_at) AS oldest
                    FROM {t} WHERE status = 'pending' AND aggregate_key IS NULL),
                  g AS (
-                   SELECT min(id) AS head, min(created_at) AS oldest,
-                          count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
-                          count(*) FILTER (WHERE lease_until > now()) AS in_flight
-                   FROM {t} WHERE status = 'pending' AND aggregate_key IS NOT NULL
+                   SELECT min(id) AS head,
+                          min(created_at) FILTER (WHERE status = 'pending') AS oldest,
+                          count(*) FILTER (WHERE status = 'pending'
+                                           AND (lease_until IS NULL OR lease_until <= now())) AS waiting,
+                          count(*) FILTER (WHERE status = 'pending' AND lease_until > now()) AS in_flight
+                   FROM {t} WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
                    GROUP BY aggregate_key),
                  a AS (
-                   SELECT g.*, h.available_at <= now() AS head_due,
-                          g.waiting - CASE WHEN h.lease_until > now() THEN 0 ELSE 1 END AS blocked,
+                   SELECT g.*, h.status = 'pending' AND h.available_at <= now() AS head_due,
+                          h.status = 'parked' AS parked,
+                          g.waiting - CASE WHEN h.status = 'pending'
+                                                AND NOT coalesce(h.lease_until > now(), false)
+                                           THEN 1 ELSE 0 END AS blocked,
                           h.created_at AS head_created
                    FROM g JOIN {t} h ON h.id = g.head),
                  o AS (
@@ -156,40 +178,43 @@ impl Statements {
                           count(*) FILTER (WHERE head_due) AS due,
                           coalesce(sum(blocked), 0)::bigint AS blocked,
                           min(oldest) AS oldest,
-                          min(head_created) FILTER (WHERE blocked > 0) AS blocked_head
+                          min(head_created) FILTER (WHERE blocked > 0) AS blocked_head,
+                          count(*) FILTER (WHERE parked) AS parked
                    FROM a)
                  SELECT u.waiting + o.waiting, u.in_flight + o.in_flight, u.due + o.due,
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
-                        (SELECT count(*) FROM {t} WHERE status = 'dead'),
+                        (SELECT count(*) FROM {t} WHERE status IN ('dead', 'parked')),
                         extract(epoch FROM now() - least(u.oldest, o.oldest))::float8,
                         o.blocked,
-                        extract(epoch FROM now() - o.blocked_head)::float8
+                        extract(epoch FROM now() - o.blocked_head)::float8,
+                        o.parked
                  FROM u, o"
             ),
             dead_where: format!(
                 "SELECT {RECORD_COLUMNS}, t.last_error, t.done_at
-                 FROM {t} t WHERE t.status = 'dead' AND {FILTER}
-                 ORDER BY t.status, t.done_at, t.id LIMIT $5"
+                 FROM {t} t WHERE {FILTER}
+                 ORDER BY t.done_at, t.id LIMIT $6"
             ),
             dead_errors: format!(
                 "SELECT t.last_error, count(*), min(t.done_at), max(t.done_at), min(t.key)
-                 FROM {t} t WHERE t.status = 'dead' AND {FILTER}
+                 FROM {t} t WHERE {FILTER}
                  GROUP BY t.last_error ORDER BY count(*) DESC, t.last_error"
             ),
-            count_where: format!(
-                "SELECT count(*) FROM {t} t WHERE t.status = $5 AND {FILTER}"
-            ),
+            count_where: format!("SELECT count(*) FROM {t} t WHERE {FILTER}"),
+            // A redriven row keeps its id, so it is again the head of its aggregate (a parked
+            // one goes first, then the rows it held back, in order).
             redrive_where: format!(
                 "UPDATE {t} t SET status = 'pending', attempts = 0, available_at = now(),
                                   lease_until = NULL, done_at = NULL
-                 WHERE t.status = 'dead' AND {FILTER}"
+                 WHERE {FILTER}"
             ),
-            // One bounded batch of finished rows in state $5, oldest first; the sent counter
-            // (slot $6) goes down by the sent rows deleted.
+            skip_where: format!("UPDATE {t} t SET status = 'dead' WHERE {FILTER}"),
+            // One bounded batch of finished rows in the states $5, oldest first; the sent
+            // counter (slot $6) goes down by the sent rows deleted.
             purge_where: format!(
                 "WITH gone AS (
                    DELETE FROM {t} WHERE id IN (
-                     SELECT t.id FROM {t} t WHERE t.status = $5 AND {FILTER}
+                     SELECT t.id FROM {t} t WHERE {FILTER}
                      ORDER BY t.status, t.done_at LIMIT {PURGE_BATCH}
                      FOR UPDATE SKIP LOCKED)
                    RETURNING status),
@@ -210,7 +235,8 @@ impl Statements {
                    SELECT topic, count(*), 0 FROM {t}
                    WHERE status = 'pending' AND aggregate_key IS NOT NULL GROUP BY topic
                    UNION ALL
-                   SELECT topic, 0, count(*) FROM {t} WHERE status = 'dead' GROUP BY topic
+                   SELECT topic, 0, count(*) FROM {t} WHERE status IN ('dead', 'parked')
+                   GROUP BY topic
                  ) per GROUP BY topic ORDER BY topic"
             ),
             // Dedupe records by message key ($1), older than $2 microseconds if given.
@@ -281,7 +307,8 @@ impl Statements {
             // lease was lost changes nothing. The lease stamp matters when a row was reclaimed
             // and then released: release restores the attempt count, the stamp is gone.
             // $1 ids, $2 claimed attempts, $3 outcome ('sent' | 'retry' | 'dead' | 'release'),
-            // $4 retry delay in microseconds, $5 error text, $6 counter slot, $7 lease stamps.
+            // $4 retry delay in microseconds, $5 error text, $6 counter slot, $7 lease stamps,
+            // $8 whether a dead row parks its aggregate, unless the row says.
             record_outcomes: format!(
                 "WITH o AS (
                    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::bigint[],
@@ -290,7 +317,8 @@ impl Statements {
                  upd AS (
                    UPDATE {t} t SET
                      status = CASE o.outcome WHEN 'sent' THEN 'sent'
-                                             WHEN 'dead' THEN 'dead'
+                                             WHEN 'dead' THEN CASE WHEN {PARKS} THEN 'parked'
+                                                                   ELSE 'dead' END
                                              ELSE 'pending' END,
                      attempts = CASE o.outcome WHEN 'release' THEN t.attempts - 1
                                                ELSE t.attempts END,
@@ -337,16 +365,17 @@ impl Statements {
 ///
 /// Rows without an aggregate key come from the unordered due index, oldest due first, under
 /// `FOR UPDATE SKIP LOCKED`. Rows with one come in runs: a skip scan of the aggregate index
-/// visits one head (oldest pending row) per aggregate, starting after the caller's cursor,
-/// until it has seen `2 x $1` due heads or `$5` heads in all; behind each due head it reads
-/// the consecutive due rows. A lease pushes `available_at` forward, so a leased head is not
-/// due and its aggregate is passed over. So the cost is what the claim returns plus the
+/// visits one head (oldest pending or parked row) per aggregate, starting after the caller's
+/// cursor, until it has seen `2 x $1` due heads or `$5` heads in all; behind each due head it
+/// reads the consecutive due rows. A lease pushes `available_at` forward, so a leased head is
+/// not due and its aggregate is passed over; a parked head is never due. So the cost is what the claim returns plus the
 /// heads it passes, never the rows waiting behind a head.
 ///
 /// With a batch's worth of aggregates or more, each due one gives one row (runs of one: the
 /// most aggregates, each in the first confirm round). With fewer, they are shared among the
 /// `$6` workers: runs are as long as fills the batch from a worker's share of all the
-/// aggregates seen (due or in flight), so each claim takes about that share. Ordered and unordered rows split the batch so that neither starves the other.
+/// aggregates seen (due or in flight), so each claim takes about that share. Ordered and
+/// unordered rows split the batch so that neither starves the other.
 ///
 /// Workers scanning the same aggregates see the same heads, so twice the batch is read as
 /// candidates and locked in order with `SKIP LOCKED` until the batch is full: a head another
@@ -359,24 +388,27 @@ impl Statements {
 /// order strict whatever runs alongside.
 ///
 /// A row claimed more often than its attempt limit (`$7` unless the row sets one) allows has
-/// crashed or lost its lease that often: it becomes dead here instead of being published
-/// again. Every row (and the one row of an empty claim) carries where the next claim's scan
-/// should start: after the last aggregate this claim took, else after the last one it
-/// visited, or at the first (NULL) once the scan has passed the last aggregate.
+/// crashed or lost its lease that often: it becomes dead (or parked, see `PARKS`, with the
+/// caller's setting in `$8`) here instead of being published again. Every row (and the one
+/// row of an empty claim) carries where the next claim's scan should start: after the last
+/// aggregate this claim took, else after the last one it visited, or at the first (NULL)
+/// once the scan has passed the last aggregate.
 fn claim(t: &str, after: &str) -> String {
     let over = "t.attempts + 1 > coalesce(t.max_attempts, $7)";
+    // A parked head is never due: its aggregate waits for an operator.
+    let due = "status = 'pending' AND available_at <= now()";
+    let o_due = "o.status = 'pending' AND o.available_at <= now()";
     format!(
         "WITH RECURSIVE heads(aggregate_key, id, due, n, d) AS (
-           (SELECT aggregate_key, id, available_at <= now(), 1, (available_at <= now())::int
+           (SELECT aggregate_key, id, {due}, 1, ({due})::int
             FROM {t}
-            WHERE status = 'pending' AND aggregate_key IS NOT NULL {after}
+            WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL {after}
             ORDER BY aggregate_key, id LIMIT 1)
            UNION ALL
-           SELECT nx.aggregate_key, nx.id, nx.available_at <= now(), h.n + 1,
-                  h.d + (nx.available_at <= now())::int
+           SELECT nx.aggregate_key, nx.id, nx.due, h.n + 1, h.d + nx.due::int
            FROM heads h CROSS JOIN LATERAL (
-             SELECT o.aggregate_key, o.id, o.available_at FROM {t} o
-             WHERE o.status = 'pending' AND o.aggregate_key IS NOT NULL
+             SELECT o.aggregate_key, o.id, {o_due} AS due FROM {t} o
+             WHERE o.status IN ('pending', 'parked') AND o.aggregate_key IS NOT NULL
                AND o.aggregate_key > h.aggregate_key
              ORDER BY o.aggregate_key, o.id LIMIT 1) nx
            WHERE h.n < $5 AND h.d < 2 * $1),
@@ -443,7 +475,8 @@ fn claim(t: &str, after: &str) -> String {
          upd AS (
            UPDATE {t} t SET
              attempts = t.attempts + 1,
-             status = CASE WHEN {over} THEN 'dead' ELSE 'pending' END,
+             status = CASE WHEN NOT {over} THEN 'pending'
+                           WHEN {PARKS} THEN 'parked' ELSE 'dead' END,
              available_at = CASE WHEN {over} THEN t.available_at
                                  ELSE now() + $2::bigint * interval '1 microsecond' END,
              lease_until = CASE WHEN {over} THEN NULL
@@ -471,6 +504,11 @@ fn claim(t: &str, after: &str) -> String {
     )
 }
 
+/// A bigint constant in SQL text.
+fn bigint(value: i64) -> String {
+    format!("({value})::bigint")
+}
+
 impl Migration {
     /// The migration's DDL for one table.
     pub(crate) fn render(&self, table: &TableName) -> String {
@@ -482,12 +520,19 @@ impl Migration {
             .replace("{notify_fn}", &table.companion("_notify"))
             .replace("{enqueue_fn}", &table.companion("_enqueue"))
             .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
+            .replace("{lock_fn}", &table.companion("_lock"))
+            .replace("{lock_n_fn}", &table.companion("_lock_n"))
+            .replace("{table_lock_text}", &table.ordered_lock_key().to_string())
+            .replace("{table_lock}", &bigint(table.ordered_lock_key()))
+            .replace("{lock_seed}", &bigint(table.aggregate_lock_seed()))
+            .replace("{status_constraint}", &table.derived("_status"))
             .replace("{channel}", &table.channel())
             .replace("{counts}", &table.companion("_counts"))
             .replace("{key_constraint}", &table.derived("_key"))
             .replace("{due_idx_qualified}", &table.companion("_due"))
             .replace("{due_idx}", &table.derived("_due"))
             .replace("{unordered_idx}", &table.derived("_unordered"))
+            .replace("{agg_idx_qualified}", &table.companion("_agg"))
             .replace("{agg_idx}", &table.derived("_agg"))
             .replace("{done_idx}", &table.derived("_done"))
     }

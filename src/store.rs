@@ -1,7 +1,7 @@
 //! Running the claim and outcome statements, with or without a statement cache.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use postgres::types::{ToSql, Type};
@@ -80,11 +80,18 @@ pub(crate) struct ClaimRequest<'a> {
     pub(crate) workers: usize,
     /// The attempt limit of rows that set none.
     pub(crate) max_attempts: u32,
+    /// Whether a row that dies here parks its aggregate, unless it says.
+    pub(crate) park: bool,
 }
 
 impl ClaimRequest<'_> {
     /// One claim of `rows` rows for a lone caller, with no byte limit.
-    pub(crate) fn simple(rows: usize, lease: Duration, max_attempts: u32) -> ClaimRequest<'static> {
+    pub(crate) fn simple(
+        rows: usize,
+        lease: Duration,
+        max_attempts: u32,
+        park: bool,
+    ) -> ClaimRequest<'static> {
         ClaimRequest {
             rows,
             bytes: usize::MAX,
@@ -92,6 +99,7 @@ impl ClaimRequest<'_> {
             after: None,
             workers: 1,
             max_attempts,
+            park,
         }
     }
 }
@@ -106,6 +114,9 @@ pub(crate) struct Claimed {
     /// Leased rows that cannot be read into a `Record`, with the reason; the caller
     /// dead-letters them.
     pub(crate) undecodable: Vec<(Fence, String)>,
+    /// The aggregates of the rows that died in this claim or cannot be read: their later
+    /// rows in this claim must not go out ahead of them, whether they park or not.
+    pub(crate) ended: HashSet<String>,
     /// Where the next claim's aggregate scan should start: after this key, or at the first.
     pub(crate) cursor: Option<String>,
 }
@@ -148,6 +159,7 @@ pub(crate) fn claim(
                 (&MAX_HEADS_VISITED, Type::INT4),
                 (&workers, Type::INT4),
                 (&max_attempts, Type::INT4),
+                (&request.park, Type::BOOL),
             ],
         )
         .map_err(|e| outbox.db_error(e))?;
@@ -155,16 +167,26 @@ pub(crate) fn claim(
     // Each row is dropped once read, so its raw bytes and its Record are not held together.
     for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
-        claimed.cursor = row.try_get(12).map_err(Error::Db)?;
+        claimed.cursor = row.try_get(13).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };
-        let dead = row.try_get::<_, &str>(11).map_err(Error::Db)? == "dead";
+        // Dead or parked: claimed more often than its attempts allow.
+        let dead = row.try_get::<_, &str>(12).map_err(Error::Db)? != "pending";
+        if dead {
+            // Read alone: it must stop its aggregate even when the rest of the row is bad.
+            if let Ok(Some(aggregate)) = row.try_get::<_, Option<String>>(3) {
+                claimed.ended.insert(aggregate);
+            }
+        }
         match Record::from_row(&row) {
             Ok(record) if dead => claimed.dead.push(record),
             Ok(record) => claimed.records.push(record),
             Err(_) if dead => {}
             Err(e) => {
+                if let Ok(Some(aggregate)) = row.try_get::<_, Option<String>>(3) {
+                    claimed.ended.insert(aggregate);
+                }
                 let fence = Fence {
                     id,
                     attempt: row.try_get(7).map_err(Error::Db)?,
@@ -211,11 +233,12 @@ pub(crate) fn storable(error: &str) -> Cow<'_, str> {
 }
 
 /// Records a batch of outcomes in one statement, each fenced on id, claimed attempt, status
-/// and lease stamp.
+/// and lease stamp. A dead row parks its aggregate if it says so, or else if `park`.
 pub(crate) fn record(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
     outcomes: &[(Fence, Outcome)],
+    park: bool,
 ) -> Result<Recorded> {
     if outcomes.is_empty() {
         return Ok(Recorded::default());
@@ -260,6 +283,7 @@ pub(crate) fn record(
                 (&errors, Type::TEXT_ARRAY),
                 (&slot, Type::INT2),
                 (&leases, Type::TIMESTAMPTZ_ARRAY),
+                (&park, Type::BOOL),
             ],
         )
         .map_err(|e| outbox.db_error(e))?;

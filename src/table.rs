@@ -20,6 +20,9 @@ const SUFFIXES: &[&str] = &[
     "_unordered",
     "_agg",
     "_done",
+    "_lock",
+    "_lock_n",
+    "_status",
 ];
 
 /// A validated `[schema.]table` with its quoted forms.
@@ -95,8 +98,25 @@ impl TableName {
     /// The advisory-lock key for migrations: a stable FNV-1a hash of the name, so every
     /// process and every version of this crate agree on it.
     pub(crate) fn lock_key(&self) -> i64 {
+        self.hash("postgres-outbox:")
+    }
+
+    /// The advisory lock on the table's ordered enqueues: taken shared by every aggregate
+    /// lock, exclusively by a transaction past its share of aggregate locks.
+    pub(crate) fn ordered_lock_key(&self) -> i64 {
+        self.hash("postgres-outbox:ordered:")
+    }
+
+    /// The seed of the aggregate locks' keys, so aggregates of different tables get
+    /// different keys.
+    pub(crate) fn aggregate_lock_seed(&self) -> i64 {
+        self.hash("postgres-outbox:aggregate:")
+    }
+
+    /// A stable FNV-1a hash of `prefix` and the name.
+    fn hash(&self, prefix: &str) -> i64 {
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in b"postgres-outbox:".iter().chain(self.display.as_bytes()) {
+        for byte in prefix.as_bytes().iter().chain(self.display.as_bytes()) {
             hash ^= u64::from(*byte);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }

@@ -935,7 +935,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 4);
+    assert_eq!(versions, 5);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
@@ -1561,7 +1561,7 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     let versions: i64 = client
         .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
         .get(0);
-    assert_eq!(versions, 4);
+    assert_eq!(versions, 5);
     assert!(!exists(&mut client, &format!("{name}_due")));
     assert!(exists(&mut client, &format!("{name}_unordered")));
     assert!(exists(&mut client, &format!("{name}_failures")));
@@ -1622,6 +1622,11 @@ fn a_version_2_table_upgrades_keeping_rows_in_every_state() -> TestResult {
 #[test]
 fn a_version_3_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     upgrades_keeping_rows_in_every_state("0004_enqueue_functions")
+}
+
+#[test]
+fn a_version_4_table_upgrades_keeping_rows_in_every_state() -> TestResult {
+    upgrades_keeping_rows_in_every_state("0005_aggregate_locks_and_parking")
 }
 
 #[test]

@@ -60,6 +60,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Let the aggregates of parked dead letters go on without them (they stay dead).
+    Skip {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Skip every parked dead letter (required when no filter is given).
+        #[arg(long)]
+        all: bool,
+        /// Print how many would be skipped and change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Make dead letters pending again, with a fresh attempt budget.
     Redrive {
         #[command(flatten)]
@@ -106,6 +117,9 @@ struct FilterArgs {
     /// Only rows finished longer ago than this, e.g. 7d, 12h, 30m.
     #[arg(long, value_name = "AGE")]
     older_than: Option<String>,
+    /// Only dead letters that park their aggregate.
+    #[arg(long)]
+    parked: bool,
 }
 
 #[derive(Args)]
@@ -221,6 +235,21 @@ fn run(cli: Cli) -> Result<()> {
             let verb = if dry_run { "would redrive" } else { "redrove" };
             println!("{verb} {n} dead letters");
         }
+        Command::Skip {
+            filter,
+            all,
+            dry_run,
+        } => {
+            let filter = filter.build()?;
+            if filter.is_empty() && !all {
+                return Err("skip needs a filter (--key, --topic, --error-contains, \
+                            --older-than), or --all to skip every parked dead letter"
+                    .into());
+            }
+            let n = outbox.skip(&mut client, &filter, dry_run)?;
+            let verb = if dry_run { "would skip" } else { "skipped" };
+            println!("{verb} {n} parked dead letters");
+        }
         Command::Purge {
             what,
             filter,
@@ -265,6 +294,9 @@ impl FilterArgs {
         if let Some(age) = self.older_than {
             filter = filter.older_than(duration("--older-than", &age)?);
         }
+        if self.parked {
+            filter = filter.parked();
+        }
         Ok(filter)
     }
 }
@@ -302,6 +334,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
             "in_flight": stats.in_flight,
             "sent": stats.sent,
             "dead": stats.dead,
+            "parked": stats.parked,
             "oldest_pending_age_secs": secs(stats.oldest_pending_age),
             "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
             "topics": topics.iter().map(|t| json!({
@@ -318,6 +351,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
     println!("in flight          {}", stats.in_flight);
     println!("sent               {}", stats.sent);
     println!("dead               {}", stats.dead);
+    println!("  parked           {}", stats.parked);
     println!("oldest pending     {}", human(stats.oldest_pending_age));
     println!("oldest blocked     {}", human(stats.oldest_blocked_age));
     if !topics.is_empty() {

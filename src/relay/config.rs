@@ -56,6 +56,7 @@ pub struct RelayConfig {
     pub(crate) poll_interval: Duration,
     pub(crate) drain_timeout: Duration,
     pub(crate) retry: RetryPolicy,
+    pub(crate) park: bool,
     pub(crate) notify: bool,
     pub(crate) metrics: Arc<dyn Metrics>,
     /// Where the listener's connection comes from, when not from `connections` or the pool.
@@ -75,6 +76,7 @@ impl fmt::Debug for RelayConfig {
             .field("poll_interval", &self.poll_interval)
             .field("drain_timeout", &self.drain_timeout)
             .field("retry", &self.retry)
+            .field("park", &self.park)
             .field("notify", &self.notify)
             .finish_non_exhaustive()
     }
@@ -107,6 +109,7 @@ impl RelayConfig {
         RelayConfig {
             lease: outbox.lease(),
             retry: outbox.retry(),
+            park: outbox.parks(),
             outbox,
             pool: Arc::new(pool),
             factory: Arc::new(factory),
@@ -180,6 +183,14 @@ impl RelayConfig {
     pub fn backoff(mut self, min: Duration, max: Duration) -> RelayConfig {
         self.retry.backoff_min = min;
         self.retry.backoff_max = max;
+        self
+    }
+
+    /// Whether a message that becomes a dead letter parks its aggregate (default: the
+    /// outbox's, see [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead));
+    /// a message may say otherwise with [`Message::park_on_dead`](crate::Message::park_on_dead).
+    pub fn park_on_dead(mut self, park: bool) -> RelayConfig {
+        self.park = park;
         self
     }
 

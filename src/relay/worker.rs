@@ -162,6 +162,7 @@ impl<'a> Worker<'a> {
         let mut outcomes = self.finish_unpublishable(&claimed);
         let pause = self.publish(
             claimed.records,
+            claimed.ended,
             claimed_at,
             deadline,
             control,
@@ -195,6 +196,7 @@ impl<'a> Worker<'a> {
                 after: self.cursor.as_deref(),
                 workers: config.concurrency,
                 max_attempts: config.retry.max_attempts,
+                park: config.park,
             };
             let from_start = request.after.is_none();
             let claimed = self
@@ -215,8 +217,13 @@ impl<'a> Worker<'a> {
         let config = self.config;
         let table = config.outbox.table();
         for record in &claimed.dead {
+            let parked = if record.parks(config.park) {
+                " (its aggregate is parked)"
+            } else {
+                ""
+            };
             log::error!(
-                "outbox {table}: {} dead: claimed {} times without an outcome",
+                "outbox {table}: {} dead{parked}: claimed {} times without an outcome",
                 record.key,
                 record.attempt
             );
@@ -239,12 +246,13 @@ impl<'a> Worker<'a> {
 
     /// Publishes the batch in confirm rounds, adding an outcome for every record. A failed
     /// record ends its aggregate's run: the rest of that run goes back unpublished, attempts
-    /// restored. So do all remaining records when the relay stops, when the lease is nearly
-    /// over, or when the publisher breaks. Returns a pause, and why, when no publisher could
-    /// be built.
+    /// restored, as do the runs of the aggregates in `ended` (whose heads died at the claim).
+    /// So do all remaining records when the relay stops, when the lease is nearly over, or
+    /// when the publisher breaks. Returns a pause, and why, when no publisher could be built.
     fn publish(
         &mut self,
         records: Vec<Record>,
+        ended: HashSet<String>,
         claimed_at: Instant,
         deadline: Instant,
         control: &dyn Control,
@@ -254,7 +262,7 @@ impl<'a> Worker<'a> {
         let table = config.outbox.table();
         let mut release = Vec::new();
         let mut pause = None;
-        let mut failed: HashSet<String> = HashSet::new();
+        let mut failed = ended;
         // Not worth starting a round that may outlive the lease: whoever claims the rows
         // next would publish them again, and maybe ahead of this round's confirms.
         let margin = config.lease / 10;
@@ -350,7 +358,7 @@ impl<'a> Worker<'a> {
         loop {
             match self
                 .session
-                .run(|conn| store::record(conn, &config.outbox, outcomes))
+                .run(|conn| store::record(conn, &config.outbox, outcomes, config.park))
             {
                 Ok(recorded) => {
                     control.recorded(recorded.sent);
@@ -405,7 +413,9 @@ impl<'a> Worker<'a> {
         let table = config.outbox.table();
         for (fence, outcome) in outcomes {
             let one = |session: &mut Session, outcome: Outcome| {
-                session.run(|conn| store::record(conn, &config.outbox, &[(*fence, outcome)]))
+                session.run(|conn| {
+                    store::record(conn, &config.outbox, &[(*fence, outcome)], config.park)
+                })
             };
             let refused = match one(&mut self.session, outcome.clone()) {
                 Ok(recorded) => {
@@ -504,7 +514,9 @@ pub(crate) fn attempt(
                 }
                 Err(error) => {
                     config.metrics.failed(record, &error);
-                    let outcome = config.retry.after_failure(table, record, &error);
+                    let outcome = config
+                        .retry
+                        .after_failure(table, record, &error, config.park);
                     if let Outcome::Dead { .. } = outcome {
                         config.metrics.dead_lettered(record);
                     }

@@ -6,8 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+
 use postgres::{Client, NoTls};
-use postgres_outbox::Outbox;
+use postgres_outbox::{publisher_fn, Outbox, PublishError, Record, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
@@ -337,4 +340,67 @@ pub fn operator_rows(client: &mut Client, outbox: &Outbox) {
              WHERE key = 's1';"
         ))
         .expect("age the rows");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Relays with in-process publishers
+// ---------------------------------------------------------------------------------------------
+
+/// Pooled connections a default relay keeps: one per worker (4) and the listener's.
+pub const RELAY_POOL: u32 = 5;
+
+/// A relay configuration whose publishers call `publish` for every record. The closure is
+/// shared by every publisher the factory builds.
+pub fn relay_config(
+    outbox: &Outbox,
+    publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
+) -> RelayConfig {
+    relay_config_with_pool(outbox, RELAY_POOL, publish)
+}
+
+pub fn relay_config_with_pool(
+    outbox: &Outbox,
+    pool_size: u32,
+    publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
+) -> RelayConfig {
+    let publish = Arc::new(publish);
+    RelayConfig::new(outbox.clone(), pool(pool_size), move || {
+        let publish = publish.clone();
+        Ok::<_, Infallible>(publisher_fn(move |record: &Record| publish(record)))
+    })
+}
+
+/// Every record a publisher was handed, in the order it was handed over.
+#[derive(Clone, Default)]
+pub struct Sink(Arc<Mutex<Vec<Record>>>);
+
+impl Sink {
+    pub fn push(&self, record: &Record) {
+        self.0.lock().unwrap().push(record.clone());
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    pub fn records(&self) -> Vec<Record> {
+        self.0.lock().unwrap().clone()
+    }
+
+    pub fn keys(&self) -> Vec<String> {
+        self.records().into_iter().map(|r| r.key).collect()
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.0.lock().unwrap().iter().any(|r| r.key == key)
+    }
+
+    /// A publisher body that records every record and succeeds.
+    pub fn collect(&self) -> impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static {
+        let sink = self.clone();
+        move |record| {
+            sink.push(record);
+            Ok(())
+        }
+    }
 }
