@@ -48,6 +48,9 @@ pub enum Error {
     Pool(r2d2::Error),
     /// A publisher could not be built.
     Publisher(Box<dyn StdError + Send + Sync>),
+    /// The publisher could not reach its destination (the broker, or the way to it): the
+    /// records it concerned were handed back without costing an attempt.
+    Unavailable(Box<dyn StdError + Send + Sync>),
     /// A relay thread died (it panicked, or its channel closed unexpectedly).
     RelayDied(String),
 }
@@ -152,6 +155,7 @@ impl fmt::Display for Error {
             }
             Error::Pool(e) => write!(f, "connection pool: {e}"),
             Error::Publisher(e) => write!(f, "could not build a publisher: {e}"),
+            Error::Unavailable(e) => write!(f, "the publisher's destination is unavailable: {e}"),
             Error::RelayDied(why) => write!(f, "relay thread died: {why}"),
         }
     }
@@ -162,7 +166,7 @@ impl StdError for Error {
         match self {
             Error::Db(e) | Error::NotMigrated { source: e, .. } => Some(e),
             Error::Pool(e) => Some(e),
-            Error::Publisher(e) => Some(e.as_ref()),
+            Error::Publisher(e) | Error::Unavailable(e) => Some(e.as_ref()),
             _ => None,
         }
     }

@@ -9,6 +9,7 @@
 //! | `outbox_failed_total` | counter | `table`, `topic` | failed publish attempts |
 //! | `outbox_dead_lettered_total` | counter | `table`, `topic` | records that became dead letters |
 //! | `outbox_released_rows_total` | counter | `table` | claimed rows handed back unpublished |
+//! | `outbox_publisher_up` | gauge | `table` | 1 while the relay's publishers publish, 0 while they cannot reach the broker |
 //! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead`, `outbox_parked` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
@@ -128,6 +129,14 @@ impl Metrics for OutboxMetrics {
     fn released(&self, n: usize) {
         counter!("outbox_released_rows_total", "table" => self.table.clone()).increment(n as u64);
     }
+
+    fn publisher_down(&self, _cause: &(dyn std::error::Error + 'static)) {
+        gauge!("outbox_publisher_up", "table" => self.table.clone()).set(0.0);
+    }
+
+    fn publisher_up(&self) {
+        gauge!("outbox_publisher_up", "table" => self.table.clone()).set(1.0);
+    }
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -236,6 +245,8 @@ mod tests {
             metrics.failed(&record("order.paid"), &PublishError::transient("down"));
             metrics.dead_lettered(&record("order.paid"));
             metrics.released(2);
+            metrics.publisher_up();
+            metrics.publisher_down(&PublishError::unavailable("connection refused"));
         });
         let table = "table=orders_outbox".to_owned();
         let labels = |topic: &str| vec![table.clone(), format!("topic={topic}")];
@@ -271,6 +282,12 @@ mod tests {
                     "outbox_published_total".into(),
                     labels("order.created"),
                     DebugValue::Counter(2)
+                ),
+                (
+                    MetricKind::Gauge,
+                    "outbox_publisher_up".into(),
+                    vec![table.clone()],
+                    DebugValue::Gauge(0.0.into())
                 ),
                 (
                     MetricKind::Counter,

@@ -1,5 +1,6 @@
 //! Hooks for counters and histograms; every method does nothing unless overridden.
 
+use std::error::Error as StdError;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -33,8 +34,15 @@ pub trait Metrics: Send + Sync {
     fn failed(&self, _record: &Record, _error: &PublishError) {}
     /// A record ran out of attempts or failed permanently, and is now a dead letter.
     fn dead_lettered(&self, _record: &Record) {}
-    /// `n` claimed rows were handed back unpublished (at shutdown, or a lease too short to use).
+    /// `n` claimed rows were handed back unpublished, their attempts restored (at shutdown,
+    /// a lease too short to use, or the publisher down).
     fn released(&self, _n: usize) {}
+    /// The relay's publishers cannot reach their destination (a broker down or refusing, a
+    /// missing exchange, a resource alarm, a factory that fails): nothing is charged to any
+    /// message meanwhile. Called once per outage, when it starts.
+    fn publisher_down(&self, _cause: &(dyn StdError + 'static)) {}
+    /// A publisher published: the first time, and again after each outage.
+    fn publisher_up(&self) {}
 }
 
 /// The default: observe nothing.
@@ -78,5 +86,11 @@ impl<M: Metrics> Metrics for Guarded<M> {
     }
     fn released(&self, n: usize) {
         self.call("released", |m| m.released(n));
+    }
+    fn publisher_down(&self, cause: &(dyn StdError + 'static)) {
+        self.call("publisher_down", |m| m.publisher_down(cause));
+    }
+    fn publisher_up(&self) {
+        self.call("publisher_up", |m| m.publisher_up());
     }
 }

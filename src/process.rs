@@ -26,9 +26,16 @@ pub struct ProcessReport {
     /// The lease ran out while the handler worked and another worker took the row; the
     /// handler's writes were rolled back.
     pub lease_lost: usize,
-    /// Claimed but not started, and handed back: the lease was nearly over, or an earlier
-    /// record of the same aggregate did not commit in this call.
+    /// Claimed but not started, and handed back: the lease was nearly over, an earlier
+    /// record of the same aggregate did not commit in this call, or a handler said a service
+    /// it needs is unavailable.
     pub released: usize,
+    /// The handler returned [`HandlerError::unavailable`]: its writes were rolled back and
+    /// the row handed back without costing an attempt, as was every record after it in this
+    /// call. The first such error is kept in [`ProcessReport::unavailable_error`].
+    pub unavailable: usize,
+    /// Why the handler said it could not go on, if it did.
+    pub unavailable_error: Option<String>,
 }
 
 impl Outbox {
@@ -97,7 +104,8 @@ impl Outbox {
             let aggregate = record.aggregate_key.as_deref();
             // Leave a tenth of the lease as margin: past it, another worker may take the row.
             let late = claimed_at.elapsed() > lease - lease / 10;
-            if late || aggregate.is_some_and(|a| stopped.contains(a)) {
+            let outage = report.unavailable > 0;
+            if late || outage || aggregate.is_some_and(|a| stopped.contains(a)) {
                 report.released += 1;
                 outcomes.push((record.fence(), Outcome::Release));
                 continue;
@@ -114,6 +122,19 @@ impl Outbox {
                         record.key
                     );
                     report.lease_lost += 1;
+                    false
+                }
+                // Not the record's fault: back without an attempt, and the rest after it.
+                Handled::Failed(error) if error.is_unavailable() => {
+                    log::warn!(
+                        "outbox {}: handler unavailable on {}; handing the rest of this call \
+                         back: {error}",
+                        self.table(),
+                        record.key
+                    );
+                    report.unavailable += 1;
+                    report.unavailable_error = Some(error.to_string());
+                    outcomes.push((record.fence(), Outcome::Release));
                     false
                 }
                 Handled::Failed(error) => {

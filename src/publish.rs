@@ -11,6 +11,15 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 ///
 /// Each relay worker owns one publisher, built by the relay's factory, and builds a fresh one
 /// when [`Publisher::is_broken`] says the old one is beyond repair.
+///
+/// **Whose fault.** Only what is a record's own fault may cost it an attempt: say so with
+/// [`PublishError::transient`] or [`PublishError::permanent`]. When the destination or the
+/// way to it is down (a lost connection, a refused login, a missing exchange, a broker that
+/// stopped taking messages), return [`PublishError::unavailable`] for the records it
+/// concerns: the relay hands them back with their attempts restored, backs off, and tries
+/// again, however long the outage lasts. A publisher that reports itself broken after a
+/// call is taken at its word too: that call's transient failures are the break's, not the
+/// records', and cost nothing.
 pub trait Publisher: Send {
     /// Publishes a batch and returns one outcome per record, in order. Publish the batch
     /// pipelined where the broker allows it, and return only once each outcome is certain
@@ -18,49 +27,78 @@ pub trait Publisher: Send {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>>;
 
     /// True once the publisher cannot be used again (a lost connection, say); the relay then
-    /// drops it and builds a new one. The default: never.
+    /// drops it and builds a new one, with backoff. The default: never.
     fn is_broken(&self) -> bool {
         false
     }
 }
 
-/// Why a record was not published.
+/// Why a record was not published (or a handler did not finish), and whose fault it is.
 ///
-/// A transient error is retried after a backoff; a permanent one dead-letters the record at
-/// once. Either takes anything that converts into a boxed error, so a `&str` works.
+/// - [`transient`](PublishError::transient): the record's own attempt failed (the broker
+///   nacked it, no queue was bound for it); it costs an attempt and is retried after a
+///   backoff, up to its attempt limit.
+/// - [`permanent`](PublishError::permanent): the record can never succeed; it becomes a dead
+///   letter at once.
+/// - [`unavailable`](PublishError::unavailable): the destination or the way to it is down;
+///   not the record's fault. It costs no attempt and never leads to a dead letter: the
+///   record is handed back and tried again once the outage is over.
+///
+/// Each takes anything that converts into a boxed error, so a `&str` works.
 ///
 /// ```
 /// use postgres_outbox::PublishError;
-/// let retry_later = PublishError::transient("broker unavailable");
+/// let retry_later = PublishError::transient("the broker nacked it");
 /// let give_up = PublishError::permanent("payload rejected by schema");
+/// let outage = PublishError::unavailable("connection refused");
 /// assert!(give_up.is_permanent() && !retry_later.is_permanent());
+/// assert!(outage.is_unavailable() && !retry_later.is_unavailable());
 /// ```
 #[derive(Debug)]
 pub struct PublishError {
-    permanent: bool,
+    kind: Kind,
     source: BoxError,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Transient,
+    Permanent,
+    Unavailable,
+}
+
 impl PublishError {
-    /// A failure worth retrying.
+    /// A failure of this record's attempt, worth retrying: it costs an attempt.
     pub fn transient(err: impl Into<BoxError>) -> PublishError {
-        PublishError {
-            permanent: false,
-            source: err.into(),
-        }
+        PublishError::new(Kind::Transient, err)
     }
 
     /// A failure that retrying cannot fix: the record goes to the dead letters.
     pub fn permanent(err: impl Into<BoxError>) -> PublishError {
+        PublishError::new(Kind::Permanent, err)
+    }
+
+    /// The destination, or the way to it, is down: no fault of the record. It costs no
+    /// attempt; the relay (or consumer) backs off and tries again until it is back.
+    pub fn unavailable(err: impl Into<BoxError>) -> PublishError {
+        PublishError::new(Kind::Unavailable, err)
+    }
+
+    fn new(kind: Kind, err: impl Into<BoxError>) -> PublishError {
         PublishError {
-            permanent: true,
+            kind,
             source: err.into(),
         }
     }
 
     /// True for [`PublishError::permanent`].
     pub fn is_permanent(&self) -> bool {
-        self.permanent
+        self.kind == Kind::Permanent
+    }
+
+    /// True for [`PublishError::unavailable`].
+    pub fn is_unavailable(&self) -> bool {
+        self.kind == Kind::Unavailable
     }
 }
 
@@ -77,7 +115,8 @@ impl StdError for PublishError {
 }
 
 /// The error a transactional handler returns; see [`Outbox::process`](crate::Outbox::process).
-/// Transient errors are retried with backoff; permanent ones dead-letter the record.
+/// Transient errors are retried with backoff; permanent ones dead-letter the record;
+/// `unavailable` (a service the handler needs is down) hands it back without counting.
 pub type HandlerError = PublishError;
 
 /// A [`Publisher`] from a closure that publishes one record.

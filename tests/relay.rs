@@ -9,13 +9,14 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::Duration;
 
 use common::{
-    count, quoted, relay_config, relay_config_with_pool, row_state, wait_until, Sink, RELAY_POOL,
+    count, quoted, relay_config, relay_config_with_pool, row_state, wait_until, Counters, Sink,
+    RELAY_POOL,
 };
 use postgres::Client;
 use postgres_outbox::{
@@ -26,55 +27,6 @@ use postgres_outbox::{
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// Counts every metrics event.
-#[derive(Clone, Default)]
-struct Counters(Arc<CountersInner>);
-
-#[derive(Default)]
-struct CountersInner {
-    claimed: AtomicUsize,
-    published: AtomicUsize,
-    failed: AtomicUsize,
-    dead_lettered: AtomicUsize,
-    released: AtomicUsize,
-}
-
-impl Counters {
-    fn claimed(&self) -> usize {
-        self.0.claimed.load(Ordering::SeqCst)
-    }
-    fn published(&self) -> usize {
-        self.0.published.load(Ordering::SeqCst)
-    }
-    fn failed(&self) -> usize {
-        self.0.failed.load(Ordering::SeqCst)
-    }
-    fn dead_lettered(&self) -> usize {
-        self.0.dead_lettered.load(Ordering::SeqCst)
-    }
-    fn released(&self) -> usize {
-        self.0.released.load(Ordering::SeqCst)
-    }
-}
-
-impl Metrics for Counters {
-    fn claimed(&self, n: usize) {
-        self.0.claimed.fetch_add(n, Ordering::SeqCst);
-    }
-    fn published(&self, _record: &Record, _took: Duration) {
-        self.0.published.fetch_add(1, Ordering::SeqCst);
-    }
-    fn failed(&self, _record: &Record, _error: &PublishError) {
-        self.0.failed.fetch_add(1, Ordering::SeqCst);
-    }
-    fn dead_lettered(&self, _record: &Record) {
-        self.0.dead_lettered.fetch_add(1, Ordering::SeqCst);
-    }
-    fn released(&self, n: usize) {
-        self.0.released.fetch_add(n, Ordering::SeqCst);
-    }
-}
 
 /// A gate publishers (or handlers) block at until the test opens it; it counts who waits.
 #[derive(Clone, Default)]
@@ -1926,4 +1878,126 @@ fn run_once_reports_the_database_error_it_met() {
         matches!(err, postgres_outbox::Error::Pool(_)),
         "the pool's own error, not a generic one: {err:?}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outages: the world's faults cost no attempt
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn an_unavailable_destination_costs_no_attempt_and_is_reported_once_per_outage() {
+    let (outbox, mut client) = common::outbox("rl_outage");
+    let mut messages = numbered("u", 10);
+    messages.extend(ordered("o", 10));
+    enqueue(&mut client, &outbox, messages);
+    let down = Arc::new(AtomicBool::new(true));
+    let tries = Arc::new(AtomicUsize::new(0));
+    let sink = Sink::default();
+    let publish = {
+        let (down, tries, sink) = (down.clone(), tries.clone(), sink.clone());
+        move |record: &Record| {
+            if down.load(Ordering::SeqCst) {
+                tries.fetch_add(1, Ordering::SeqCst);
+                return Err(PublishError::unavailable("broker down"));
+            }
+            sink.push(record);
+            Ok(())
+        }
+    };
+    let metrics = Counters::default();
+    // Two attempts at most: a relay that charged the outage would kill every row quickly.
+    let config = relay_config(&outbox, publish)
+        .max_attempts(2)
+        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .poll_interval(Duration::from_millis(20))
+        .metrics(metrics.clone());
+
+    // A lone call says what stopped it.
+    let e = Relay::run_once(&config).unwrap_err();
+    assert!(e.to_string().contains("broker down"), "{e}");
+
+    let relay = Relay::spawn(config).unwrap();
+    // Ten times the whole backlog, across the workers' backoffs.
+    wait_until("the relay has tried many times", || {
+        tries.load(Ordering::SeqCst) >= 200
+    });
+    assert_eq!(count(&mut client, &outbox, "status <> 'pending'"), 0);
+    assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);
+    assert_eq!((metrics.downs(), metrics.ups()), (1, 0));
+    assert_eq!(metrics.failed(), 0);
+    assert!(metrics.released() > 0);
+
+    down.store(false, Ordering::SeqCst);
+    wait_until("everything is sent", || sink.len() == 20);
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 20);
+    assert_eq!(count(&mut client, &outbox, "attempts <> 1"), 0);
+    assert_eq!((metrics.downs(), metrics.ups()), (1, 1));
+    let published: Vec<i64> = sink
+        .records()
+        .iter()
+        .filter(|r| r.aggregate_key.is_some())
+        .map(seq)
+        .collect();
+    assert_eq!(published, (0..10).collect::<Vec<_>>());
+}
+
+/// Fails every record transiently and then says it is broken, as a publisher whose
+/// connection died under the batch would, on its first `fails` calls.
+struct BreaksUnderTheBatch {
+    fails: Arc<AtomicUsize>,
+    broken: bool,
+    sink: Sink,
+}
+
+impl Publisher for BreaksUnderTheBatch {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        let failing = self
+            .fails
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        self.broken = failing;
+        batch
+            .iter()
+            .map(|record| {
+                if failing {
+                    Err(PublishError::transient("connection reset"))
+                } else {
+                    self.sink.push(record);
+                    Ok(())
+                }
+            })
+            .collect()
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken
+    }
+}
+
+#[test]
+fn transient_failures_of_a_publisher_that_then_breaks_cost_no_attempt() {
+    let (outbox, mut client) = common::outbox("rl_breaks");
+    enqueue(&mut client, &outbox, numbered("b", 5));
+    let (fails, sink) = (Arc::new(AtomicUsize::new(3)), Sink::default());
+    let (publisher_fails, publisher_sink) = (fails.clone(), sink.clone());
+    let config = RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
+        Ok::<_, Infallible>(BreaksUnderTheBatch {
+            fails: publisher_fails.clone(),
+            broken: false,
+            sink: publisher_sink.clone(),
+        })
+    })
+    .max_attempts(1);
+    for _ in 0..3 {
+        assert!(Relay::run_once(&config).is_err());
+    }
+    assert_eq!(count(&mut client, &outbox, "attempts > 0"), 0);
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 5);
+    assert_eq!(sink.len(), 5);
+    assert_eq!(
+        count(&mut client, &outbox, "status = 'sent' AND attempts = 1"),
+        5
+    );
+    assert_eq!(fails.load(Ordering::SeqCst), 0);
 }

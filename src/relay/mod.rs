@@ -14,6 +14,7 @@
 //! dedicated threads bought before, without the queues between them.
 
 mod config;
+mod health;
 mod listener;
 mod rounds;
 mod waiting;
@@ -35,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::pool::Session;
 use crate::retry::reconnect_delay;
 use crate::store;
+use health::Health;
 use waiting::Waiting;
 use worker::{Alone, Control, Cycle, Worker};
 
@@ -62,6 +64,8 @@ pub(crate) struct Shared {
     released: AtomicU64,
     /// Claimed rows whose outcomes are not recorded yet.
     holding: AtomicU64,
+    /// Whether the publishers reach their destination.
+    health: Health,
 }
 
 impl Shared {
@@ -123,6 +127,18 @@ impl Control for Shared {
 
     fn more_due(&self) {
         self.wake_one();
+    }
+
+    fn publisher_down(&self, cause: &(dyn std::error::Error + 'static)) {
+        let config = &self.config;
+        self.health
+            .down(config.outbox.table(), cause, config.metrics.as_ref());
+    }
+
+    fn publisher_up(&self) {
+        let config = &self.config;
+        self.health
+            .up(config.outbox.table(), config.metrics.as_ref());
     }
 }
 
@@ -220,6 +236,7 @@ impl Relay {
             published: AtomicU64::new(0),
             released: AtomicU64::new(0),
             holding: AtomicU64::new(0),
+            health: Health::new(),
         });
         let config = &shared.config;
         let (workers_alive, workers_done) = bounded::<()>(0);

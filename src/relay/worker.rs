@@ -6,6 +6,7 @@
 //! worker whose publisher or database is stuck claims nothing more.
 
 use std::collections::HashSet;
+use std::error::Error as StdError;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,11 @@ pub(crate) trait Control {
     fn released(&self, _n: usize) {}
     /// A claim came back full: more may be due, so another idle worker should look too.
     fn more_due(&self) {}
+    /// The publisher could not reach its destination (or could not be built): nobody's
+    /// message's fault.
+    fn publisher_down(&self, _cause: &(dyn StdError + 'static)) {}
+    /// The publisher published.
+    fn publisher_up(&self) {}
 }
 
 /// A lone caller: never stopping, counting nothing.
@@ -51,8 +57,8 @@ pub(crate) enum Cycle {
     Idle,
     /// Rows were claimed and their outcomes decided (sent, retried, dead or released).
     Worked(usize),
-    /// The database or the publisher factory is in trouble (`cause`, already logged): wait
-    /// this long first.
+    /// The database, the publisher factory or the publisher's destination is in trouble
+    /// (`cause`, already logged or reported): wait this long first.
     Pause(Duration, crate::Error),
 }
 
@@ -63,7 +69,9 @@ pub(crate) struct Worker<'a> {
     /// Where the next claim's aggregate scan starts.
     cursor: Option<String>,
     db_failures: u32,
-    factory_failures: u32,
+    /// Publishing failed for the world's reasons this many times in a row (a factory that
+    /// failed, a destination unavailable): the backoff before the next try.
+    outages: u32,
 }
 
 /// Session settings of a relay connection. The statement timeout (a quarter of the lease,
@@ -101,7 +109,7 @@ impl<'a> Worker<'a> {
             publisher,
             cursor: None,
             db_failures: 0,
-            factory_failures: 0,
+            outages: 0,
         }
     }
 
@@ -281,7 +289,7 @@ impl<'a> Worker<'a> {
                 release.extend(go.iter().map(Record::fence));
                 break;
             }
-            let publisher = match self.publisher() {
+            let publisher = match self.publisher(control) {
                 Ok(publisher) => publisher,
                 Err(unavailable) => {
                     pause = Some(unavailable);
@@ -289,19 +297,35 @@ impl<'a> Worker<'a> {
                     break;
                 }
             };
-            let results = attempt(config, publisher.as_mut(), &go, claimed_at);
-            for (record, outcome) in go.iter().zip(results) {
+            let attempted = attempt(config, publisher.as_mut(), &go, claimed_at);
+            for (record, outcome) in go.iter().zip(attempted.outcomes) {
                 if !matches!(outcome, Outcome::Sent) {
                     if let Some(aggregate) = &record.aggregate_key {
                         failed.insert(aggregate.clone());
                     }
                 }
-                outcomes.push((record.fence(), outcome));
+                match outcome {
+                    Outcome::Release => release.push(record.fence()),
+                    outcome => outcomes.push((record.fence(), outcome)),
+                }
             }
-            let broken = catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true);
-            if broken {
-                log::warn!("outbox {table}: publisher broke; building a new one");
+            if attempted.broken {
+                log::debug!("outbox {table}: publisher broke; building a new one");
                 self.publisher = None;
+            }
+            if let Some(cause) = attempted.outage {
+                control.publisher_down(&cause);
+                pause = Some((
+                    self.outage_pause(),
+                    crate::Error::Unavailable(Box::new(cause)),
+                ));
+                break;
+            }
+            if attempted.published {
+                self.outages = 0;
+                control.publisher_up();
+            }
+            if attempted.broken {
                 break;
             }
         }
@@ -317,22 +341,21 @@ impl<'a> Worker<'a> {
 
     /// The worker's publisher, built by the factory when there is none. A factory that fails
     /// (or panics) costs no attempt: the rows go back and the worker waits before trying again.
-    fn publisher(&mut self) -> Result<&mut Box<dyn Publisher>, (Duration, crate::Error)> {
+    fn publisher(
+        &mut self,
+        control: &dyn Control,
+    ) -> Result<&mut Box<dyn Publisher>, (Duration, crate::Error)> {
         let config = self.config;
         let publisher = match self.publisher.take() {
             Some(publisher) => publisher,
             None => match catch_unwind(AssertUnwindSafe(|| (config.factory)()))
                 .unwrap_or_else(|_| Err("the publisher factory panicked".into()))
             {
-                Ok(publisher) => {
-                    self.factory_failures = 0;
-                    publisher
-                }
+                Ok(publisher) => publisher,
                 Err(e) => {
-                    self.factory_failures += 1;
-                    let pause =
-                        reconnect_delay(self.factory_failures).max(Duration::from_millis(500));
-                    log::warn!(
+                    control.publisher_down(e.as_ref());
+                    let pause = self.outage_pause();
+                    log::debug!(
                         "outbox {}: could not build a publisher, retrying in {pause:?}: {e}",
                         config.outbox.table()
                     );
@@ -341,6 +364,12 @@ impl<'a> Worker<'a> {
             },
         };
         Ok(self.publisher.insert(publisher))
+    }
+
+    /// One more outage in a row, and how long to wait before publishing again.
+    fn outage_pause(&mut self) -> Duration {
+        self.outages += 1;
+        reconnect_delay(self.outages).max(Duration::from_millis(500))
     }
 
     /// Records the batch's outcomes, retrying through database trouble while the lease
@@ -480,14 +509,28 @@ fn sleep_unless_out_of_time(pause: Duration, control: &dyn Control) {
     }
 }
 
-/// Publishes `records` and decides each one's outcome. A panicking publisher is a failed
-/// attempt for the whole slice, never a dead relay.
+/// What one publish call came to.
+pub(crate) struct Attempted {
+    /// One per record: sent, retried, dead, or handed back uncharged (`Release`).
+    pub(crate) outcomes: Vec<Outcome>,
+    /// The publisher said it is broken after the call.
+    pub(crate) broken: bool,
+    /// Why records were handed back uncharged: the destination was unavailable.
+    pub(crate) outage: Option<PublishError>,
+    /// At least one record was published.
+    pub(crate) published: bool,
+}
+
+/// Publishes `records` and decides each one's outcome. What is the record's fault costs an
+/// attempt; what is the world's (an `unavailable` error, or a transient one from a publisher
+/// that then reports itself broken) hands it back with its attempt restored. A panicking
+/// publisher is a failed attempt for the whole slice, never a dead relay.
 pub(crate) fn attempt(
     config: &RelayConfig,
     publisher: &mut dyn Publisher,
     records: &[Record],
     claimed_at: Instant,
-) -> Vec<Outcome> {
+) -> Attempted {
     let table = config.outbox.table();
     let results =
         catch_unwind(AssertUnwindSafe(|| publisher.publish(records))).unwrap_or_else(|_| {
@@ -497,32 +540,43 @@ pub(crate) fn attempt(
                 .map(|_| Err(PublishError::transient("publisher panicked")))
                 .collect()
         });
+    let broken = catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true);
+    let mut attempted = Attempted {
+        outcomes: Vec::with_capacity(records.len()),
+        broken,
+        outage: None,
+        published: false,
+    };
     let mut results = results.into_iter();
-    records
-        .iter()
-        .map(|record| {
-            let result = results.next().unwrap_or_else(|| {
-                Err(PublishError::transient(
-                    "publisher returned fewer outcomes than records",
-                ))
-            });
-            match result {
-                Ok(()) => {
-                    log::trace!("outbox {table}: published {}", record.key);
-                    config.metrics.published(record, claimed_at.elapsed());
-                    Outcome::Sent
-                }
-                Err(error) => {
-                    config.metrics.failed(record, &error);
-                    let outcome = config
-                        .retry
-                        .after_failure(table, record, &error, config.park);
-                    if let Outcome::Dead { .. } = outcome {
-                        config.metrics.dead_lettered(record);
-                    }
-                    outcome
-                }
+    for record in records {
+        let result = results.next().unwrap_or_else(|| {
+            Err(PublishError::transient(
+                "publisher returned fewer outcomes than records",
+            ))
+        });
+        let outcome = match result {
+            Ok(()) => {
+                log::trace!("outbox {table}: published {}", record.key);
+                config.metrics.published(record, claimed_at.elapsed());
+                attempted.published = true;
+                Outcome::Sent
             }
-        })
-        .collect()
+            Err(error) if error.is_unavailable() || (broken && !error.is_permanent()) => {
+                attempted.outage.get_or_insert(error);
+                Outcome::Release
+            }
+            Err(error) => {
+                config.metrics.failed(record, &error);
+                let outcome = config
+                    .retry
+                    .after_failure(table, record, &error, config.park);
+                if let Outcome::Dead { .. } = outcome {
+                    config.metrics.dead_lettered(record);
+                }
+                outcome
+            }
+        };
+        attempted.outcomes.push(outcome);
+    }
+    attempted
 }

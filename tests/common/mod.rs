@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -10,7 +10,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use postgres::{Client, NoTls};
-use postgres_outbox::{publisher_fn, Outbox, PublishError, Record, RelayConfig};
+use postgres_outbox::{publisher_fn, Metrics, Outbox, PublishError, Record, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
@@ -402,5 +402,68 @@ impl Sink {
             sink.push(record);
             Ok(())
         }
+    }
+}
+
+/// Counts every metrics event.
+#[derive(Clone, Default)]
+pub struct Counters(Arc<CountersInner>);
+
+#[derive(Default)]
+pub struct CountersInner {
+    claimed: AtomicUsize,
+    published: AtomicUsize,
+    failed: AtomicUsize,
+    dead_lettered: AtomicUsize,
+    released: AtomicUsize,
+    downs: AtomicUsize,
+    ups: AtomicUsize,
+}
+
+impl Counters {
+    pub fn claimed(&self) -> usize {
+        self.0.claimed.load(Ordering::SeqCst)
+    }
+    pub fn published(&self) -> usize {
+        self.0.published.load(Ordering::SeqCst)
+    }
+    pub fn failed(&self) -> usize {
+        self.0.failed.load(Ordering::SeqCst)
+    }
+    pub fn dead_lettered(&self) -> usize {
+        self.0.dead_lettered.load(Ordering::SeqCst)
+    }
+    pub fn released(&self) -> usize {
+        self.0.released.load(Ordering::SeqCst)
+    }
+    pub fn downs(&self) -> usize {
+        self.0.downs.load(Ordering::SeqCst)
+    }
+    pub fn ups(&self) -> usize {
+        self.0.ups.load(Ordering::SeqCst)
+    }
+}
+
+impl Metrics for Counters {
+    fn claimed(&self, n: usize) {
+        self.0.claimed.fetch_add(n, Ordering::SeqCst);
+    }
+    fn published(&self, _record: &Record, _took: Duration) {
+        self.0.published.fetch_add(1, Ordering::SeqCst);
+    }
+    fn failed(&self, _record: &Record, _error: &PublishError) {
+        self.0.failed.fetch_add(1, Ordering::SeqCst);
+    }
+    fn dead_lettered(&self, _record: &Record) {
+        self.0.dead_lettered.fetch_add(1, Ordering::SeqCst);
+    }
+    fn released(&self, n: usize) {
+        self.0.released.fetch_add(n, Ordering::SeqCst);
+    }
+    fn publisher_down(&self, _cause: &(dyn std::error::Error + 'static)) {
+        self.0.downs.fetch_add(1, Ordering::SeqCst);
+    }
+    fn publisher_up(&self) {
+        self.0.ups.fetch_add(1, Ordering::SeqCst);
     }
 }

@@ -64,6 +64,8 @@ enum Failure {
     Handler(HandlerError),
     /// The database or the way to it: nobody's fault, never counted.
     Database(crate::Error),
+    /// The handler said a service it needs is unavailable: nobody's fault either.
+    Unavailable(HandlerError),
 }
 
 impl Failure {
@@ -142,23 +144,33 @@ impl Worker {
                     Err(e) => e,
                 },
                 Err(Failure::Database(e)) => e,
+                Err(Failure::Unavailable(e)) => crate::Error::Unavailable(Box::new(e)),
             };
-            self.conn = None;
-            self.shared.observe(|m| m.database_failed(&error));
             outages += 1;
             let pause = reconnect_delay(outages);
             let name = &self.shared.config.name;
             let key = &job.delivery.key;
-            if is_infrastructure(&error) {
-                log::warn!(
-                    "rabbitmq consumer {name}: the database failed while handling {key} (not \
-                     counted as a failure); trying again in {pause:?}: {error}"
-                );
-            } else {
-                log::error!(
-                    "rabbitmq consumer {name}: cannot keep the failure count of {key}; holding \
-                     it and trying again in {pause:?}: {error}"
-                );
+            match &error {
+                crate::Error::Unavailable(cause) => log::warn!(
+                    "rabbitmq consumer {name}: the handler of {key} needs a service that is \
+                     unavailable (not counted as a failure); trying again in {pause:?}: {cause}"
+                ),
+                error => {
+                    self.conn = None;
+                    self.shared.observe(|m| m.database_failed(error));
+                    if is_infrastructure(error) {
+                        log::warn!(
+                            "rabbitmq consumer {name}: the database failed while handling \
+                             {key} (not counted as a failure); trying again in {pause:?}: \
+                             {error}"
+                        );
+                    } else {
+                        log::error!(
+                            "rabbitmq consumer {name}: cannot keep the failure count of {key}; \
+                             holding it and trying again in {pause:?}: {error}"
+                        );
+                    }
+                }
             }
             select! {
                 recv(self.stop) -> _ => return Outcome::Abandoned,
@@ -187,7 +199,13 @@ impl Worker {
         }
         catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
             .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
-            .map_err(Failure::Handler)?;
+            .map_err(|e| {
+                if e.is_unavailable() {
+                    Failure::Unavailable(e)
+                } else {
+                    Failure::Handler(e)
+                }
+            })?;
         if job.suspect {
             tx.execute_typed(
                 &shared.outbox.statements().forget_failures,
