@@ -328,3 +328,68 @@ fn relay_publishes_and_stops_cleanly_on_sigterm() {
         .unwrap();
     channel.exchange_delete(exchange.as_str(), false).unwrap();
 }
+
+#[test]
+fn relay_refuses_an_exchange_that_does_not_exist_at_once() {
+    let (outbox, _client) = outbox("cli_no_exchange");
+    let missing = unique_name("x_cli_missing");
+    let started = std::time::Instant::now();
+    let e = fails(
+        &outbox,
+        &["relay", "--amqp-url", &amqp_url(), "--exchange", &missing],
+        1,
+    );
+    assert!(e.contains(&missing) && e.contains("404"), "{e}");
+    assert!(!e.contains("guest:guest"), "{e}");
+    // Refused before it started: it never waited for a signal.
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
+    let (outbox, mut client) = outbox("cli_parked");
+    operator_rows(&mut client, &outbox);
+    // d1 parks aggregate a, with a message waiting behind it.
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::new("orders", "x").key("a-next").aggregate_key("a"),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    let parked = json(&ok(&outbox, &["dead", "--parked", "--json"]));
+    let keys: Vec<&str> = parked
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["d1"]);
+    assert_eq!(json(&ok(&outbox, &["stats", "--json"]))["parked"], 1);
+    let e = fails(&outbox, &["skip"], 1);
+    assert!(e.contains("--all"), "{e}");
+    assert_eq!(
+        ok(&outbox, &["skip", "--all", "--dry-run"]).trim(),
+        "would skip 1 parked dead letters"
+    );
+    assert_eq!(
+        ok(&outbox, &["skip", "--key", "d2"]).trim(),
+        "skipped 0 parked dead letters"
+    );
+    assert_eq!(
+        ok(&outbox, &["skip", "--key", "d1"]).trim(),
+        "skipped 1 parked dead letters"
+    );
+    assert_eq!(row_state(&mut client, &outbox, "d1").0, "dead");
+    assert_eq!(json(&ok(&outbox, &["stats", "--json"]))["parked"], 0);
+}

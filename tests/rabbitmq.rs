@@ -448,10 +448,9 @@ fn a_connection_closed_mid_batch_loses_nothing_and_duplicates_only_the_unconfirm
         !armed.load(Ordering::SeqCst),
         "the connection was never closed"
     );
-    assert!(
-        count(&mut client, &outbox, "attempts > 1") > 0,
-        "the records published on the closed connection should have failed their attempt"
-    );
+    // The connection closed under the batch: the broker's doing, not the records'. Those
+    // not confirmed went back without costing an attempt.
+    assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);
 
     let broker = Broker::at(&url);
     wait_until("every message is queued", || {
@@ -468,14 +467,15 @@ fn a_connection_closed_mid_batch_loses_nothing_and_duplicates_only_the_unconfirm
         *seen.entry(key).or_default() += 1;
     }
     assert!(keys.iter().all(|k| seen.contains_key(k)), "a row was lost");
-    // A key delivered twice must have been retried: an earlier attempt was never confirmed.
-    for (key, n) in seen.iter().filter(|(_, n)| **n > 1) {
-        let attempts = row_state(&mut client, &outbox, key).1;
-        assert!(
-            attempts >= *n as i32,
-            "{key} delivered {n} times in {attempts} attempts"
-        );
-    }
+    // Only what was in flight on the closed connections can have gone out twice: the
+    // second half of the batch, published on the dead connection, and the other worker's
+    // batch.
+    let twice: usize = seen.values().filter(|n| **n > 1).count();
+    assert!(twice <= 2 * 50, "{twice} keys delivered more than once");
+    assert!(
+        seen.values().all(|n| *n <= 2),
+        "a key delivered three times"
+    );
     drop(broker);
     rabbitmqctl(&["delete_vhost", &vhost]);
 }
@@ -1341,6 +1341,196 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
             "aggregate {aggregate}"
         );
     }
+    drop(broker);
+    rabbitmqctl(&["delete_vhost", &vhost]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Outages of the broker: never charged to a message
+// ---------------------------------------------------------------------------------------------
+
+/// A relay publishing to `exchange` at `url`, reporting to `metrics`, whose factory counts
+/// its calls in `builds`. Two attempts at most: a relay that charged an outage to the
+/// messages would soon turn them into dead letters.
+fn outage_relay(
+    outbox: &Outbox,
+    url: &str,
+    exchange: &str,
+    metrics: &Counters,
+    builds: &Arc<AtomicUsize>,
+) -> Relay {
+    let (url, exchange, builds) = (url.to_owned(), exchange.to_owned(), builds.clone());
+    Relay::spawn(
+        RelayConfig::new(outbox.clone(), pool(5), move || {
+            builds.fetch_add(1, Ordering::SeqCst);
+            RabbitPublisher::connect(&url, &exchange)
+                .map(|p| p.confirm_timeout(Duration::from_secs(2)))
+        })
+        .max_attempts(2)
+        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .poll_interval(Duration::from_millis(50))
+        .metrics(metrics.clone()),
+    )
+    .unwrap()
+}
+
+/// Ten messages of aggregate `a` and ten without one, keys `<prefix>-<i>`.
+fn outage_messages(prefix: &str) -> Vec<Message> {
+    (0..20)
+        .map(|i| {
+            let message = Message::new("t", i.to_string()).key(format!("{prefix}-{i}"));
+            if i < 10 {
+                message.aggregate_key("a")
+            } else {
+                message
+            }
+        })
+        .collect()
+}
+
+/// Waits until every row is sent, and checks that none paid an attempt for the outage.
+fn all_sent_once(client: &mut postgres::Client, outbox: &Outbox, rows: i64) {
+    wait_until("every row is sent", || {
+        count(client, outbox, "status = 'sent'") == rows
+    });
+    assert_eq!(count(client, outbox, "attempts <> 1"), 0);
+}
+
+/// The payloads of aggregate `a`, in the order they reached `queue`.
+fn aggregate_order(broker: &Broker, queue: &str) -> Vec<u32> {
+    broker
+        .drain(queue)
+        .iter()
+        .filter(|m| header(&m.delivery.properties, AGGREGATE_HEADER).is_some())
+        .map(|m| String::from_utf8_lossy(&m.delivery.body).parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_missing_or_deleted_exchange_costs_no_attempt_and_the_relay_resumes_once_it_exists() {
+    let broker = Broker::new();
+    let (exchange, fallback, queue) = (
+        unique_name("x_missing"),
+        unique_name("x_missing_ae"),
+        unique_name("q_missing"),
+    );
+    // Declared, the exchange routes everything at once through its alternate exchange, so no
+    // message can be published in between declaring it and binding a queue to it.
+    broker
+        .channel
+        .exchange_declare(ExchangeType::Fanout, &fallback, Default::default())
+        .unwrap();
+    broker.queue(&queue, &fallback, FieldTable::new());
+    let declare = || {
+        let mut arguments = FieldTable::new();
+        arguments.insert(
+            "alternate-exchange".into(),
+            AmqpValue::LongString(fallback.clone()),
+        );
+        let options = ExchangeDeclareOptions {
+            arguments,
+            ..ExchangeDeclareOptions::default()
+        };
+        broker
+            .channel
+            .exchange_declare(ExchangeType::Topic, &exchange, options)
+            .unwrap();
+    };
+
+    // Asked directly, connecting says at once what is wrong.
+    let e = RabbitPublisher::connect(&amqp_url(), &exchange).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains(&exchange) && text.contains("404"), "{text}");
+
+    let (outbox, mut client) = outbox("rmq_missing");
+    enqueue(&mut client, &outbox, outage_messages("m"));
+    let (metrics, builds) = (Counters::default(), Arc::new(AtomicUsize::new(0)));
+    let relay = outage_relay(&outbox, &amqp_url(), &exchange, &metrics, &builds);
+    wait_until("the relay has tried to connect again and again", || {
+        builds.load(Ordering::SeqCst) >= 8
+    });
+    // Rows are claimed and handed back again and again; none ever pays for it.
+    assert_eq!(count(&mut client, &outbox, "status <> 'pending'"), 0);
+    assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);
+    assert_eq!(metrics.downs(), 1);
+    declare();
+    all_sent_once(&mut client, &outbox, 20);
+    assert_eq!((metrics.downs(), metrics.ups()), (1, 1));
+
+    // Deleted under the running relay: its channel is closed by the broker mid-stream.
+    broker
+        .channel
+        .exchange_delete(&exchange, Default::default())
+        .unwrap();
+    enqueue(&mut client, &outbox, outage_messages("n"));
+    let before = builds.load(Ordering::SeqCst);
+    wait_until("the relay has tried to reconnect again and again", || {
+        builds.load(Ordering::SeqCst) >= before + 8
+    });
+    assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 0);
+    assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);
+    assert_eq!(metrics.downs(), 2);
+    declare();
+    all_sent_once(&mut client, &outbox, 40);
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!((metrics.downs(), metrics.ups()), (2, 2));
+
+    assert_eq!(
+        aggregate_order(&broker, &queue),
+        [(0..10).collect::<Vec<_>>(), (0..10).collect()].concat()
+    );
+    for name in [&exchange, &fallback] {
+        let _ = broker
+            .channel
+            .exchange_delete(name.as_str(), Default::default());
+    }
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn revoked_permissions_cost_no_attempt_and_the_relay_resumes_once_restored() {
+    let vhost = unique_name("vh_revoke");
+    rabbitmqctl(&["add_vhost", &vhost]);
+    let grant = || rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    grant();
+    let url = format!("{}/{vhost}", amqp_url().trim_end_matches('/'));
+    let broker = Broker::at(&url);
+    broker.exchange("events");
+    broker.queue("all", "events", FieldTable::new());
+
+    let (outbox, mut client) = outbox("rmq_revoke");
+    enqueue(&mut client, &outbox, outage_messages("m"));
+    let (metrics, builds) = (Counters::default(), Arc::new(AtomicUsize::new(0)));
+    let relay = outage_relay(&outbox, &url, "events", &metrics, &builds);
+    all_sent_once(&mut client, &outbox, 20);
+
+    // Access revoked, and the user's connections cut (a channel that has published may go
+    // on a while on cached permissions): reconnecting is refused (530).
+    rabbitmqctl(&["clear_permissions", "-p", &vhost, "guest"]);
+    rabbitmqctl(&[
+        "close_all_connections",
+        "-p",
+        &vhost,
+        "test: access revoked",
+    ]);
+    enqueue(&mut client, &outbox, outage_messages("n"));
+    let before = builds.load(Ordering::SeqCst);
+    wait_until("the relay has tried to reconnect again and again", || {
+        builds.load(Ordering::SeqCst) >= before + 8
+    });
+    assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 0);
+    assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);
+    assert_eq!(metrics.downs(), 1);
+    grant();
+    all_sent_once(&mut client, &outbox, 40);
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!((metrics.downs(), metrics.ups()), (1, 2));
+
+    let broker = Broker::at(&url);
+    assert_eq!(
+        aggregate_order(&broker, "all"),
+        [(0..10).collect::<Vec<_>>(), (0..10).collect()].concat()
+    );
     drop(broker);
     rabbitmqctl(&["delete_vhost", &vhost]);
 }

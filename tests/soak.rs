@@ -1,7 +1,8 @@
 //! Fault-injection soak: several relay processes over one outbox table, producers writing
 //! ordered and unordered messages (some rolled back), and faults all along: relay processes
 //! killed with SIGKILL and restarted, their PostgreSQL backends terminated, their broker
-//! connections closed, 10% of publishes failing and 1% of confirms lost.
+//! connections closed, the exchange deleted for a while (a broker outage), 10% of publishes
+//! failing and 1% of confirms lost.
 //!
 //! At the end it checks what a consumer of the queue saw: every committed message delivered,
 //! no rolled-back one, no aggregate out of order, duplicates within what the faults explain,
@@ -24,6 +25,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,6 +48,9 @@ use rand::{Rng, SeedableRng};
 /// Set to `relay` in the relay processes.
 const ROLE_VAR: &str = "SOAK_ROLE";
 const EXCHANGE: &str = "events";
+/// Where `EXCHANGE` sends everything (its alternate exchange), so that re-declaring it after
+/// an outage makes it routable in the same step.
+const FALLBACK: &str = "events.all";
 const QUEUE: &str = "all";
 const TOPIC_ORDERED: &str = "soak.ordered";
 const TOPIC_UNORDERED: &str = "soak.unordered";
@@ -68,6 +73,8 @@ const ROLLBACK_RATE: f64 = 0.10;
 const PRODUCER_PAUSE: Duration = Duration::from_millis(10);
 /// Average time between two faults.
 const FAULT_EVERY: Duration = Duration::from_millis(2500);
+/// How long the exchange stays deleted in a broker outage.
+const OUTAGE: Duration = Duration::from_secs(2);
 
 // ---------------------------------------------------------------------------------------
 // The relay process
@@ -119,9 +126,7 @@ fn run_relay_process() -> ! {
     let amqp = env("SOAK_AMQP_URL");
     let database = env("SOAK_DATABASE_URL");
     let seed: u64 = env("SOAK_SEED").parse().expect("SOAK_SEED is a number");
-    let tally = Arc::new(Tally::new(
-        Path::new(&env("SOAK_DIR")).join(format!("counts-{}.txt", std::process::id())),
-    ));
+    let tally = Arc::new(Tally::new(Path::new(&env("SOAK_DIR"))));
 
     let outbox = Outbox::new(&table).expect("valid table name");
     let manager = PostgresConnectionManager::new(database.parse().expect("database URL"), NoTls);
@@ -165,9 +170,12 @@ fn run_relay_process() -> ! {
 
 /// What a relay process's publishers injected and returned, kept in a file rewritten
 /// (atomically, by rename) after every batch, so a killed process loses at most its last one.
+/// And the keys handed to the broker but given back to the relay as unavailable (the
+/// connection failed before their confirm): each may arrive once without costing an attempt.
 struct Tally {
     path: PathBuf,
     counts: Mutex<Counts>,
+    handed_back: Mutex<File>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -209,11 +217,28 @@ impl Counts {
 }
 
 impl Tally {
-    fn new(path: PathBuf) -> Tally {
+    fn new(dir: &Path) -> Tally {
+        let pid = std::process::id();
+        let handed_back = File::create(dir.join(format!("handed-back-{pid}.txt")))
+            .expect("create the handed-back file");
         Tally {
-            path,
+            path: dir.join(format!("counts-{pid}.txt")),
             counts: Mutex::new(Counts::default()),
+            handed_back: Mutex::new(handed_back),
         }
+    }
+
+    /// Written at once, unbuffered: a killed process loses no key it returned.
+    fn handed_back(&self, keys: &[&str]) {
+        if keys.is_empty() {
+            return;
+        }
+        let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
+        self.handed_back
+            .lock()
+            .expect("tally lock")
+            .write_all(text.as_bytes())
+            .expect("append to the handed-back file");
     }
 
     fn add(&self, more: Counts) {
@@ -259,7 +284,15 @@ impl Publisher for FaultyPublisher {
         if !passed.is_empty() {
             let sub: Vec<Record> = passed.iter().map(|&(i, _)| batch[i].clone()).collect();
             counts.handed_to_broker += sub.len() as u64;
-            let mut outcomes = self.inner.publish(&sub).into_iter();
+            let outcomes = self.inner.publish(&sub);
+            let handed_back: Vec<&str> = sub
+                .iter()
+                .zip(&outcomes)
+                .filter(|(_, outcome)| outcome.as_ref().is_err_and(|e| e.is_unavailable()))
+                .map(|(record, _)| record.key.as_str())
+                .collect();
+            self.tally.handed_back(&handed_back);
+            let mut outcomes = outcomes.into_iter();
             for &(i, lose) in &passed {
                 let outcome = outcomes.next().unwrap_or_else(|| {
                     Err(PublishError::transient(
@@ -672,24 +705,26 @@ fn soak() {
     rabbitmqctl(&["add_vhost", &vhost]);
     rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
     let amqp = format!("{}/{vhost}", amqp_url().trim_end_matches('/'));
-    {
-        let mut connection = Connection::insecure_open(&amqp).expect("connect to RabbitMQ");
-        let channel = connection.open_channel(None).expect("channel");
-        channel
-            .exchange_declare(
-                ExchangeType::Topic,
-                EXCHANGE,
-                ExchangeDeclareOptions::default(),
-            )
-            .expect("declare the exchange");
-        channel
-            .queue_declare(QUEUE, QueueDeclareOptions::default())
-            .expect("declare the queue");
-        channel
-            .queue_bind(QUEUE, EXCHANGE, "#", FieldTable::new())
-            .expect("bind the queue");
-        connection.close().expect("close the setup connection");
-    }
+    let mut setup_connection = Connection::insecure_open(&amqp).expect("connect to RabbitMQ");
+    let setup = setup_connection.open_channel(None).expect("channel");
+    setup
+        .exchange_declare(
+            ExchangeType::Fanout,
+            FALLBACK,
+            ExchangeDeclareOptions::default(),
+        )
+        .expect("declare the fallback exchange");
+    setup
+        .queue_declare(QUEUE, QueueDeclareOptions::default())
+        .expect("declare the queue");
+    setup
+        .queue_bind(QUEUE, FALLBACK, "", FieldTable::new())
+        .expect("bind the queue");
+    declare_exchange(&setup);
+    drop(setup);
+    setup_connection
+        .close()
+        .expect("close the setup connection");
 
     let database = database_url();
     let separator = if database.contains('?') { '&' } else { '?' };
@@ -739,12 +774,13 @@ fn soak() {
     // Faults, in turn, at random intervals, while the producers write.
     let mut rng = StdRng::seed_from_u64(settings.seed);
     let (mut kills, mut terminations, mut terminated_backends, mut broker_closes) = (0, 0, 0, 0);
+    let mut outages = 0;
     let mut next_fault = Instant::now() + FAULT_EVERY.mul_f64(rng.gen_range(0.5..1.5));
     let mut fault = 0;
     while Instant::now() < traffic_end {
         relays.check();
         if Instant::now() >= next_fault {
-            match fault % 3 {
+            match fault % 4 {
                 0 => {
                     relays.kill(rng.gen_range(0..RELAYS));
                     kills += 1;
@@ -768,9 +804,24 @@ fn soak() {
                     terminations += 1;
                     terminated_backends += n;
                 }
-                _ => {
+                2 => {
                     rabbitmqctl(&["close_all_connections", "-p", &vhost, "soak fault"]);
                     broker_closes += 1;
+                }
+                _ => {
+                    // The broker has no such exchange for a while: publishes on the relays'
+                    // channels close them (404), and so does every reconnect's check.
+                    let mut connection =
+                        Connection::insecure_open(&amqp).expect("connect to RabbitMQ");
+                    let channel = connection.open_channel(None).expect("channel");
+                    channel
+                        .exchange_delete(EXCHANGE, false)
+                        .expect("delete the exchange");
+                    thread::sleep(OUTAGE);
+                    declare_exchange(&channel);
+                    drop(channel);
+                    let _ = connection.close();
+                    outages += 1;
                 }
             }
             fault += 1;
@@ -818,6 +869,7 @@ fn soak() {
     drop(relays);
 
     let counts = read_counts(&dir);
+    let handed_back = read_handed_back(&dir);
     let log = consumer_log.lock().expect("consumer log");
     let a = analyse(&log.deliveries);
     let rows: HashMap<String, (String, i32)> = admin
@@ -828,6 +880,21 @@ fn soak() {
         .expect("read the outbox")
         .into_iter()
         .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect();
+    // Only the injected failures are the messages' fault: a killed relay, a terminated
+    // backend, a closed connection or a deleted exchange must have left no error behind.
+    let charged: Vec<String> = admin
+        .query(
+            &format!(
+                "SELECT DISTINCT last_error FROM {} WHERE last_error IS NOT NULL",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .expect("read the outbox's errors")
+        .into_iter()
+        .map(|row| row.get::<_, String>(0))
+        .filter(|e| !e.starts_with("soak: injected"))
         .collect();
     let sent_rows = rows.values().filter(|(status, _)| status == "sent").count() as u64;
     // Publishes the relay was told succeeded but did not record as sent (its write failed,
@@ -848,8 +915,9 @@ fn soak() {
          rolled_back={} delivered={} distinct={} duplicates={} duplicate_budget={budget} \
          broker_redeliveries={} consumer_reconnects={} kills={kills} relay_deaths={died} \
          terminations={terminations} (backends {terminated_backends}) \
-         broker_closes={broker_closes} injected_failures={} lost_confirms={} \
-         unrecorded_oks={unrecorded_oks} handed_to_broker={} drained={drained} drain={:.1}s \
+         broker_closes={broker_closes} outages={outages} injected_failures={} lost_confirms={} \
+         unrecorded_oks={unrecorded_oks} handed_to_broker={} handed_back={} \
+         drained={drained} drain={:.1}s \
          order_violations={} stats={last_stats:?}",
         settings.seed,
         settings.traffic.as_secs(),
@@ -864,6 +932,7 @@ fn soak() {
         counts.injected_failures,
         counts.lost_confirms,
         counts.handed_to_broker,
+        handed_back.values().sum::<u64>(),
         drain_time.as_secs_f64(),
         a.order_violations.len(),
     );
@@ -927,13 +996,20 @@ fn soak() {
         committed.len() as u64,
         "every committed row ends sent"
     );
-    // Each delivery is one attempt: a claim bumps the count, and a claim publishes a record
-    // at most once.
+    assert!(
+        charged.is_empty(),
+        "faults of the world were charged to messages: {charged:?}"
+    );
+    // Each delivery is one attempt (a claim bumps the count, and a claim publishes a record
+    // at most once), or one hand-back of a record the broker may have taken before its
+    // connection failed (which restores the count).
     for (key, n) in &a.per_key {
         let attempts = rows.get(key).map_or(0, |(_, attempts)| *attempts);
+        let allowed = u64::try_from(attempts).unwrap_or(0) + handed_back.get(key).unwrap_or(&0);
         assert!(
-            *n <= u64::try_from(attempts).unwrap_or(0),
-            "{key} delivered {n} times in {attempts} attempts"
+            *n <= allowed,
+            "{key} delivered {n} times in {attempts} attempts and {} hand-backs",
+            allowed - u64::try_from(attempts).unwrap_or(0)
         );
     }
     assert!(
@@ -948,4 +1024,40 @@ fn soak() {
         .expect("drop the schema");
     rabbitmqctl(&["delete_vhost", &vhost]);
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// Declares the exchange the relays publish to: everything published to it goes on to
+/// `FALLBACK`, and from there to the queue, from the moment it exists.
+fn declare_exchange(channel: &amiquip::Channel) {
+    let mut arguments = FieldTable::new();
+    arguments.insert(
+        "alternate-exchange".into(),
+        AmqpValue::LongString(FALLBACK.into()),
+    );
+    channel
+        .exchange_declare(
+            ExchangeType::Topic,
+            EXCHANGE,
+            ExchangeDeclareOptions {
+                arguments,
+                ..ExchangeDeclareOptions::default()
+            },
+        )
+        .expect("declare the exchange");
+}
+
+/// How many times each key was handed back after reaching the broker, by every relay process.
+fn read_handed_back(dir: &Path) -> HashMap<String, u64> {
+    let mut keys = HashMap::new();
+    for entry in fs::read_dir(dir).expect("read the soak directory") {
+        let path = entry.expect("directory entry").path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("handed-back-") {
+            let text = fs::read_to_string(&path).expect("read a handed-back file");
+            for key in text.lines() {
+                *keys.entry(key.to_owned()).or_default() += 1;
+            }
+        }
+    }
+    keys
 }

@@ -1,13 +1,14 @@
 //! A confirmed, pipelined RabbitMQ publisher.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::{Duration, UNIX_EPOCH};
 
 use amiquip::{
-    AmqpProperties, AmqpValue, Channel, Confirm, Connection, FieldTable, Publish, Return,
+    AmqpProperties, AmqpValue, Channel, Confirm, ConfirmPayload, Connection,
+    ConnectionBlockedNotification, FieldTable, Publish, Return,
 };
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{at, select, Receiver};
 
 use super::connect::{close_within, Endpoint};
 use super::Error;
@@ -37,6 +38,16 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// has not returned it as unroutable ([`mandatory`](RabbitPublisher::mandatory), on by
 /// default).
 ///
+/// **Whose fault.** A nack of a record, or its return as unroutable, is that record's failed
+/// attempt; a record the broker could never take (over 255 bytes in a short string, a body
+/// over [`max_message_size`](RabbitPublisher::max_message_size)) fails permanently. Anything
+/// else is the broker's or the network's doing and reported as
+/// [`PublishError::unavailable`], which costs no attempt: a channel or connection closed
+/// under the batch (the exchange deleted, access revoked), confirms that never come, and a
+/// connection the broker blocks during a resource alarm (`connection.blocked`). While
+/// blocked it publishes nothing and says so at once; once unblocked it first waits for the
+/// confirms still owed, then goes on.
+///
 /// Messages are persistent; the routing key is the topic, the message id the record's key,
 /// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
 /// `x-outbox-attempt` and, when set, `x-outbox-aggregate-key`.
@@ -61,9 +72,18 @@ pub struct RabbitPublisher {
     channel: Channel,
     confirms: Receiver<Confirm>,
     returns: Receiver<Return>,
+    /// The broker's `connection.blocked` and `connection.unblocked` notifications.
+    blocking: Receiver<ConnectionBlockedNotification>,
+    /// The broker's reason, while it blocks this connection.
+    blocked: Option<String>,
+    /// Tags published before the broker blocked the connection, whose confirms were not
+    /// waited for: settled before anything else is published, so their returns are not
+    /// taken for a later batch's.
+    owed: BTreeSet<u64>,
     /// The delivery tag the next publish gets; tags start at 1 on every channel.
     next_tag: u64,
-    broken: bool,
+    /// Why the connection cannot be used again, once it cannot.
+    broken: Option<String>,
 }
 
 impl fmt::Debug for RabbitPublisher {
@@ -72,6 +92,7 @@ impl fmt::Debug for RabbitPublisher {
             .field("endpoint", &self.endpoint)
             .field("exchange", &self.exchange)
             .field("mandatory", &self.mandatory)
+            .field("blocked", &self.blocked)
             .field("broken", &self.broken)
             .finish_non_exhaustive()
     }
@@ -80,7 +101,8 @@ impl fmt::Debug for RabbitPublisher {
 impl RabbitPublisher {
     /// Connects to the broker at `url` (`amqp://` or `amqps://`) and opens a confirming
     /// channel that publishes to `exchange` (`""` is the default exchange). The exchange
-    /// must already exist.
+    /// must already exist: a missing one (or one this user may not see) is an error here,
+    /// at once, rather than a failure of every publish.
     pub fn connect(url: &str, exchange: &str) -> Result<RabbitPublisher, Error> {
         RabbitPublisher::open(Endpoint::parse(url)?, exchange)
     }
@@ -105,15 +127,29 @@ impl RabbitPublisher {
             )));
         }
         let mut connection = endpoint.open()?;
+        if !exchange.is_empty() {
+            // A failed passive declare closes its channel, so it gets one of its own.
+            let checked = connection
+                .open_channel(None)
+                .and_then(|probe| probe.exchange_declare_passive(exchange).map(drop));
+            if let Err(e) = checked {
+                close_within(connection, CLOSE_BOUND);
+                return Err(Error::broker(
+                    format!("exchange {exchange:?} cannot be published to on {endpoint}"),
+                    e,
+                ));
+            }
+        }
         let opened = (|| {
+            let blocking = connection.listen_for_connection_blocked()?;
             let channel = connection.open_channel(None)?;
             // Listen first: confirms that arrive before anyone listens are dropped.
             let confirms = channel.listen_for_publisher_confirms()?;
             let returns = channel.listen_for_returns()?;
             channel.enable_publisher_confirms()?;
-            Ok::<_, amiquip::Error>((channel, confirms, returns))
+            Ok::<_, amiquip::Error>((channel, confirms, returns, blocking))
         })();
-        let (channel, confirms, returns) = match opened {
+        let (channel, confirms, returns, blocking) = match opened {
             Ok(parts) => parts,
             Err(e) => {
                 close_within(connection, CLOSE_BOUND);
@@ -131,8 +167,11 @@ impl RabbitPublisher {
             channel,
             confirms,
             returns,
+            blocking,
+            blocked: None,
+            owed: BTreeSet::new(),
             next_tag: 1,
-            broken: false,
+            broken: None,
         })
     }
 
@@ -146,7 +185,8 @@ impl RabbitPublisher {
     }
 
     /// How long to wait for a batch's confirms before giving the connection up as broken
-    /// (default 10 s). Keep it well under the relay's lease.
+    /// (default 10 s), or, while the broker blocks the connection, before handing the batch
+    /// back. Keep it well under the relay's lease.
     pub fn confirm_timeout(mut self, timeout: Duration) -> RabbitPublisher {
         self.confirm_timeout = timeout;
         self
@@ -198,47 +238,132 @@ impl RabbitPublisher {
         properties
     }
 
-    /// Waits for the confirms of `tags` (tag -> index in the batch) and fills in `results`.
-    fn drain_confirms(
+    /// Why nothing can be published now, if nothing can: the connection is broken, the
+    /// broker blocks it, or confirms owed from before a block do not come.
+    fn unavailable(&mut self) -> Option<String> {
+        while let Ok(notification) = self.blocking.try_recv() {
+            self.note(notification);
+        }
+        if self.broken.is_none() && self.blocked.is_none() && !self.owed.is_empty() {
+            self.settle_owed();
+        }
+        if let Some(why) = &self.broken {
+            return Some(why.clone());
+        }
+        if let Some(reason) = &self.blocked {
+            return Some(format!("the broker blocks publishing ({reason})"));
+        }
+        None
+    }
+
+    fn note(&mut self, notification: ConnectionBlockedNotification) {
+        match notification {
+            ConnectionBlockedNotification::Blocked(reason) => {
+                log::warn!("rabbitmq: {} blocks publishing: {reason}", self.endpoint);
+                self.blocked = Some(reason);
+            }
+            ConnectionBlockedNotification::Unblocked => {
+                log::info!("rabbitmq: {} takes messages again", self.endpoint);
+                self.blocked = None;
+            }
+        }
+    }
+
+    /// Waits for the confirms owed from before a block; then drops the returns received
+    /// meanwhile, which belong to those publishes (a return arrives before its confirm).
+    fn settle_owed(&mut self) {
+        let mut owed = std::mem::take(&mut self.owed);
+        self.await_confirms(&mut owed, &mut |_, _| {});
+        if owed.is_empty() {
+            while self.returns.try_recv().is_ok() {}
+        } else {
+            self.owed = owed;
+        }
+    }
+
+    /// Waits for the confirms of `tags`, calling `settle` with each confirmed tag and its
+    /// outcome, until none is left, the connection fails (broken), or the confirm timeout
+    /// passes: broken, unless the broker blocks the connection, when the tags are owed.
+    fn await_confirms(
         &mut self,
-        tags: &mut HashMap<u64, usize>,
-        results: &mut [Option<Result<(), PublishError>>],
+        tags: &mut BTreeSet<u64>,
+        settle: &mut dyn FnMut(u64, Result<(), &'static str>),
     ) {
         let deadline = crate::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
-            let confirm = match self.confirms.recv_deadline(deadline) {
-                Ok(confirm) => confirm,
-                Err(RecvTimeoutError::Timeout) => {
-                    log::warn!(
-                        "rabbitmq: no confirm within {:?}; reconnecting",
-                        self.confirm_timeout
-                    );
-                    self.broken = true;
+            select! {
+                recv(self.confirms) -> confirm => match confirm {
+                    Ok(Confirm::Ack(payload)) => settle_tags(tags, payload, Ok(()), settle),
+                    Ok(Confirm::Nack(payload)) => settle_tags(
+                        tags,
+                        payload,
+                        Err("the broker nacked the message"),
+                        settle,
+                    ),
+                    Err(_) => {
+                        let why = self.why_closed();
+                        log::warn!("rabbitmq: {why}");
+                        self.broken = Some(why);
+                        return;
+                    }
+                },
+                recv(self.blocking) -> notification => match notification {
+                    Ok(notification) => self.note(notification),
+                    Err(_) => {
+                        let why = self.why_closed();
+                        self.broken = Some(why);
+                        return;
+                    }
+                },
+                recv(at(deadline)) -> _ => {
+                    if self.blocked.is_some() {
+                        // The confirms come once the broker unblocks the connection.
+                        self.owed.append(tags);
+                    } else {
+                        let why = format!(
+                            "no confirm from {} within {:?}; reconnecting",
+                            self.endpoint, self.confirm_timeout
+                        );
+                        log::warn!("rabbitmq: {why}");
+                        self.broken = Some(why);
+                    }
                     return;
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    log::warn!("rabbitmq: connection lost while waiting for confirms");
-                    self.broken = true;
-                    return;
-                }
-            };
-            let (payload, outcome) = match confirm {
-                Confirm::Ack(p) => (p, Ok(())),
-                Confirm::Nack(p) => (p, Err("the broker nacked the message")),
-            };
-            let settled: Vec<u64> = if payload.multiple {
-                tags.keys()
-                    .copied()
-                    .filter(|t| *t <= payload.delivery_tag)
-                    .collect()
-            } else {
-                vec![payload.delivery_tag]
-            };
-            for tag in settled {
-                if let Some(i) = tags.remove(&tag) {
-                    results[i] = Some(outcome.map_err(PublishError::transient));
-                }
+                },
             }
+        }
+    }
+
+    /// Why the channel closed. On a closed channel amiquip answers a passive declare at once
+    /// with the broker's reason (a missing exchange, refused access) without sending
+    /// anything; only called once the channel is known to be closed.
+    fn why_closed(&self) -> String {
+        let probe = if self.exchange.is_empty() {
+            "amq.direct"
+        } else {
+            &self.exchange
+        };
+        match self.channel.exchange_declare_passive(probe) {
+            Err(e) => format!("the channel to {} was closed: {e}", self.endpoint),
+            Ok(_) => format!("the connection to {} was lost", self.endpoint),
+        }
+    }
+}
+
+/// Settles the tags a confirm covers: its own, or with `multiple` every one up to it.
+fn settle_tags(
+    tags: &mut BTreeSet<u64>,
+    payload: ConfirmPayload,
+    outcome: Result<(), &'static str>,
+    settle: &mut dyn FnMut(u64, Result<(), &'static str>),
+) {
+    let covered: Vec<u64> = if payload.multiple {
+        tags.range(..=payload.delivery_tag).copied().collect()
+    } else {
+        vec![payload.delivery_tag]
+    };
+    for tag in covered {
+        if tags.remove(&tag) {
+            settle(tag, outcome);
         }
     }
 }
@@ -306,34 +431,44 @@ fn properties_size(record: &Record) -> usize {
 
 impl Publisher for RabbitPublisher {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        if let Some(why) = self.unavailable() {
+            return batch
+                .iter()
+                .map(|_| Err(PublishError::unavailable(why.clone())))
+                .collect();
+        }
         let mut results: Vec<Option<Result<(), PublishError>>> = Vec::with_capacity(batch.len());
         results.resize_with(batch.len(), || None);
-        let mut tags = HashMap::with_capacity(batch.len());
+        let mut index = HashMap::with_capacity(batch.len());
         let mut by_key = HashMap::with_capacity(batch.len());
-        if !self.broken {
-            for (i, record) in batch.iter().enumerate() {
-                if let Err(e) = check_limits(record, self.max_message_size) {
-                    results[i] = Some(Err(e));
-                    continue;
-                }
-                let publish = Publish {
-                    body: &record.payload,
-                    routing_key: record.topic.clone(),
-                    mandatory: self.mandatory,
-                    immediate: false,
-                    properties: Self::properties(record),
-                };
-                if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
-                    log::warn!("rabbitmq: publish failed; reconnecting: {e}");
-                    self.broken = true;
-                    break;
-                }
-                tags.insert(self.next_tag, i);
-                by_key.insert(record.key.as_str(), i);
-                self.next_tag += 1;
+        for (i, record) in batch.iter().enumerate() {
+            if let Err(e) = check_limits(record, self.max_message_size) {
+                results[i] = Some(Err(e));
+                continue;
             }
-            self.drain_confirms(&mut tags, &mut results);
+            let publish = Publish {
+                body: &record.payload,
+                routing_key: record.topic.clone(),
+                mandatory: self.mandatory,
+                immediate: false,
+                properties: Self::properties(record),
+            };
+            if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
+                let why = format!("publishing to {} failed: {e}", self.endpoint);
+                log::warn!("rabbitmq: {why}; reconnecting");
+                self.broken = Some(why);
+                break;
+            }
+            index.insert(self.next_tag, i);
+            by_key.insert(record.key.as_str(), i);
+            self.next_tag += 1;
         }
+        let mut tags: BTreeSet<u64> = index.keys().copied().collect();
+        self.await_confirms(&mut tags, &mut |tag, outcome| {
+            if let Some(&i) = index.get(&tag) {
+                results[i] = Some(outcome.map_err(PublishError::transient));
+            }
+        });
         // The broker returns an unroutable mandatory message before it acks it, and amiquip
         // hands both over in the order they arrived, so every return for this batch is queued
         // by now.
@@ -350,20 +485,20 @@ impl Publisher for RabbitPublisher {
                 ))));
             }
         }
+        // Not confirmed: the connection failed, or the broker blocks it. Not the records'
+        // fault either way.
+        let why = self.broken.clone().unwrap_or_else(|| match &self.blocked {
+            Some(reason) => format!("the broker blocks publishing ({reason})"),
+            None => "not confirmed".to_owned(),
+        });
         results
             .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(PublishError::transient(
-                        "not confirmed: the connection to the broker was lost",
-                    ))
-                })
-            })
+            .map(|r| r.unwrap_or_else(|| Err(PublishError::unavailable(why.clone()))))
             .collect()
     }
 
     fn is_broken(&self) -> bool {
-        self.broken
+        self.broken.is_some()
     }
 }
 
