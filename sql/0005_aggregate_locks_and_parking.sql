@@ -11,9 +11,13 @@
 -- PostgreSQL's lock table is shared by every session and finite (about
 -- max_locks_per_transaction x max_connections entries), so one transaction takes at most 64
 -- aggregate locks. Past that it takes one lock on the table's ordered enqueues instead,
--- which every aggregate lock holder also takes, shared. The transaction's own setting
--- postgres_outbox.aggregate_locks lists the lock keys it holds (',k1,k2,'; 't<key>' for a
--- table's lock), so an aggregate it has locked already costs no lock and no count.
+-- which every aggregate lock holder also takes, shared. The setting
+-- postgres_outbox.aggregate_locks lists the lock keys the transaction holds
+-- ('<xid>:,k1,k2,' and 't<key>' for a table's lock), so an aggregate it has locked already
+-- costs no lock and no count. It is set for the session, not the transaction, and tagged
+-- with the transaction's id: a transaction-local setting cost three times as much per
+-- enqueue (measured: 8.5 against 2.5 us), and a stale value is simply not this
+-- transaction's.
 
 -- Per message: whether its death parks its aggregate (NULL: the relay's setting).
 ALTER TABLE {table} ADD COLUMN park boolean;
@@ -42,36 +46,18 @@ DROP INDEX {agg_idx_qualified};
 CREATE INDEX {agg_idx} ON {table} (aggregate_key, id)
     WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL;
 
--- Locks one aggregate for the rest of the transaction (see above).
-CREATE FUNCTION {lock_fn}(p_aggregate_key text) RETURNS void LANGUAGE plpgsql AS $fn$
-DECLARE
-    held text := coalesce(nullif(current_setting('postgres_outbox.aggregate_locks', true), ''),
-                          ',');
-    k text := hashtextextended(p_aggregate_key, {lock_seed})::text;
-BEGIN
-    IF strpos(held, ',' || k || ',') > 0 OR strpos(held, ',t{table_lock_text},') > 0 THEN
-        RETURN;
-    END IF;
-    IF length(held) - length(replace(held, ',', '')) <= 64 THEN
-        PERFORM pg_advisory_xact_lock_shared({table_lock}), pg_advisory_xact_lock(k::bigint);
-        PERFORM set_config('postgres_outbox.aggregate_locks', held || k || ',', true);
-    ELSE
-        PERFORM pg_advisory_xact_lock({table_lock});
-        PERFORM set_config('postgres_outbox.aggregate_locks', held || 't{table_lock_text},',
-                           true);
-    END IF;
-END
-$fn$;
-
 -- Locks a batch's aggregates in the byte order of their keys, so two batches never wait on
 -- each other in a circle, and a producer that enqueues one aggregate at a time in that
 -- order never waits in a circle with a batch either.
 CREATE FUNCTION {lock_n_fn}(p_aggregate_keys text[]) RETURNS void LANGUAGE plpgsql AS $fn$
 DECLARE
-    held text := coalesce(nullif(current_setting('postgres_outbox.aggregate_locks', true), ''),
-                          ',');
+    xact text := pg_current_xact_id()::text || ':';
+    held text := current_setting('postgres_outbox.aggregate_locks', true);
     keys text[];
 BEGIN
+    IF held IS NULL OR NOT starts_with(held, xact) THEN
+        held := xact || ',';
+    END IF;
     IF strpos(held, ',t{table_lock_text},') > 0 THEN
         RETURN;
     END IF;
@@ -87,11 +73,11 @@ BEGIN
         PERFORM pg_advisory_xact_lock_shared({table_lock});
         PERFORM pg_advisory_xact_lock(k::bigint) FROM unnest(keys) AS k;
         PERFORM set_config('postgres_outbox.aggregate_locks',
-                           held || array_to_string(keys, ',') || ',', true);
+                           held || array_to_string(keys, ',') || ',', false);
     ELSE
-        PERFORM pg_advisory_xact_lock({table_lock});
-        PERFORM set_config('postgres_outbox.aggregate_locks', held || 't{table_lock_text},',
-                           true);
+        PERFORM pg_advisory_xact_lock({table_lock}),
+                set_config('postgres_outbox.aggregate_locks',
+                           held || 't{table_lock_text},', false);
     END IF;
 END
 $fn$;
@@ -102,9 +88,31 @@ CREATE FUNCTION {enqueue_fn}(
     p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
     p_park boolean, p_notify boolean)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
+DECLARE
+    xact text;
+    held text;
+    k text;
 BEGIN
+    -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
+    -- this one cost five times what the lock does (measured: 13 against 2.5 us).
     IF p_aggregate_key IS NOT NULL THEN
-        PERFORM {lock_fn}(p_aggregate_key);
+        xact := pg_current_xact_id()::text || ':';
+        held := current_setting('postgres_outbox.aggregate_locks', true);
+        IF held IS NULL OR NOT starts_with(held, xact) THEN
+            held := xact || ',';
+        END IF;
+        k := hashtextextended(p_aggregate_key, {lock_seed})::text;
+        IF strpos(held, ',' || k || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
+            IF length(held) - length(replace(held, ',', '')) <= 64 THEN
+                PERFORM pg_advisory_xact_lock_shared({table_lock}),
+                        pg_advisory_xact_lock(k::bigint),
+                        set_config('postgres_outbox.aggregate_locks', held || k || ',', false);
+            ELSE
+                PERFORM pg_advisory_xact_lock({table_lock}),
+                        set_config('postgres_outbox.aggregate_locks',
+                                   held || 't{table_lock_text},', false);
+            END IF;
+        END IF;
     END IF;
     INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
                          available_at, max_attempts, park)

@@ -38,13 +38,16 @@
 //! # }
 //! ```
 //!
-//! Ordering: messages with the same [`Message::aggregate_key`] are published strictly in
-//! enqueue order (the order of their ids): none is handed to a publisher before every earlier
-//! one of its aggregate is confirmed sent or is dead. Different aggregates go out pipelined,
-//! in confirm rounds. Enqueue order is commit order when one
-//! transaction at a time writes an aggregate, which is the usual case when the transaction
-//! locks the aggregate's own row; two concurrent transactions enqueueing for the same
-//! aggregate are ordered by when each inserted, not by when each committed.
+//! Ordering: messages with the same [`Message::aggregate_key`] are published in the order
+//! their transactions committed (within one transaction, in enqueue order): none is handed
+//! to a publisher before every earlier one of its aggregate is confirmed sent or is dead.
+//! An enqueue locks its aggregate until its transaction ends, so a second producer of the
+//! same aggregate waits for the first, as if both had locked the aggregate's own row.
+//! Different aggregates go out pipelined, in confirm rounds.
+//!
+//! Faults of the world are never charged to a message: a publisher that cannot reach its
+//! broker says [`PublishError::unavailable`], and the relay hands the records back with
+//! their attempts restored and tries again until the broker is back.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

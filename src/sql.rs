@@ -520,7 +520,6 @@ impl Migration {
             .replace("{notify_fn}", &table.companion("_notify"))
             .replace("{enqueue_fn}", &table.companion("_enqueue"))
             .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
-            .replace("{lock_fn}", &table.companion("_lock"))
             .replace("{lock_n_fn}", &table.companion("_lock_n"))
             .replace("{table_lock_text}", &table.ordered_lock_key().to_string())
             .replace("{table_lock}", &bigint(table.ordered_lock_key()))

@@ -20,7 +20,6 @@ const SUFFIXES: &[&str] = &[
     "_unordered",
     "_agg",
     "_done",
-    "_lock",
     "_lock_n",
     "_status",
 ];
