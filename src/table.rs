@@ -100,10 +100,12 @@ impl TableName {
         self.hash("postgres-outbox:")
     }
 
-    /// The advisory lock on the table's ordered enqueues: taken shared by every aggregate
-    /// lock, exclusively by a transaction past its share of aggregate locks.
+    /// The first of the sixteen bucket locks on the table's ordered enqueues (this key plus
+    /// 0 to 15): an aggregate lock holder holds its aggregate's bucket shared, a transaction
+    /// past its share of aggregate locks holds all sixteen exclusively. Positive, with the
+    /// low four bits clear, so adding a bucket never overflows.
     pub(crate) fn ordered_lock_key(&self) -> i64 {
-        self.hash("postgres-outbox:ordered:")
+        self.hash("postgres-outbox:ordered:") & 0x00ff_ffff_ffff_fff0
     }
 
     /// The seed of the aggregate locks' keys, so aggregates of different tables get
