@@ -5,6 +5,9 @@ use std::fmt;
 
 /// Everything that can go wrong in this crate.
 ///
+/// Its text never includes the server's DETAIL (a constraint violation's DETAIL quotes the
+/// row, payload included); [`Error::as_db_error`] has it.
+///
 /// Like `postgres::Error`, callers usually ask questions of it ([`Error::is_duplicate_key`],
 /// [`Error::as_db_error`], [`Error::code`]) rather than match on it; the variants are public
 /// for the cases where matching is clearer, and `#[non_exhaustive]` so new ones can be added.
@@ -99,15 +102,6 @@ impl Error {
         }
     }
 
-    /// The error without the server's detail, which for a constraint violation quotes the
-    /// failing row, payload included: for logs and stored error texts.
-    pub(crate) fn summary(&self) -> String {
-        match self.as_db_error() {
-            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-            None => self.to_string(),
-        }
-    }
-
     pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
         Error::InvalidInput {
             field,
@@ -116,17 +110,39 @@ impl Error {
     }
 }
 
-/// Prints what `postgres::Error` hides behind "db error": the SQLSTATE and the server's message.
+/// Prints what `postgres::Error` hides behind "db error": the server's message and the
+/// SQLSTATE; never its DETAIL, which for a constraint violation quotes the failing row,
+/// payload included (ask [`Error::as_db_error`] for it).
 fn fmt_db(e: &postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     match e.as_db_error() {
-        Some(db) => {
-            write!(f, "{} (SQLSTATE {})", db.message(), db.code().code())?;
-            if let Some(detail) = db.detail() {
-                write!(f, ": {detail}")?;
-            }
-            Ok(())
-        }
+        Some(db) => write!(f, "{} (SQLSTATE {})", db.message(), db.code().code()),
         None => write!(f, "{e}"),
+    }
+}
+
+/// An error's text for everything the crate stores, sends or logs: without the server's
+/// DETAIL, which `postgres::Error` prints and which quotes rows, payloads included. Looks
+/// through a `PublishError` (a handler's or publisher's error) to what it carries.
+pub(crate) fn describe(error: &(dyn StdError + 'static)) -> String {
+    if let Some(e) = error.downcast_ref::<Error>() {
+        return e.to_string();
+    }
+    if let Some(e) = error.downcast_ref::<postgres::Error>() {
+        return DbText(e).to_string();
+    }
+    if let Some(e) = error.downcast_ref::<crate::PublishError>() {
+        if let Some(source) = e.source() {
+            return describe(source);
+        }
+    }
+    error.to_string()
+}
+
+struct DbText<'a>(&'a postgres::Error);
+
+impl fmt::Display for DbText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt_db(self.0, f)
     }
 }
 
@@ -154,8 +170,14 @@ impl fmt::Display for Error {
                 fmt_db(e, f)
             }
             Error::Pool(e) => write!(f, "connection pool: {e}"),
-            Error::Publisher(e) => write!(f, "could not build a publisher: {e}"),
-            Error::Unavailable(e) => write!(f, "the publisher's destination is unavailable: {e}"),
+            Error::Publisher(e) => {
+                write!(f, "could not build a publisher: {}", describe(e.as_ref()))
+            }
+            Error::Unavailable(e) => write!(
+                f,
+                "the publisher's destination is unavailable: {}",
+                describe(e.as_ref())
+            ),
             Error::RelayDied(why) => write!(f, "relay thread died: {why}"),
         }
     }

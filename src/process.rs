@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use postgres::{Client, Transaction};
 
-use crate::error::Result;
+use crate::error::{describe, Result};
 use crate::outbox::Outbox;
 use crate::publish::{HandlerError, PublishError};
 use crate::record::{Fence, Record};
@@ -128,12 +128,13 @@ impl Outbox {
                 Handled::Failed(error) if error.is_unavailable() => {
                     log::warn!(
                         "outbox {}: handler unavailable on {}; handing the rest of this call \
-                         back: {error}",
+                         back: {}",
                         self.table(),
-                        record.key
+                        record.key,
+                        describe(&error)
                     );
                     report.unavailable += 1;
-                    report.unavailable_error = Some(error.to_string());
+                    report.unavailable_error = Some(describe(&error));
                     outcomes.push((record.fence(), Outcome::Release));
                     false
                 }

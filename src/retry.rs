@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use rand::Rng;
 
+use crate::error::describe;
 use crate::publish::PublishError;
 use crate::record::Record;
 
@@ -65,21 +66,21 @@ impl RetryPolicy {
     ) -> Outcome {
         let limit = record.max_attempts.unwrap_or(self.max_attempts);
         let (key, attempt) = (&record.key, record.attempt);
-        if error.is_permanent() || attempt >= limit {
+        let error_is_permanent = error.is_permanent();
+        let error = describe(error);
+        if error_is_permanent || attempt >= limit {
             let parked = if record.parks(park) {
                 " (its aggregate is parked until it is redriven or skipped)"
             } else {
                 ""
             };
             log::error!("outbox {table}: {key} dead after attempt {attempt}{parked}: {error}");
-            Outcome::Dead {
-                error: error.to_string(),
-            }
+            Outcome::Dead { error }
         } else {
             log::warn!("outbox {table}: {key} failed (attempt {attempt}): {error}");
             Outcome::Retry {
                 delay: self.backoff(attempt),
-                error: error.to_string(),
+                error,
             }
         }
     }

@@ -297,22 +297,6 @@ pub(crate) fn record(
     })
 }
 
-/// True when an error says the database or the path to it is in trouble, rather than that
-/// the statement's data is bad: such a failure is retried, never blamed on a row.
-pub(crate) fn is_infrastructure(error: &Error) -> bool {
-    let Some(db) = error.as_db_error() else {
-        // No server answer at all: I/O, a closed connection, the pool.
-        return true;
-    };
-    let code = db.code().code();
-    // 08 connection, 40 serialization or deadlock, 53 resources, 55P03 lock timeout,
-    // 57 operator intervention (statement timeout, shutdown), 58 system, XX internal.
-    ["08", "40", "53", "57", "58", "XX"]
-        .iter()
-        .any(|class| code.starts_with(class))
-        || code == "55P03"
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

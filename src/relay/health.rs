@@ -5,6 +5,7 @@ use std::error::Error as StdError;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::error::describe;
 use crate::metrics::Metrics;
 
 enum State {
@@ -41,8 +42,9 @@ impl Health {
         }
         *state = State::Down(Instant::now());
         log::warn!(
-            "outbox {table}: publisher down: {cause}; claimed rows go back without costing an \
-             attempt, and publishing resumes with backoff"
+            "outbox {table}: publisher down: {}; claimed rows go back without costing an \
+             attempt, and publishing resumes with backoff",
+            describe(cause)
         );
         metrics.publisher_down(cause);
     }

@@ -11,6 +11,7 @@ use postgres::Client;
 use super::Shared;
 use crate::clock;
 use crate::retry::reconnect_delay;
+use crate::table::quote;
 
 /// How often the wait is cut short to see whether the relay is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(200);
@@ -73,8 +74,13 @@ fn connect_and_listen(shared: &Shared, failures: &mut u32) {
 
 fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<(), String> {
     let config = &shared.config;
-    let listen = &config.outbox.statements().listen;
     let db = |e: postgres::Error| crate::Error::Db(e).to_string();
+    // The channel the producers' migrations rendered, whatever this relay calls the table.
+    let channel: String = client
+        .query_one(&config.outbox.statements().channel, &[])
+        .map_err(db)?
+        .get(0);
+    let listen = &format!("LISTEN {}", quote(&channel));
     client
         .batch_execute("SET application_name = 'postgres-outbox listener'")
         .map_err(db)?;
@@ -86,9 +92,8 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
     shared.listening.store(true, Ordering::SeqCst);
     *failures = 0;
     log::info!(
-        "outbox {}: listening on channel {}",
-        config.outbox.table(),
-        config.outbox.channel()
+        "outbox {}: listening on channel {channel}",
+        config.outbox.table()
     );
     // Anything committed while we were not listening was not announced: look once now.
     shared.wake_one();

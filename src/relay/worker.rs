@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use super::config::RelayConfig;
 use super::rounds::rounds;
-use crate::error::Result;
+use crate::error::{describe, Result};
+use crate::fault::Fault;
 use crate::pool::Session;
 use crate::publish::{PublishError, Publisher};
 use crate::record::{Fence, Record};
@@ -356,8 +357,9 @@ impl<'a> Worker<'a> {
                     control.publisher_down(e.as_ref());
                     let pause = self.outage_pause();
                     log::debug!(
-                        "outbox {}: could not build a publisher, retrying in {pause:?}: {e}",
-                        config.outbox.table()
+                        "outbox {}: could not build a publisher, retrying in {pause:?}: {}",
+                        config.outbox.table(),
+                        describe(e.as_ref())
                     );
                     return Err((pause, crate::Error::Publisher(e)));
                 }
@@ -401,12 +403,12 @@ impl<'a> Worker<'a> {
                     return Ok(());
                 }
                 Err(e) if e.is_not_migrated() => return Err(e),
-                Err(e) if !store::is_infrastructure(&e) => {
+                Err(e) if Fault::of(&e) != Fault::World => {
                     log::warn!(
                         "outbox {table}: the batch of {} outcomes was refused ({}); recording \
                          them one by one",
                         outcomes.len(),
-                        e.summary()
+                        e
                     );
                     return self.record_one_by_one(outcomes, control);
                 }
@@ -452,7 +454,7 @@ impl<'a> Worker<'a> {
                     continue;
                 }
                 Err(e) if e.is_not_migrated() => return Err(e),
-                Err(e) if store::is_infrastructure(&e) => {
+                Err(e) if Fault::of(&e) == Fault::World => {
                     log::error!(
                         "outbox {table}: giving up recording outcomes; the rows will be claimed \
                          again when their leases run out: {e}"
@@ -463,7 +465,7 @@ impl<'a> Worker<'a> {
             };
             let reason = format!(
                 "the outcome of this attempt could not be stored: {}",
-                refused.summary()
+                refused
             );
             log::error!("outbox {table}: row {} dead: {reason}", fence.id);
             if let Err(e) = one(&mut self.session, Outcome::Dead { error: reason }) {
