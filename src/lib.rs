@@ -57,6 +57,7 @@ mod clock;
 mod error;
 #[cfg(feature = "metrics")]
 pub mod facade;
+mod fault;
 mod message;
 mod metrics;
 mod operate;

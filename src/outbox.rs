@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
-use postgres::{Client, Transaction};
+use postgres::{Client, GenericClient, Transaction};
 
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -205,9 +205,29 @@ impl Outbox {
         self.inner.table.as_str()
     }
 
-    /// The NOTIFY channel relays LISTEN on.
-    pub fn channel(&self) -> String {
-        self.inner.table.channel()
+    /// The NOTIFY channel producers notify on and relays LISTEN on, as the migrations
+    /// rendered it (from the table's schema-qualified name).
+    pub fn channel(&self, client: &mut Client) -> Result<String> {
+        let row = client
+            .query_one(&self.statements().channel, &[])
+            .map_err(|e| self.db_error(e))?;
+        Ok(row.get(0))
+    }
+
+    /// The table's name with the schema PostgreSQL resolves it to on this connection (the
+    /// schema it is in, or would be created in), so that processes spelling it differently
+    /// (`orders`, `public.orders`) take the same migration lock and render the same channel.
+    fn resolved(&self, client: &mut impl GenericClient) -> Result<TableName> {
+        let table = &self.inner.table;
+        if table.schema().is_some() {
+            return Ok(table.clone());
+        }
+        let schema: Option<String> = client
+            .query_one(&self.statements().schema_of, &[&table.quoted()])?
+            .get(0);
+        Ok(schema
+            .and_then(|schema| TableName::parse(&format!("{schema}.{}", table.as_str())).ok())
+            .unwrap_or_else(|| table.clone()))
     }
 
     /// Whether enqueue sends notifications (to relays that wait).
@@ -280,10 +300,8 @@ impl Outbox {
     fn migrate_once(&self, client: &mut Client) -> Result<()> {
         let sql = self.statements();
         let mut tx = client.transaction()?;
-        tx.execute(
-            "SELECT pg_advisory_xact_lock($1)",
-            &[&self.inner.table.lock_key()],
-        )?;
+        let table = self.resolved(&mut tx)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
         if let Some(schema) = self.inner.table.schema() {
             tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)))?;
         }
@@ -299,7 +317,7 @@ impl Outbox {
                 self.table(),
                 migration.name
             );
-            tx.batch_execute(&migration.render(&self.inner.table))?;
+            tx.batch_execute(&migration.render(&table))?;
             tx.execute(
                 &sql.record_migration,
                 &[&migration.version, &migration.name],

@@ -40,6 +40,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0005_aggregate_locks_and_parking",
         template: include_str!("../sql/0005_aggregate_locks_and_parking.sql"),
     },
+    Migration {
+        version: 6,
+        name: "0006_dead_decisions_and_channel",
+        template: include_str!("../sql/0006_dead_decisions_and_channel.sql"),
+    },
 ];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
@@ -94,9 +99,13 @@ pub(crate) struct Statements {
     pub(crate) count_inbox_older: String,
     pub(crate) purge_inbox: String,
     pub(crate) purge_failures: String,
-    /// Counts one more handler failure of a consumer on a message; returns the new count.
+    /// Counts one more handler failure of a consumer on a message; returns the new count
+    /// and whether the message is now given up on.
     #[cfg(feature = "rabbitmq")]
     pub(crate) count_failure: String,
+    /// A consumer's failure count and last error of a message it gave up on, if it did.
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) failure_state: String,
     #[cfg(feature = "rabbitmq")]
     pub(crate) forget_failures: String,
     /// Fails when the consumer's tables are missing.
@@ -110,7 +119,10 @@ pub(crate) struct Statements {
     pub(crate) migrations_table: String,
     pub(crate) applied_versions: String,
     pub(crate) record_migration: String,
-    pub(crate) listen: String,
+    /// The channel producers notify on, as the migrations rendered it.
+    pub(crate) channel: String,
+    /// The schema the table is in, or would be created in, on this connection.
+    pub(crate) schema_of: String,
     /// Marks relay $1 as waiting for work (and forgets relays long gone).
     pub(crate) register_waiting: String,
     pub(crate) unregister_waiting: String,
@@ -125,7 +137,6 @@ impl Statements {
         let waiting = table.companion("_waiting");
         let counts = table.companion("_counts");
         let migrations = table.companion("_migrations");
-        let channel = table.channel();
         let enqueue_fn = table.companion("_enqueue");
         let enqueue_n_fn = table.companion("_enqueue_n");
         Statements {
@@ -284,15 +295,21 @@ impl Statements {
                    RETURNING 1)
                  SELECT count(*) FROM gone"
             ),
-            // $1 consumer, $2 key, $3 the error, already made storable.
+            // $1 consumer, $2 key, $3 the error, already made storable, $4 whether it is
+            // permanent, $5 the failures after which the consumer gives up.
             #[cfg(feature = "rabbitmq")]
             count_failure: format!(
-                "INSERT INTO {failures} AS f (consumer, key, failures, last_error)
-                 VALUES ($1, $2, 1, $3)
+                "INSERT INTO {failures} AS f (consumer, key, failures, last_error, dead)
+                 VALUES ($1, $2, 1, $3, $4 OR 1 >= $5)
                  ON CONFLICT (consumer, key) DO UPDATE
                    SET failures = f.failures + 1, last_error = EXCLUDED.last_error,
-                       updated_at = now()
-                 RETURNING failures"
+                       updated_at = now(), dead = f.dead OR $4 OR f.failures + 1 >= $5
+                 RETURNING failures, dead"
+            ),
+            #[cfg(feature = "rabbitmq")]
+            failure_state: format!(
+                "SELECT failures, last_error FROM {failures}
+                 WHERE consumer = $1 AND key = $2 AND dead"
             ),
             #[cfg(feature = "rabbitmq")]
             forget_failures: format!("DELETE FROM {failures} WHERE consumer = $1 AND key = $2"),
@@ -349,7 +366,12 @@ impl Statements {
             record_migration: format!(
                 "INSERT INTO {migrations} (version, name) VALUES ($1, $2) ON CONFLICT DO NOTHING"
             ),
-            listen: format!("LISTEN {}", crate::table::quote(&channel)),
+            channel: format!("SELECT {}()", table.companion("_channel")),
+            schema_of: "SELECT coalesce(
+                 (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.oid = to_regclass($1)),
+                 current_schema())::text"
+                .to_owned(),
             register_waiting: format!(
                 "WITH expired AS (DELETE FROM {waiting} WHERE seen < now() - interval '1 hour')
                  INSERT INTO {waiting} (relay) VALUES ($1)
@@ -521,6 +543,7 @@ impl Migration {
             .replace("{enqueue_fn}", &table.companion("_enqueue"))
             .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
             .replace("{lock_n_fn}", &table.companion("_lock_n"))
+            .replace("{channel_fn}", &table.companion("_channel"))
             .replace("{table_lock_text}", &table.ordered_lock_key().to_string())
             .replace("{table_lock}", &bigint(table.ordered_lock_key()))
             .replace("{lock_seed}", &bigint(table.aggregate_lock_seed()))

@@ -21,6 +21,7 @@ const SUFFIXES: &[&str] = &[
     "_agg",
     "_done",
     "_lock_n",
+    "_channel",
     "_status",
 ];
 

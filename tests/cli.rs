@@ -150,7 +150,7 @@ fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     operator_rows(&mut client, &outbox);
     let before = statuses(&mut client, &outbox);
 
-    let refused = fails(&outbox, &["redrive"], 1);
+    let refused = fails(&outbox, &["redrive"], 2);
     assert!(refused.contains("--all"), "{refused}");
     let dry = ok(
         &outbox,
@@ -230,8 +230,65 @@ fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
         ok(&outbox, &["purge", "inbox", "--key", "m1"]).trim(),
         "purged 1 dedupe records"
     );
-    let refused = fails(&outbox, &["purge", "inbox", "--topic", "orders"], 1);
+    let refused = fails(
+        &outbox,
+        &["purge", "inbox", "--topic", "orders", "--older-than", "2h"],
+        1,
+    );
     assert!(refused.contains("topic"), "{refused}");
+}
+
+#[test]
+fn purge_without_a_filter_or_within_the_dedupe_window_is_refused_as_bad_usage() {
+    let (outbox, mut client) = outbox("cli_purge_guard");
+    operator_rows(&mut client, &outbox);
+    for what in ["sent", "dead", "inbox"] {
+        let e = fails(&outbox, &["purge", what], 2);
+        assert!(e.contains("--all"), "{what}: {e}");
+    }
+    // The dedupe window: none at all, or shorter than an hour, needs --force.
+    for args in [
+        &["purge", "inbox", "--all"][..],
+        &["purge", "inbox", "--older-than", "30m"],
+    ] {
+        let e = fails(&outbox, args, 2);
+        assert!(
+            e.contains("processed twice") && e.contains("--force"),
+            "{e}"
+        );
+    }
+    assert_eq!(count(&mut client, &outbox, "true"), 7);
+    let inbox = |client: &mut Client| -> i64 {
+        client
+            .query_one(
+                &format!("SELECT count(*) FROM \"{}_inbox\"", outbox.table()),
+                &[],
+            )
+            .unwrap()
+            .get(0)
+    };
+    assert_eq!(inbox(&mut client), 1);
+    // An hour or more, or --force, is an informed choice; it says what it deletes.
+    let output = cli(&outbox)
+        .args(["purge", "inbox", "--older-than", "2h"])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let note = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        note.contains("2h") && note.contains("processed again"),
+        "{note}"
+    );
+    assert_eq!(inbox(&mut client), 1);
+    assert_eq!(
+        ok(&outbox, &["purge", "inbox", "--all", "--force"]).trim(),
+        "purged 1 dedupe records"
+    );
+    assert_eq!(
+        ok(&outbox, &["purge", "dead", "--all"]).trim(),
+        "purged 5 dead letters"
+    );
+    assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 0);
 }
 
 #[test]
@@ -240,9 +297,9 @@ fn bad_input_exits_1_or_2_with_a_clear_message_and_no_password() {
     let missing = Outbox::new(&unique_name("cli_missing")).unwrap();
     let e = fails(&missing, &["dead"], 1);
     assert!(e.contains(missing.table()) && e.contains("migrate"), "{e}");
-    let e = fails(&outbox, &["purge", "sent", "--older-than", "seven days"], 1);
+    let e = fails(&outbox, &["purge", "sent", "--older-than", "seven days"], 2);
     assert!(e.contains("--older-than"), "{e}");
-    let e = fails(&outbox, &["redrive", "--all", "--older-than=-1d"], 1);
+    let e = fails(&outbox, &["redrive", "--all", "--older-than=-1d"], 2);
     assert!(e.contains("--older-than"), "{e}");
     let e = fails(&outbox, &["bogus"], 2);
     assert!(e.contains("bogus"), "{e}");
@@ -376,7 +433,7 @@ fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
         .collect();
     assert_eq!(keys, ["d1"]);
     assert_eq!(json(&ok(&outbox, &["stats", "--json"]))["parked"], 1);
-    let e = fails(&outbox, &["skip"], 1);
+    let e = fails(&outbox, &["skip"], 2);
     assert!(e.contains("--all"), "{e}");
     assert_eq!(
         ok(&outbox, &["skip", "--all", "--dry-run"]).trim(),

@@ -409,7 +409,8 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
         .notify(false)
         .build()?;
     let mut listener = common::client();
-    listener.batch_execute(&format!("LISTEN \"{}\"", outbox.channel()))?;
+    let channel = outbox.channel(&mut client)?;
+    listener.batch_execute(&format!("LISTEN \"{channel}\""))?;
     let waiting = format!("\"{}_waiting\"", outbox.table());
     let loud = |client: &mut Client, outbox: &Outbox| -> TestResult {
         let mut tx = client.transaction()?;
@@ -426,7 +427,7 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
         Ok(())
     };
     let marker = |client: &mut Client, payload: &str| -> TestResult {
-        client.execute("SELECT pg_notify($1, $2)", &[&outbox.channel(), &payload])?;
+        client.execute("SELECT pg_notify($1, $2)", &[&channel, &payload])?;
         Ok(())
     };
 
@@ -461,7 +462,7 @@ fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
     let mut incoming = notifications.timeout_iter(Duration::from_secs(60));
     while payloads.len() < 5 {
         let n = incoming.next()?.expect("a notification within 60 s");
-        assert_eq!(n.channel(), outbox.channel());
+        assert_eq!(n.channel(), channel);
         payloads.push(n.payload().to_owned());
     }
     // PostgreSQL folds identical notifications of one transaction into one.
@@ -935,7 +936,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 5);
+    assert_eq!(versions, 6);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
@@ -1561,7 +1562,7 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     let versions: i64 = client
         .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
         .get(0);
-    assert_eq!(versions, 5);
+    assert_eq!(versions, 6);
     assert!(!exists(&mut client, &format!("{name}_due")));
     assert!(exists(&mut client, &format!("{name}_unordered")));
     assert!(exists(&mut client, &format!("{name}_failures")));
@@ -1627,6 +1628,11 @@ fn a_version_3_table_upgrades_keeping_rows_in_every_state() -> TestResult {
 #[test]
 fn a_version_4_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     upgrades_keeping_rows_in_every_state("0005_aggregate_locks_and_parking")
+}
+
+#[test]
+fn a_version_5_table_upgrades_keeping_rows_in_every_state() -> TestResult {
+    upgrades_keeping_rows_in_every_state("0006_dead_decisions_and_channel")
 }
 
 #[test]

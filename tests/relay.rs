@@ -98,12 +98,13 @@ fn last_error(client: &mut Client, outbox: &Outbox, key: &str) -> Option<String>
 /// Backend pids of listeners LISTENing on this outbox's channel. A listener's last statement
 /// is its `LISTEN "<channel>"`, which tells it apart from other tests' listeners.
 fn listener_pids(client: &mut Client, outbox: &Outbox) -> Vec<i32> {
+    let channel = outbox.channel(client).unwrap();
     client
         .query(
             "SELECT pid FROM pg_stat_activity
              WHERE application_name = 'postgres-outbox listener'
                AND datname = current_database() AND query = $1",
-            &[&format!("LISTEN \"{}\"", outbox.channel())],
+            &[&format!("LISTEN \"{channel}\"")],
         )
         .unwrap()
         .iter()

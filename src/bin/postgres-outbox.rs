@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::error::ErrorKind;
+use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use postgres::{Client, NoTls};
 use postgres_outbox::rabbitmq::RabbitPublisher;
 use postgres_outbox::{Filter, Outbox, PurgeTarget, Relay, RelayConfig};
@@ -61,6 +62,7 @@ enum Command {
         json: bool,
     },
     /// Let the aggregates of parked dead letters go on without them (they stay dead).
+    #[command(group(scope()))]
     Skip {
         #[command(flatten)]
         filter: FilterArgs,
@@ -72,6 +74,7 @@ enum Command {
         dry_run: bool,
     },
     /// Make dead letters pending again, with a fresh attempt budget.
+    #[command(group(scope()))]
     Redrive {
         #[command(flatten)]
         filter: FilterArgs,
@@ -83,11 +86,19 @@ enum Command {
         dry_run: bool,
     },
     /// Delete finished rows: sent rows, dead letters, or consumers' dedupe records.
+    #[command(group(scope()))]
     Purge {
         /// What to delete.
         what: What,
         #[command(flatten)]
         filter: FilterArgs,
+        /// Delete every such row (required when no filter is given).
+        #[arg(long)]
+        all: bool,
+        /// Purge dedupe records processed less than an hour ago (every redelivery of their
+        /// messages would then be processed again).
+        #[arg(long)]
+        force: bool,
         /// Print how many would be deleted and change nothing.
         #[arg(long)]
         dry_run: bool,
@@ -95,6 +106,24 @@ enum Command {
     /// Run a relay to a RabbitMQ exchange until SIGINT or SIGTERM (logs via RUST_LOG).
     Relay(RelayArgs),
 }
+
+/// Commands that change rows name them: by a filter, or every one with `--all`.
+fn scope() -> ArgGroup {
+    ArgGroup::new("scope")
+        .args([
+            "keys",
+            "topic",
+            "error_contains",
+            "older_than",
+            "parked",
+            "all",
+        ])
+        .multiple(true)
+        .required(true)
+}
+
+/// How recent a dedupe record `purge inbox` deletes without `--force`.
+const INBOX_WINDOW: Duration = Duration::from_secs(3600);
 
 #[derive(Clone, Copy, ValueEnum)]
 enum What {
@@ -115,8 +144,8 @@ struct FilterArgs {
     #[arg(long, value_name = "TEXT")]
     error_contains: Option<String>,
     /// Only rows finished longer ago than this, e.g. 7d, 12h, 30m.
-    #[arg(long, value_name = "AGE")]
-    older_than: Option<String>,
+    #[arg(long, value_name = "AGE", value_parser = humantime::parse_duration)]
+    older_than: Option<Duration>,
     /// Only dead letters that park their aggregate.
     #[arg(long)]
     parked: bool,
@@ -213,55 +242,44 @@ fn run(cli: Cli) -> Result<()> {
             filter,
             json,
         } => {
-            let filter = filter.build()?;
+            let filter = filter.build();
             if by_error {
                 dead_by_error(&outbox, &mut client, &filter, json)?;
             } else {
                 dead(&outbox, &mut client, &filter, limit, json)?;
             }
         }
+        // Clap has checked that each names its rows: a filter, or --all.
         Command::Redrive {
-            filter,
-            all,
-            dry_run,
+            filter, dry_run, ..
         } => {
-            let filter = filter.build()?;
-            if filter.is_empty() && !all {
-                return Err("redrive needs a filter (--key, --topic, --error-contains, \
-                            --older-than), or --all to redrive every dead letter"
-                    .into());
-            }
-            let n = outbox.redrive_where(&mut client, &filter, dry_run)?;
+            let n = outbox.redrive_where(&mut client, &filter.build(), dry_run)?;
             let verb = if dry_run { "would redrive" } else { "redrove" };
             println!("{verb} {n} dead letters");
         }
         Command::Skip {
-            filter,
-            all,
-            dry_run,
+            filter, dry_run, ..
         } => {
-            let filter = filter.build()?;
-            if filter.is_empty() && !all {
-                return Err("skip needs a filter (--key, --topic, --error-contains, \
-                            --older-than), or --all to skip every parked dead letter"
-                    .into());
-            }
-            let n = outbox.skip(&mut client, &filter, dry_run)?;
+            let n = outbox.skip(&mut client, &filter.build(), dry_run)?;
             let verb = if dry_run { "would skip" } else { "skipped" };
             println!("{verb} {n} parked dead letters");
         }
         Command::Purge {
             what,
             filter,
+            force,
             dry_run,
+            ..
         } => {
-            let filter = filter.build()?;
+            if let What::Inbox = what {
+                check_inbox_window(&filter, force);
+            }
             let (target, noun) = match what {
                 What::Sent => (PurgeTarget::Sent, "sent rows"),
                 What::Dead => (PurgeTarget::Dead, "dead letters"),
                 What::Inbox => (PurgeTarget::Inbox, "dedupe records"),
             };
-            let n = outbox.purge_where(&mut client, target, &filter, dry_run)?;
+            let n = outbox.purge_where(&mut client, target, &filter.build(), dry_run)?;
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
         }
@@ -282,8 +300,41 @@ fn database_config(url: &str) -> Result<postgres::Config> {
     Ok(config)
 }
 
+/// Says which dedupe records `purge inbox` deletes and what that means, and refuses, as bad
+/// usage, to delete records younger than an hour without `--force` (unless it is given the
+/// keys to delete): a message whose ack was lost comes again, and finds its record gone.
+fn check_inbox_window(filter: &FilterArgs, force: bool) {
+    if !filter.keys.is_empty() {
+        return;
+    }
+    let window = filter.older_than.unwrap_or(Duration::ZERO);
+    let shown = humantime::format_duration(window);
+    if window < INBOX_WINDOW && !force {
+        Cli::command()
+            .error(
+                ErrorKind::ArgumentConflict,
+                format!(
+                    "purge inbox would delete the dedupe records of messages processed {} ago \
+                     or longer: any of those delivered again (an ack lost, a redrive) would be \
+                     processed twice. Give --older-than 1h or more (longer than a message can \
+                     take to come again), or --force",
+                    if window.is_zero() {
+                        "any time".to_owned()
+                    } else {
+                        shown.to_string()
+                    }
+                ),
+            )
+            .exit();
+    }
+    eprintln!(
+        "purge inbox: deleting the dedupe records of messages processed more than {shown} \
+         ago; a message delivered again after its record is gone is processed again"
+    );
+}
+
 impl FilterArgs {
-    fn build(self) -> Result<Filter> {
+    fn build(self) -> Filter {
         let mut filter = self.keys.into_iter().fold(Filter::new(), Filter::key);
         if let Some(topic) = self.topic {
             filter = filter.topic(topic);
@@ -292,12 +343,12 @@ impl FilterArgs {
             filter = filter.error_contains(text);
         }
         if let Some(age) = self.older_than {
-            filter = filter.older_than(duration("--older-than", &age)?);
+            filter = filter.older_than(age);
         }
         if self.parked {
             filter = filter.parked();
         }
-        Ok(filter)
+        filter
     }
 }
 

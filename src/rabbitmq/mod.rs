@@ -13,7 +13,8 @@ use std::fmt;
 
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, DEAD_CONSUMER_HEADER,
-    DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
+    DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
+    DEAD_USER_ID_HEADER,
 };
 pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
 

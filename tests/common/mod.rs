@@ -1,6 +1,9 @@
 //! Shared test harness: service URLs, isolated outbox tables, and waiting for conditions.
 #![allow(dead_code)]
 
+#[cfg(feature = "rabbitmq")]
+pub mod broker;
+
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;

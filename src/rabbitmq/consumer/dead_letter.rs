@@ -17,6 +17,12 @@ pub const DEAD_FAILURES_HEADER: &str = "x-outbox-failures";
 pub const DEAD_QUEUE_HEADER: &str = "x-outbox-queue";
 /// The header carrying the name of the consumer that gave up.
 pub const DEAD_CONSUMER_HEADER: &str = "x-outbox-consumer";
+/// The header carrying the original message's `expiration`, which its dead letter does not
+/// keep (it would expire in the dead-letter queue, unseen).
+pub const DEAD_EXPIRATION_HEADER: &str = "x-outbox-expiration";
+/// The header carrying the original message's `user_id`, which its dead letter does not keep
+/// (the broker refuses a message whose `user_id` is not the publishing connection's user).
+pub const DEAD_USER_ID_HEADER: &str = "x-outbox-user-id";
 
 /// How much of an error's text travels with a dead letter.
 const MAX_REASON: usize = 1024;
@@ -40,6 +46,17 @@ pub(super) fn ensure_queue(connection: &mut Connection, queue: &str) -> Result<(
         },
     )?;
     channel.close()
+}
+
+/// Why a dead letter was not stored. Either way the original stays held, unacked, and the
+/// dead letter is tried again later: the dead-letter queue's trouble is not the message's.
+pub(super) enum Refused {
+    /// The broker declined it (a full queue that rejects publishes, a queue gone); the
+    /// channel can be used again.
+    Declined(String),
+    /// The channel cannot be used again (closed by the broker, or a confirm that may still
+    /// come): open a new one.
+    Broken(String),
 }
 
 /// A confirming channel publishing dead letters to one queue.
@@ -78,61 +95,110 @@ impl DeadLetterQueue {
         })
     }
 
-    /// Publishes a copy of the message (body, properties and headers) with the reason
-    /// added, and waits for the broker to confirm it. An error means the dead letter may not
-    /// be stored, so the original must not be acked.
+    /// Publishes a copy of the message (see `dead_copy`) and waits for the broker to
+    /// confirm it. An error means the dead letter may not be stored, so the original must
+    /// not be acked.
     pub(super) fn publish(
         &self,
         properties: &AmqpProperties,
         body: &[u8],
         death: &Death<'_>,
-    ) -> Result<(), String> {
-        let mut headers = properties.headers().clone().unwrap_or_default();
-        add_death(&mut headers, death);
-        let properties = properties
-            .clone()
-            .with_headers(headers)
-            .with_delivery_mode(2);
+    ) -> Result<(), Refused> {
+        let queue = &self.queue;
         self.channel
             .basic_publish(
                 "",
                 Publish {
                     body,
-                    routing_key: self.queue.clone(),
+                    routing_key: queue.clone(),
                     // A dead-letter queue deleted under us must not swallow the message.
                     mandatory: true,
                     immediate: false,
-                    properties,
+                    properties: dead_copy(properties, death),
                 },
             )
-            .map_err(|e| format!("cannot publish to {:?}: {e}", self.queue))?;
+            .map_err(|e| Refused::Broken(format!("cannot publish to {queue:?}: {e}")))?;
         // One publish at a time, so the next confirm is this one's; a return for it
-        // arrives before its confirm.
+        // arrives before its confirm. After a timeout that no longer holds: a new channel.
         let confirm = match self
             .confirms
             .recv_deadline(crate::clock::deadline(CONFIRM_TIMEOUT))
         {
             Ok(confirm) => confirm,
             Err(RecvTimeoutError::Timeout) => {
-                return Err(format!(
-                    "no confirm for a dead letter within {CONFIRM_TIMEOUT:?}"
-                ))
+                return Err(Refused::Broken(format!(
+                    "no confirm for a dead letter to {queue:?} within {CONFIRM_TIMEOUT:?}"
+                )))
             }
             Err(RecvTimeoutError::Disconnected) => {
-                return Err("the connection closed before a dead letter was confirmed".into())
+                return Err(Refused::Broken(format!(
+                    "the channel to {queue:?} closed before a dead letter was confirmed"
+                )))
             }
         };
         if self.returns.try_recv().is_ok() {
-            return Err(format!("dead-letter queue {:?} is gone", self.queue));
+            return Err(Refused::Declined(format!(
+                "dead-letter queue {queue:?} does not exist"
+            )));
         }
         match confirm {
             Confirm::Ack(_) => Ok(()),
-            Confirm::Nack(_) => Err(format!(
-                "the broker refused a dead letter for {:?}",
-                self.queue
-            )),
+            Confirm::Nack(_) => Err(Refused::Declined(format!(
+                "the broker refused a dead letter for {queue:?} (is it full?)"
+            ))),
         }
     }
+}
+
+/// Sets one of a message's text properties.
+type SetText = fn(AmqpProperties, String) -> AmqpProperties;
+
+/// The dead letter of a message: its body, properties and headers, persistent, with why it
+/// died added. Not its `expiration` (it would expire unseen in the dead-letter queue, as
+/// RabbitMQ's own dead-lettering knows) nor its `user_id` (the broker refuses a message
+/// whose `user_id` is not the connection's user): both travel as headers instead.
+fn dead_copy(original: &AmqpProperties, death: &Death<'_>) -> AmqpProperties {
+    let mut headers = original.headers().clone().unwrap_or_default();
+    add_death(&mut headers, death);
+    for (header, value) in [
+        (DEAD_EXPIRATION_HEADER, original.expiration()),
+        (DEAD_USER_ID_HEADER, original.user_id()),
+    ] {
+        if let Some(value) = value {
+            headers.insert(header.into(), AmqpValue::LongString(value.clone()));
+        }
+    }
+    let mut copy = AmqpProperties::default()
+        .with_headers(headers)
+        .with_delivery_mode(2);
+    let texts: [(&Option<String>, SetText); 8] = [
+        (original.content_type(), AmqpProperties::with_content_type),
+        (
+            original.content_encoding(),
+            AmqpProperties::with_content_encoding,
+        ),
+        (
+            original.correlation_id(),
+            AmqpProperties::with_correlation_id,
+        ),
+        (original.reply_to(), AmqpProperties::with_reply_to),
+        (original.message_id(), AmqpProperties::with_message_id),
+        (original.type_(), AmqpProperties::with_type_),
+        (original.app_id(), AmqpProperties::with_app_id),
+        (original.cluster_id(), AmqpProperties::with_cluster_id),
+    ];
+    for (value, set) in texts {
+        if let Some(value) = value {
+            copy = set(copy, value.clone());
+        }
+    }
+    if let Some(priority) = original.priority() {
+        copy = copy.with_priority(*priority);
+    }
+    if let Some(timestamp) = original.timestamp() {
+        copy = copy.with_timestamp(*timestamp);
+    }
+    copy
 }
 
 fn add_death(headers: &mut FieldTable, death: &Death<'_>) {
@@ -153,6 +219,45 @@ fn add_death(headers: &mut FieldTable, death: &Death<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_copy_keeps_the_message_but_not_its_expiration_or_user_id() {
+        let original = AmqpProperties::default()
+            .with_message_id("k".into())
+            .with_content_type("application/json".into())
+            .with_expiration("60000".into())
+            .with_user_id("someone-else".into())
+            .with_priority(3)
+            .with_timestamp(1_700_000_000);
+        let death = Death {
+            reason: "poison",
+            failures: 5,
+            consumer: "c",
+            queue: "q",
+        };
+        let copy = dead_copy(&original, &death);
+        assert_eq!(copy.message_id().as_deref(), Some("k"));
+        assert_eq!(copy.content_type().as_deref(), Some("application/json"));
+        assert_eq!(
+            (*copy.priority(), *copy.timestamp()),
+            (Some(3), Some(1_700_000_000))
+        );
+        assert_eq!((copy.expiration(), copy.user_id()), (&None, &None));
+        assert_eq!(*copy.delivery_mode(), Some(2));
+        let headers = copy.headers().clone().unwrap();
+        assert_eq!(
+            headers[DEAD_EXPIRATION_HEADER],
+            AmqpValue::LongString("60000".into())
+        );
+        assert_eq!(
+            headers[DEAD_USER_ID_HEADER],
+            AmqpValue::LongString("someone-else".into())
+        );
+        assert_eq!(
+            headers[DEAD_REASON_HEADER],
+            AmqpValue::LongString("poison".into())
+        );
+    }
 
     #[test]
     fn the_reason_is_cut_on_a_character_boundary() {

@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use amiquip::{Channel, Connection, ConsumerMessage, ConsumerOptions};
 use crossbeam_channel::{after, at, never, select, Receiver, Sender};
 
-use super::dead_letter::{DeadLetterQueue, Death};
+use super::dead_letter::{DeadLetterQueue, Death, Refused};
 use super::lanes::{Lanes, Tag};
 use super::worker::{Done, Job, Outcome, Task};
 use super::{view, Delivery, Shared};
+use crate::error::describe;
 use crate::rabbitmq::connect::{close_within, Endpoint};
 use crate::retry::{reconnect_delay, RetryPolicy};
 
@@ -31,11 +32,24 @@ struct Held {
     raw: amiquip::Delivery,
     view: Arc<Delivery>,
     suspect: bool,
+    /// Given up on, its dead letter not yet stored: the dead-letter queue refused it, and
+    /// it is tried again (never the handler) after a backoff.
+    dying: Option<Dying>,
+}
+
+struct Dying {
+    reason: String,
+    failures: u32,
+    /// Refused this many times so far.
+    refusals: u32,
 }
 
 /// What one channel holds.
 struct Link<'c> {
+    connection: &'c mut Connection,
     channel: &'c Channel,
+    /// The dead-letter queue's channel, when there is one and it is open (after a refusal
+    /// that broke it, it is opened again at the next try).
     dead_letters: Option<DeadLetterQueue>,
     held: HashMap<Tag, Held>,
     lanes: Lanes,
@@ -121,8 +135,10 @@ impl Dispatcher {
                 }
             }
         }
+        // Results still owed, from a channel that is gone; not past the shutdown's deadline.
+        let deadline = self.shared.stop_deadline();
         while self.in_flight > 0 {
-            match self.results.recv() {
+            match self.results.recv_deadline(deadline) {
                 Ok(done) => self.stale(done),
                 Err(_) => break,
             }
@@ -174,6 +190,7 @@ impl Dispatcher {
         self.generation += 1;
         self.consuming = true;
         let mut link = Link {
+            connection,
             channel: &channel,
             dead_letters,
             held: HashMap::new(),
@@ -212,12 +229,11 @@ impl Dispatcher {
                     Ok(done) => self.settle(&mut link, done),
                     Err(_) => Err("every worker has ended".into()),
                 },
-                recv(retry) -> _ => {
-                    for tag in link.lanes.due(Instant::now()) {
-                        self.start(&mut link, tag);
-                    }
-                    Ok(())
-                },
+                recv(retry) -> _ => link
+                    .lanes
+                    .due(Instant::now())
+                    .into_iter()
+                    .try_for_each(|tag| self.start(&mut link, tag)),
                 recv(flush) -> _ => Self::flush_acks(&mut link),
             };
             let step = step.and_then(|()| {
@@ -238,13 +254,31 @@ impl Dispatcher {
     }
 
     /// Told to stop: nothing new starts; the jobs running finish and are settled (acked
-    /// when committed); the rest goes back to the queue when the channel closes.
+    /// when committed) until the shutdown's deadline; the rest goes back to the queue when
+    /// the channel closes, right after, even if a handler still runs (it cannot be
+    /// interrupted: its delivery comes again, and if it committed, is acked as a duplicate).
     fn drain(&mut self, link: &mut Link<'_>) -> Ended {
         link.stopping = true;
+        let deadline = at(self.shared.stop_deadline());
         while self.in_flight > 0 {
-            let Ok(done) = self.results.recv() else { break };
-            if let Err(why) = self.settle(link, done) {
-                return Ended::Lost(why);
+            select! {
+                recv(self.results) -> done => match done {
+                    Ok(done) => {
+                        if let Err(why) = self.settle(link, done) {
+                            return Ended::Lost(why);
+                        }
+                    }
+                    Err(_) => break,
+                },
+                recv(deadline) -> _ => {
+                    log::warn!(
+                        "rabbitmq consumer {}: {} handlers still running at the shutdown \
+                         deadline; what the consumer holds goes back to the queue",
+                        self.shared.config.name,
+                        self.in_flight
+                    );
+                    break;
+                },
             }
         }
         match Self::flush_acks(link) {
@@ -277,16 +311,13 @@ impl Dispatcher {
     fn arrive(&mut self, link: &mut Link<'_>, mut raw: amiquip::Delivery) -> Result<(), String> {
         let tag = raw.delivery_tag();
         let view = view(&mut raw);
-        if view.key.is_empty() {
-            // Without a message id there is nothing to deduplicate on: it cannot be handled
-            // exactly once, and the handler never sees it.
-            let held = Held {
-                raw,
-                view: Arc::new(view),
-                suspect: false,
-            };
-            return self.dead_letter(link, held, "the message has no message id", 0);
-        }
+        // Without a message id there is nothing to deduplicate on: it cannot be handled
+        // exactly once, and the handler never sees it.
+        let dying = view.key.is_empty().then(|| Dying {
+            reason: "the message has no usable message id (none, or not UTF-8)".to_owned(),
+            failures: 0,
+            refusals: 0,
+        });
         let aggregate = view.aggregate_key.clone();
         let suspect = raw.redelivered;
         link.held.insert(
@@ -295,22 +326,27 @@ impl Dispatcher {
                 raw,
                 view: Arc::new(view),
                 suspect,
+                dying,
             },
         );
         if link.lanes.arrive(tag, aggregate.as_deref()) {
-            self.start(link, tag);
+            self.start(link, tag)?;
         }
         Ok(())
     }
 
-    /// Hands a held delivery to a worker.
-    fn start(&mut self, link: &mut Link<'_>, tag: Tag) {
+    /// Hands a held delivery to a worker, or, if it was given up on, tries its dead letter
+    /// again.
+    fn start(&mut self, link: &mut Link<'_>, tag: Tag) -> Result<(), String> {
         if link.stopping {
-            return;
+            return Ok(());
         }
         let Some(held) = link.held.get(&tag) else {
-            return;
+            return Ok(());
         };
+        if held.dying.is_some() {
+            return self.bury(link, tag);
+        }
         let job = Job {
             tag,
             generation: self.generation,
@@ -321,6 +357,7 @@ impl Dispatcher {
         if self.tasks.send(Task::Handle(job)).is_ok() {
             self.in_flight += 1;
         }
+        Ok(())
     }
 
     /// A result from a channel that is gone: counted, never acked (the broker delivers the
@@ -354,17 +391,25 @@ impl Dispatcher {
                 }
                 // The effects are committed, so the next of the aggregate may start before
                 // the ack goes out: a redelivery of this one would be a duplicate.
-                self.advance(link, done.tag, aggregate);
+                self.advance(link, done.tag, aggregate)?;
             }
-            Outcome::Failed { error, failures }
-                if error.is_permanent() || failures >= config.max_failures =>
-            {
-                if let Some(held) = link.held.remove(&done.tag) {
-                    self.dead_letter(link, held, &error.to_string(), failures)?;
+            Outcome::Failed {
+                error,
+                failures,
+                dead: true,
+            } => {
+                if let Some(held) = link.held.get_mut(&done.tag) {
+                    held.dying = Some(Dying {
+                        reason: describe(&error),
+                        failures,
+                        refusals: 0,
+                    });
                 }
-                self.advance(link, done.tag, aggregate);
+                self.bury(link, done.tag)?;
             }
-            Outcome::Failed { error, failures } => {
+            Outcome::Failed {
+                error, failures, ..
+            } => {
                 shared.counters.retried.fetch_add(1, Ordering::SeqCst);
                 let policy = RetryPolicy {
                     max_attempts: config.max_failures,
@@ -374,10 +419,11 @@ impl Dispatcher {
                 let delay = policy.backoff(failures);
                 log::warn!(
                     "rabbitmq consumer {}: handler failed on {} (failure {failures} of {}); \
-                     retrying in {delay:?}: {error}",
+                     retrying in {delay:?}: {}",
                     config.name,
                     view.key,
-                    config.max_failures
+                    config.max_failures,
+                    describe(&error)
                 );
                 if !link.stopping {
                     link.lanes.retry_at(done.tag, Instant::now() + delay);
@@ -422,50 +468,102 @@ impl Dispatcher {
     /// A delivery is settled: the next of its aggregate may start. After a dead letter,
     /// called only once it has gone out, so a channel lost meanwhile cannot let the next one
     /// commit ahead of a redelivery of this one.
-    fn advance(&mut self, link: &mut Link<'_>, tag: Tag, aggregate: Option<&str>) {
-        if let Some(next) = link.lanes.settle(tag, aggregate) {
-            self.start(link, next);
+    fn advance(
+        &mut self,
+        link: &mut Link<'_>,
+        tag: Tag,
+        aggregate: Option<&str>,
+    ) -> Result<(), String> {
+        match link.lanes.settle(tag, aggregate) {
+            Some(next) => self.start(link, next),
+            None => Ok(()),
         }
     }
 
-    /// Gives up on a delivery: to the dead-letter queue (confirmed) and then acked, or
-    /// rejected to the queue's own dead-letter exchange.
-    fn dead_letter(
-        &mut self,
-        link: &mut Link<'_>,
-        held: Held,
-        reason: &str,
-        failures: u32,
-    ) -> Result<(), String> {
-        let config = &self.shared.config;
+    /// Gives up on a held, dying delivery: its dead letter goes to the dead-letter queue
+    /// (confirmed) and then the delivery is acked, or it is rejected to the queue's own
+    /// dead-letter exchange. A dead-letter queue that refuses it (full, gone, its channel
+    /// closed, confirms that do not come) is that queue's outage, not the message's doing:
+    /// the delivery stays held, its lane with it, and the dead letter is tried again after
+    /// a backoff; the handler never runs again. Only a lost channel ends consuming.
+    fn bury(&mut self, link: &mut Link<'_>, tag: Tag) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        let Some(held) = link.held.get_mut(&tag) else {
+            return Ok(());
+        };
+        let Some(dying) = held.dying.as_mut() else {
+            return Ok(());
+        };
         let key = held.view.key.clone();
-        match &link.dead_letters {
-            Some(queue) => {
+        let refused = match &config.dead_letter_queue {
+            Some(name) => {
+                if link.dead_letters.is_none() {
+                    link.dead_letters = DeadLetterQueue::open(link.connection, name)
+                        .map_err(|e| log::debug!("dead-letter queue {name:?}: {e}"))
+                        .ok();
+                }
                 let death = Death {
-                    reason,
-                    failures,
+                    reason: &dying.reason,
+                    failures: dying.failures,
                     consumer: &config.name,
                     queue: &config.queue,
                 };
-                queue.publish(&held.raw.properties, &held.view.body, &death)?;
-                held.raw
-                    .ack(link.channel)
-                    .map_err(|e| format!("cannot ack: {e}"))?;
+                match &link.dead_letters {
+                    Some(queue) => queue
+                        .publish(&held.raw.properties, &held.view.body, &death)
+                        .err(),
+                    None => Some(Refused::Broken(format!(
+                        "cannot open a channel to dead-letter queue {name:?}"
+                    ))),
+                }
             }
-            None => held
-                .raw
+            None => None,
+        };
+        if let Some(refused) = refused {
+            let why = match refused {
+                Refused::Declined(why) => why,
+                Refused::Broken(why) => {
+                    link.dead_letters = None;
+                    why
+                }
+            };
+            dying.refusals += 1;
+            let pause = reconnect_delay(dying.refusals);
+            log::warn!(
+                "rabbitmq consumer {}: cannot store the dead letter of {key:?}; holding it \
+                 (its handler does not run again) and trying again in {pause:?}: {why}",
+                config.name
+            );
+            link.lanes.retry_at(tag, Instant::now() + pause);
+            return Ok(());
+        }
+        let Some(held) = link.held.remove(&tag) else {
+            return Ok(());
+        };
+        let Some(dying) = held.dying else {
+            return Ok(());
+        };
+        if config.dead_letter_queue.is_some() {
+            held.raw
+                .ack(link.channel)
+                .map_err(|e| format!("cannot ack: {e}"))?;
+        } else {
+            held.raw
                 .reject(link.channel, false)
-                .map_err(|e| format!("cannot reject: {e}"))?,
+                .map_err(|e| format!("cannot reject: {e}"))?;
         }
         log::error!(
-            "rabbitmq consumer {}: dead-lettered {key:?} after {failures} failures: {reason}",
-            config.name
+            "rabbitmq consumer {}: dead-lettered {key:?} after {} failures: {}",
+            config.name,
+            dying.failures,
+            dying.reason
         );
-        self.shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
-        self.shared.observe(|m| m.dead_lettered(&held.view));
-        if failures > 0 {
+        shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
+        shared.observe(|m| m.dead_lettered(&held.view));
+        if dying.failures > 0 {
             let _ = self.tasks.send(Task::Forget(key));
         }
-        Ok(())
+        self.advance(link, tag, held.view.aggregate_key.as_deref())
     }
 }

@@ -12,8 +12,8 @@ mod worker;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use amiquip::{AmqpValue, FieldTable};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
@@ -22,7 +22,8 @@ use postgres::{Socket, Transaction};
 use r2d2_postgres::PostgresConnectionManager;
 
 pub use dead_letter::{
-    DEAD_CONSUMER_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
+    DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER,
+    DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 
 use super::connect::{close_within, Endpoint};
@@ -223,6 +224,13 @@ impl ConsumerConfig {
                     value.len()
                 ));
             }
+            // The name is stored with every dedupe record and failure count: the database
+            // cannot store a NUL, and a control character in it is always a mistake.
+            if value.chars().any(char::is_control) {
+                return invalid(format!(
+                    "the {what} {value:?} holds a control character (a NUL, a tab, a newline)"
+                ));
+            }
         }
         if let Some(dead) = &self.dead_letter_queue {
             if dead.is_empty() || dead.len() > MAX_SHORT_STRING || *dead == self.queue {
@@ -297,9 +305,20 @@ struct Shared {
     pool: Arc<dyn Pool>,
     handler: Box<Handler>,
     counters: Counters,
+    /// Set by shutdown: when what is held must be back in the queue.
+    stop_by: Mutex<Option<Instant>>,
 }
 
 impl Shared {
+    /// The shutdown's deadline; far away until shutdown sets one.
+    fn stop_deadline(&self) -> Instant {
+        self.stop_by
+            .lock()
+            .ok()
+            .and_then(|d| *d)
+            .unwrap_or_else(|| crate::clock::deadline(Duration::MAX))
+    }
+
     /// Calls the metrics hook; a panic in it is logged and goes no further.
     fn observe(&self, f: impl FnOnce(&dyn ConsumerMetrics)) {
         let metrics = self.config.metrics.as_ref();
@@ -360,6 +379,8 @@ impl Shared {
 /// ```
 pub struct Consumer {
     stop: Option<Sender<()>>,
+    /// Disconnected once the dispatcher has ended: the broker connection is closed.
+    dispatched: Receiver<()>,
     /// Disconnected once every thread of the consumer has ended.
     done: Receiver<()>,
     shared: Arc<Shared>,
@@ -413,13 +434,16 @@ impl Consumer {
             pool: Arc::new(pool),
             handler: Box::new(handler),
             counters: Counters::default(),
+            stop_by: Mutex::new(None),
         });
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let (alive, done) = bounded::<()>(0);
+        let (dispatching, dispatched) = bounded::<()>(0);
         let (tasks_tx, tasks_rx) = unbounded();
         let (results_tx, results_rx) = unbounded();
         let consumer = Consumer {
             stop: Some(stop_tx),
+            dispatched,
             done,
             shared: shared.clone(),
         };
@@ -441,6 +465,7 @@ impl Consumer {
             .name("outbox-consumer".into())
             .spawn(move || {
                 let _alive = alive;
+                let _dispatching = dispatching;
                 dispatcher.run();
             })
             .map_err(|e| Error::connect("cannot start the consumer thread", e))?;
@@ -453,9 +478,11 @@ impl Consumer {
     }
 
     /// Stops taking deliveries and lets the ones being handled finish (commit and ack)
-    /// within `timeout`, then closes; deliveries received but not started, or waiting out a
-    /// retry, go back to the queue when the channel closes. A handler still running at the
-    /// timeout is left to finish in the background, and its delivery is redelivered.
+    /// within `timeout`, then closes the connection: deliveries received but not started,
+    /// or waiting out a retry, go back to the queue. A handler still running at the
+    /// timeout cannot be interrupted: the connection is closed anyway (within two seconds
+    /// more), so everything else goes back on time; that handler finishes in the
+    /// background, and its delivery comes again (acked as a duplicate if it committed).
     pub fn shutdown(mut self, timeout: Duration) -> ConsumerReport {
         self.stop(timeout);
         self.shared.counters.report()
@@ -466,16 +493,25 @@ impl Consumer {
             return;
         }
         let deadline = crate::clock::deadline(timeout);
-        loop {
-            match self.done.recv_deadline(deadline) {
-                Ok(()) => continue,
-                Err(RecvTimeoutError::Disconnected) => return,
-                Err(RecvTimeoutError::Timeout) => {
-                    log::warn!(
-                        "rabbitmq consumer {}: a handler is still running at the shutdown timeout",
-                        self.shared.config.name
-                    );
-                    return;
+        if let Ok(mut stop_by) = self.shared.stop_by.lock() {
+            *stop_by = Some(deadline);
+        }
+        // The dispatcher closes the connection by the deadline; closing takes at most two
+        // seconds more.
+        let closed = deadline + Duration::from_secs(3);
+        for (threads, by) in [(&self.dispatched, closed), (&self.done, deadline)] {
+            loop {
+                match threads.recv_deadline(by) {
+                    Ok(()) => continue,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                    Err(RecvTimeoutError::Timeout) => {
+                        log::warn!(
+                            "rabbitmq consumer {}: a handler is still running at the shutdown \
+                             timeout; it finishes in the background",
+                            self.shared.config.name
+                        );
+                        return;
+                    }
                 }
             }
         }

@@ -11,10 +11,12 @@ use postgres::types::Type;
 
 use super::lanes::Tag;
 use super::{Delivery, Shared};
+use crate::error::describe;
+use crate::fault::Fault;
 use crate::pool::Pooled;
 use crate::publish::HandlerError;
 use crate::retry::reconnect_delay;
-use crate::store::{is_infrastructure, storable};
+use crate::store::storable;
 
 /// What a worker is asked to do.
 pub(super) enum Task {
@@ -45,8 +47,14 @@ pub(super) enum Outcome {
     /// Processed before: nothing done.
     Duplicate,
     /// The handler failed, or the database refused its data; rolled back. `failures` is the
-    /// message's count of failures so far, across restarts and processes.
-    Failed { error: HandlerError, failures: u32 },
+    /// message's count of failures so far, across restarts and processes; `dead`, that it is
+    /// given up on (a permanent error, or its last failure), a decision kept with the count,
+    /// so a redelivery goes to the dead letters without running the handler again.
+    Failed {
+        error: HandlerError,
+        failures: u32,
+        dead: bool,
+    },
     /// Given up unfinished while the database was away, because of a stop or a lost channel.
     Abandoned,
 }
@@ -73,14 +81,15 @@ impl Failure {
         Failure::classify(crate::Error::Db(error))
     }
 
-    /// A server error about the data (a deferred constraint at `COMMIT`, a key the dedupe
-    /// index cannot hold) is the message's fault; anything about the server or the
-    /// connection is not.
+    /// Anything about the server or the connection is nobody's fault; input the database
+    /// refuses (a message id it cannot store) is the message's, for good: it is dead at
+    /// once; anything else about the data (a deferred constraint at `COMMIT`) is one failed
+    /// attempt. See `Fault`.
     fn classify(error: crate::Error) -> Failure {
-        if is_infrastructure(&error) {
-            Failure::Database(error)
-        } else {
-            Failure::Handler(HandlerError::transient(error))
+        match Fault::of(&error) {
+            Fault::World => Failure::Database(error),
+            Fault::Input => Failure::Handler(HandlerError::permanent(error)),
+            Fault::Message => Failure::Handler(HandlerError::transient(error)),
         }
     }
 }
@@ -139,7 +148,22 @@ impl Worker {
             let error = match self.attempt(job) {
                 Ok(outcome) => return outcome,
                 Err(Failure::Handler(error)) => match self.count_failure(job, &error) {
-                    Ok(failures) => return Outcome::Failed { error, failures },
+                    Ok((failures, dead)) => {
+                        return Outcome::Failed {
+                            error,
+                            failures,
+                            dead,
+                        }
+                    }
+                    // A key the database cannot store (dedupe refused it before the
+                    // handler ran) cannot be counted either, nor ever processed: dead.
+                    Err(e) if Fault::of(&e) == Fault::Input => {
+                        return Outcome::Failed {
+                            error,
+                            failures: 0,
+                            dead: true,
+                        }
+                    }
                     // Uncounted, the failure must not count: the handler runs again.
                     Err(e) => e,
                 },
@@ -153,12 +177,13 @@ impl Worker {
             match &error {
                 crate::Error::Unavailable(cause) => log::warn!(
                     "rabbitmq consumer {name}: the handler of {key} needs a service that is \
-                     unavailable (not counted as a failure); trying again in {pause:?}: {cause}"
+                     unavailable (not counted as a failure); trying again in {pause:?}: {}",
+                    describe(cause.as_ref())
                 ),
                 error => {
                     self.conn = None;
                     self.shared.observe(|m| m.database_failed(error));
-                    if is_infrastructure(error) {
+                    if Fault::of(error) == Fault::World {
                         log::warn!(
                             "rabbitmq consumer {name}: the database failed while handling \
                              {key} (not counted as a failure); trying again in {pause:?}: \
@@ -183,11 +208,31 @@ impl Worker {
     }
 
     /// One transaction: dedupe, the handler, and for a suspect delivery its failure count's
-    /// deletion.
+    /// deletion. A suspect delivery already given up on is not handled again.
     fn attempt(&mut self, job: &Job) -> Result<Outcome, Failure> {
         let started = Instant::now();
         let shared = self.shared.clone();
         let conn = self.connection().map_err(Failure::Database)?;
+        if job.suspect {
+            let sql = shared.outbox.statements();
+            let given_up = conn
+                .query_typed(
+                    &sql.failure_state,
+                    &[
+                        (&shared.config.name, Type::TEXT),
+                        (&job.delivery.key, Type::TEXT),
+                    ],
+                )
+                .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
+            if let Some(row) = given_up.first() {
+                let (failures, last_error): (i32, String) = (row.get(0), row.get(1));
+                return Ok(Outcome::Failed {
+                    error: HandlerError::permanent(last_error),
+                    failures: u32::try_from(failures).unwrap_or(0),
+                    dead: true,
+                });
+            }
+        }
         let mut tx = conn.transaction().map_err(Failure::db)?;
         let delivery = &*job.delivery;
         let fresh = shared
@@ -221,10 +266,15 @@ impl Worker {
     }
 
     /// Adds one to the message's failure count, in a statement of its own after the
-    /// rollback, and returns the new count.
-    fn count_failure(&mut self, job: &Job, error: &HandlerError) -> Result<u32, crate::Error> {
+    /// rollback, and returns the new count and whether the message is given up on (its
+    /// error is permanent or this was its last failure), which is kept with it.
+    fn count_failure(
+        &mut self,
+        job: &Job,
+        error: &HandlerError,
+    ) -> Result<(u32, bool), crate::Error> {
         let shared = &*self.shared;
-        let text = error.to_string();
+        let text = describe(error);
         let text = storable(&text);
         // Counted on the connection the handler used, even a closed one: if the connection
         // died under the handler, counting fails too, and the failure is the database's,
@@ -234,14 +284,21 @@ impl Worker {
             None => shared.pool.get()?,
         };
         let conn = self.conn.insert(conn);
+        let max_failures = i32::try_from(shared.config.max_failures).unwrap_or(i32::MAX);
         let row = conn
             .query_one(
                 &shared.outbox.statements().count_failure,
-                &[&shared.config.name, &job.delivery.key, &text.as_ref()],
+                &[
+                    &shared.config.name,
+                    &job.delivery.key,
+                    &text.as_ref(),
+                    &error.is_permanent(),
+                    &max_failures,
+                ],
             )
             .map_err(|e| shared.outbox.db_error(e))?;
         let failures: i32 = row.get(0);
-        Ok(u32::try_from(failures).unwrap_or(0))
+        Ok((u32::try_from(failures).unwrap_or(0), row.get(1)))
     }
 
     fn forget(&mut self, key: &str) {
