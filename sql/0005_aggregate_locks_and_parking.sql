@@ -121,12 +121,29 @@ BEGIN
             END IF;
         END IF;
     END IF;
-    INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
-                         available_at, max_attempts, park)
-    VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
-            coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
-            p_park)
-    ON CONFLICT (key) DO NOTHING;
+    -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
+    -- one's snapshot as a serialization failure: it is a duplicate all the same, and in a
+    -- block of its own it leaves the caller's transaction usable. (Not under SERIALIZABLE,
+    -- where a serialization failure may mean something else: it is the caller's to retry.)
+    IF current_setting('transaction_isolation') = 'repeatable read' THEN
+        BEGIN
+            INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                                 available_at, max_attempts, park)
+            VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+                    coalesce(p_at, now() + p_delay_us * interval '1 microsecond'),
+                    p_max_attempts, p_park)
+            ON CONFLICT (key) DO NOTHING;
+        EXCEPTION WHEN serialization_failure THEN
+            RETURN false;
+        END;
+    ELSE
+        INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                             available_at, max_attempts, park)
+        VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+                coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
+                p_park)
+        ON CONFLICT (key) DO NOTHING;
+    END IF;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
@@ -148,22 +165,34 @@ DECLARE
     existing text[];
 BEGIN
     PERFORM {lock_n_fn}(p_aggregate_keys);
-    WITH ins AS (
-        INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
-                             available_at, max_attempts, park)
-        SELECT i.key, i.topic, i.aggregate_key, i.payload, i.content_type,
-               p_headers[i.header_offset + 1 : i.header_offset + i.header_len],
-               coalesce(i.available_at, now() + i.delay_us * interval '1 microsecond'),
-               i.max_attempts, i.park
-        FROM unnest(p_keys, p_topics, p_aggregate_keys, p_payloads, p_content_types, p_at,
-                    p_delay_us, p_max_attempts, p_header_offsets, p_header_lens, p_parks)
-             WITH ORDINALITY
-             AS i(key, topic, aggregate_key, payload, content_type, available_at, delay_us,
-                  max_attempts, header_offset, header_len, park, ord)
-        ORDER BY i.ord
-        ON CONFLICT (key) DO NOTHING
-        RETURNING ctid)
-    SELECT array_agg(ctid) INTO inserted FROM ins;
+    -- A subtransaction per batch, so that under REPEATABLE READ a key committed after this
+    -- transaction's snapshot (a serialization failure, see {enqueue_fn}) is a duplicate
+    -- that leaves the caller's transaction usable. The snapshot cannot see which keys
+    -- exist, so the error names them all.
+    BEGIN
+        WITH ins AS (
+            INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                                 available_at, max_attempts, park)
+            SELECT i.key, i.topic, i.aggregate_key, i.payload, i.content_type,
+                   p_headers[i.header_offset + 1 : i.header_offset + i.header_len],
+                   coalesce(i.available_at, now() + i.delay_us * interval '1 microsecond'),
+                   i.max_attempts, i.park
+            FROM unnest(p_keys, p_topics, p_aggregate_keys, p_payloads, p_content_types,
+                        p_at, p_delay_us, p_max_attempts, p_header_offsets, p_header_lens,
+                        p_parks)
+                 WITH ORDINALITY
+                 AS i(key, topic, aggregate_key, payload, content_type, available_at,
+                      delay_us, max_attempts, header_offset, header_len, park, ord)
+            ORDER BY i.ord
+            ON CONFLICT (key) DO NOTHING
+            RETURNING ctid)
+        SELECT array_agg(ctid) INTO inserted FROM ins;
+    EXCEPTION WHEN serialization_failure THEN
+        IF current_setting('transaction_isolation') <> 'repeatable read' THEN
+            RAISE;
+        END IF;
+        RETURN (SELECT array_agg(k ORDER BY k) FROM unnest(p_keys) AS k);
+    END;
     IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
         IF p_notify THEN
             PERFORM {notify_fn}();

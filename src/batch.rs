@@ -180,12 +180,18 @@ impl Batch {
             Ok(_) => savepoint.commit()?,
             Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {
                 savepoint.rollback()?;
-                let existing = tx
+                let mut existing: Vec<String> = tx
                     .query_typed(&sql.existing_keys, &[(&self.keys, Type::TEXT_ARRAY)])
                     .map_err(|e| outbox.db_error(e))?
                     .iter()
                     .map(|row| row.get(0))
                     .collect();
+                // A snapshot older than the conflicting commit (REPEATABLE READ) sees none
+                // of them: name them all.
+                if existing.is_empty() {
+                    existing = self.keys.clone();
+                    existing.sort_unstable();
+                }
                 return Err(Error::DuplicateKey { keys: existing });
             }
             Err(e) => {

@@ -80,7 +80,7 @@ pub use error::{Error, Result};
 pub use facade::OutboxMetrics;
 #[cfg(all(feature = "metrics", feature = "rabbitmq"))]
 pub use facade::QueueMetrics;
-pub use message::{Message, MAX_DELAY, MAX_INDEXED_KEY, MAX_SHORT_STRING};
+pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{Metrics, NoMetrics};
 pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Stats, TopicStats};
 pub use outbox::{Outbox, OutboxBuilder};

@@ -13,6 +13,11 @@ pub const MAX_SHORT_STRING: usize = 255;
 /// the insert and abort the caller's transaction, so it is refused before any SQL instead.
 pub const MAX_INDEXED_KEY: usize = 1024;
 
+/// The most bytes a message's headers (names and values together) may take: they travel
+/// in one AMQP frame (128 KiB by default) with the message's other properties, and count
+/// against the relay's byte budget.
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+
 /// The longest delay accepted: beyond it a value is almost certainly a unit mistake.
 pub const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
@@ -138,6 +143,10 @@ impl Message {
             None => uuid::Uuid::now_v7().to_string(),
         };
         if let Some(aggregate_key) = &self.aggregate_key {
+            // An empty key would be an aggregate to the relay and none to a consumer.
+            if aggregate_key.is_empty() {
+                return Err(Error::invalid("aggregate key", "must not be empty"));
+            }
             no_nul("aggregate key", aggregate_key)?;
             at_most("aggregate key", aggregate_key, MAX_INDEXED_KEY)?;
         }
@@ -156,6 +165,13 @@ impl Message {
                 ));
             }
             no_nul("header value", value)?;
+        }
+        let header_bytes: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        if header_bytes > MAX_HEADER_BYTES {
+            return Err(Error::invalid(
+                "headers",
+                format!("take {header_bytes} bytes; at most {MAX_HEADER_BYTES} are accepted"),
+            ));
         }
         match self.when {
             When::Delay(delay) if delay > MAX_DELAY => {
@@ -287,6 +303,14 @@ mod tests {
         assert_eq!(
             field_of(Message::new("t", "p").aggregate_key("a\0")),
             "aggregate key"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").aggregate_key("")),
+            "aggregate key"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").header("big", "v".repeat(MAX_HEADER_BYTES))),
+            "headers"
         );
         assert_eq!(
             field_of(Message::new("t", "p").delay(MAX_DELAY * 2)),

@@ -155,6 +155,9 @@ impl OutboxBuilder {
     }
 }
 
+/// How long a migration waits for its locks on the outbox's tables.
+const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub(crate) fn check_lease(lease: Duration) -> Result<()> {
     if lease < Duration::from_millis(100) || lease > Duration::from_secs(24 * 3600) {
         return Err(Error::InvalidConfig(format!(
@@ -274,7 +277,10 @@ impl Outbox {
     ///
     /// The embedded migrations in `sql/` run in one transaction under an advisory lock
     /// derived from the table name and are recorded in `<table>_migrations`, so running this
-    /// on every start, from many processes at once, is safe.
+    /// on every start, from many processes at once, is safe. A migration that cannot lock
+    /// the tables within 5 s (a long transaction holds them) gives up with an error
+    /// (SQLSTATE 55P03) rather than queue behind it and block producers and relays
+    /// meanwhile: run it again later.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -302,6 +308,13 @@ impl Outbox {
         let mut tx = client.transaction()?;
         let table = self.resolved(&mut tx)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
+        // Once it is this process's turn: a migration that waited behind a long transaction
+        // for its lock on the table would block every producer and relay queued behind it.
+        // Better to give up and be run again.
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = {}",
+            MIGRATION_LOCK_TIMEOUT.as_millis()
+        ))?;
         if let Some(schema) = self.inner.table.schema() {
             tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)))?;
         }
@@ -328,6 +341,9 @@ impl Outbox {
     }
 
     /// The DDL [`Outbox::migrate`] applies, for teams that run their own migration tool.
+    /// It can be run again: each migration runs only if `<table>_migrations` does not
+    /// record it yet, and records it, so a later `migrate` finds nothing to do either. Use
+    /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
         let mut ddl = String::new();
         if let Some(schema) = self.inner.table.schema() {
@@ -336,18 +352,27 @@ impl Outbox {
                 quote(schema)
             ));
         }
-        // Recorded as migrate() records them, so a later migrate() finds nothing to do.
-        ddl.push_str(&self.statements().migrations_table);
+        let sql = self.statements();
+        ddl.push_str(&sql.migrations_table);
         ddl.push_str(";\n\n");
         for migration in MIGRATIONS {
-            ddl.push_str(&format!("-- {}\n", migration.name));
-            ddl.push_str(&migration.render(&self.inner.table));
+            let (version, name) = (migration.version, migration.name);
+            let record = sql
+                .record_migration
+                .replace("$1", &version.to_string())
+                .replace("$2", &format!("'{name}'"));
             ddl.push_str(&format!(
-                "\n{};\n\n",
-                self.statements()
-                    .record_migration
-                    .replace("$1", &migration.version.to_string())
-                    .replace("$2", &format!("'{}'", migration.name))
+                "-- {name}\n\
+                 DO $outbox_migration$\n\
+                 BEGIN\n\
+                 IF NOT EXISTS ({applied} WHERE version = {version}) THEN\n\
+                 EXECUTE $outbox_ddl$\n{body}\n$outbox_ddl$;\n\
+                 {record};\n\
+                 END IF;\n\
+                 END\n\
+                 $outbox_migration$;\n\n",
+                applied = sql.applied_versions,
+                body = migration.render(&self.inner.table),
             ));
         }
         ddl

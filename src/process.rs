@@ -6,12 +6,15 @@ use std::time::Instant;
 
 use postgres::{Client, Transaction};
 
-use crate::error::{describe, Result};
+use crate::error::{describe, Error, Result};
 use crate::outbox::Outbox;
 use crate::publish::{HandlerError, PublishError};
 use crate::record::{Fence, Record};
 use crate::retry::Outcome;
 use crate::store::{self, ClaimRequest, Conn};
+
+/// The most rows one [`Outbox::process`] call claims, as for a relay's batch.
+const MAX_LIMIT: usize = 10_000;
 
 /// What one [`Outbox::process`] call did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -73,6 +76,12 @@ impl Outbox {
     where
         F: FnMut(&mut Transaction<'_>, &Record) -> Result<(), HandlerError>,
     {
+        if limit == 0 || limit > MAX_LIMIT {
+            return Err(Error::invalid(
+                "limit",
+                format!("process takes 1 to {MAX_LIMIT} rows per call, got {limit}"),
+            ));
+        }
         let lease = self.lease();
         let claimed_at = Instant::now();
         let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts, self.parks());

@@ -420,6 +420,8 @@ fn claim(t: &str, after: &str) -> String {
     // A parked head is never due: its aggregate waits for an operator.
     let due = "status = 'pending' AND available_at <= now()";
     let o_due = "o.status = 'pending' AND o.available_at <= now()";
+    // What a row weighs against the byte budget: its payload and its headers.
+    let bytes = "octet_length(o.payload) + pg_column_size(o.headers)";
     format!(
         "WITH RECURSIVE heads(aggregate_key, id, due, n, d) AS (
            (SELECT aggregate_key, id, {due}, 1, ({due})::int
@@ -464,14 +466,17 @@ fn claim(t: &str, after: &str) -> String {
             WHERE (SELECT r FROM run_len) > 1
             ORDER BY h.n, r.rn
             LIMIT 2 * $1)),
+         -- Ordered rows get at least half the batch when they have candidates; a batch of
+         -- one goes to either kind at random, so neither can starve the other.
          ulock AS (
-           SELECT o.id, o.available_at, octet_length(o.payload) AS bytes FROM {t} o
+           SELECT o.id, o.available_at, {bytes} AS bytes FROM {t} o
            WHERE o.status = 'pending' AND o.aggregate_key IS NULL AND o.available_at <= now()
            ORDER BY o.available_at, o.id
-           LIMIT $1 - least((SELECT count(*) FROM ocand), $1 / 2)
+           LIMIT $1 - least((SELECT count(*) FROM ocand),
+                            CASE WHEN $1 > 1 THEN $1 / 2 ELSE (random() < 0.5)::int END)
            FOR UPDATE SKIP LOCKED),
          olock AS (
-           SELECT o.id, c.aggregate_key, c.hpos, c.rn, octet_length(o.payload) AS bytes
+           SELECT o.id, c.aggregate_key, c.hpos, c.rn, {bytes} AS bytes
            FROM ocand c JOIN {t} o ON o.id = c.id
            WHERE o.status = 'pending' AND o.available_at <= now()
            ORDER BY c.hpos, c.rn

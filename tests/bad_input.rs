@@ -252,7 +252,7 @@ fn a_panicking_handler_is_a_failed_attempt_and_its_thread_lives_on() {
             pool(1),
             move |_, d| {
                 if d.key == "panics-twice" && calls.fetch_add(1, Ordering::SeqCst) < 2 {
-                    panic!("a bug in the handler");
+                    panic!("injected: a bug in the handler");
                 }
                 handled.lock().unwrap().push(d.key.clone());
                 Ok(())

@@ -1861,3 +1861,76 @@ fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
     assert_eq!(count(&mut client, &outbox, "true"), 5);
     Ok(())
 }
+
+#[test]
+fn sql_can_be_run_again_and_migrate_then_has_nothing_to_do() -> TestResult {
+    let schema = unique_name("rerun");
+    let outbox = Outbox::new(&format!("{schema}.events"))?;
+    let mut client = common::client();
+    client.batch_execute(&outbox.sql())?;
+    enqueue_keys(&outbox, &mut client, SEND, &["kept"])?;
+    client.batch_execute(&outbox.sql())?;
+    outbox.migrate(&mut client)?;
+    assert_eq!(
+        row_state(&mut client, &outbox, "kept"),
+        ("pending".into(), 0)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_repeatable_read_producer_meeting_a_concurrent_duplicate_gets_a_duplicate_key_error(
+) -> TestResult {
+    let (outbox, mut client) = common::outbox("rr_duplicate");
+    let mut other = common::client();
+    let mut tx = client
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .start()?;
+    tx.batch_execute("SELECT 1")?; // the snapshot is taken
+    enqueue_keys(&outbox, &mut other, SEND, &["taken", "taken-too"])?;
+    let e = outbox
+        .enqueue(&mut tx, Message::new(SEND, "x").key("taken"))
+        .unwrap_err();
+    assert_eq!(e.duplicate_keys(), ["taken"]);
+    // A batch cannot tell which of its keys conflict: it names them all.
+    let batch = [
+        Message::new(SEND, "x").key("taken-too"),
+        Message::new(SEND, "y").key("new-a"),
+    ];
+    let e = outbox.enqueue_all(&mut tx, batch).unwrap_err();
+    assert_eq!(e.duplicate_keys(), ["new-a", "taken-too"]);
+    // The transaction is still usable.
+    outbox.enqueue(&mut tx, Message::new(SEND, "z").key("new-b"))?;
+    tx.commit()?;
+    assert_eq!(
+        row_state(&mut client, &outbox, "new-b"),
+        ("pending".into(), 0)
+    );
+    assert_eq!(count(&mut client, &outbox, "key = 'new-a'"), 0);
+    Ok(())
+}
+
+#[test]
+fn a_migration_behind_a_long_transaction_gives_up_instead_of_blocking_producers() -> TestResult {
+    let outbox = Outbox::new(&unique_name("lock_wait"))?;
+    let mut client = common::client();
+    // The schema before migration 6, which alters the failures table.
+    let ddl = outbox.sql();
+    let before = ddl
+        .split("-- 0006_dead_decisions_and_channel")
+        .next()
+        .expect("the DDL lists its migrations");
+    client.batch_execute(before)?;
+    let mut long = common::client();
+    let mut open = long.transaction()?;
+    open.batch_execute(&format!("SELECT 1 FROM \"{}_failures\"", outbox.table()))?;
+    let started = std::time::Instant::now();
+    let e = outbox.migrate(&mut client).unwrap_err();
+    assert_eq!(e.code(), Some(&SqlState::LOCK_NOT_AVAILABLE), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    open.commit()?;
+    outbox.migrate(&mut client)?;
+    enqueue_keys(&outbox, &mut client, SEND, &["after"])?;
+    Ok(())
+}

@@ -651,13 +651,22 @@ fn an_oversize_body_or_header_fails_alone_and_permanently() {
         vec![
             Message::new("ok.before", b"1".to_vec()).key("before"),
             Message::new("big.body", vec![b'x'; 4096]).key("big-body"),
-            // More than one AMQP frame (128 KiB) of headers.
-            Message::new("big.header", b"3".to_vec())
-                .key("big-header")
-                .header("blob", "h".repeat(200_000)),
+            Message::new("big.header", b"3".to_vec()).key("big-header"),
             Message::new("ok.after", b"4".to_vec()).key("after"),
         ],
     );
+    // More than one AMQP frame (128 KiB) of headers: enqueue refuses so many, but a row
+    // written by hand (or before that check) may have them.
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET headers = ARRAY['blob', repeat('h', 200000)] \
+                 WHERE key = 'big-header'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
     // A broker whose max_message_size is 1 KiB, as far as the publisher knows.
     let config = relay_config(&outbox, &exchange, |p| p.max_message_size(1024))
         .batch_size(10)
@@ -717,7 +726,7 @@ impl ConsumerMetrics for ConsumerCounts {
     }
     fn duplicate(&self, _delivery: &Delivery) {
         self.0[1].fetch_add(1, Ordering::SeqCst);
-        panic!("a bug in the metrics exporter");
+        panic!("injected: a bug in the metrics exporter");
     }
     fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {
         self.0[2].fetch_add(1, Ordering::SeqCst);

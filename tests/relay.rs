@@ -376,7 +376,7 @@ fn panicking_publisher_is_a_failed_attempt() {
         let (sink, calls) = (sink.clone(), calls.clone());
         relay_config(&outbox, move |record| {
             if calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                panic!("publisher bug");
+                panic!("injected: publisher bug");
             }
             sink.push(record);
             Ok(())
@@ -1576,10 +1576,10 @@ struct PanickingMetrics;
 
 impl Metrics for PanickingMetrics {
     fn claimed(&self, _n: usize) {
-        panic!("a bug in the metrics exporter");
+        panic!("injected: a bug in the metrics exporter");
     }
     fn published(&self, _record: &Record, _took: Duration) {
-        panic!("a bug in the metrics exporter");
+        panic!("injected: a bug in the metrics exporter");
     }
 }
 
@@ -1613,7 +1613,7 @@ impl Publisher for PanicsOnDrop {
 
 impl Drop for PanicsOnDrop {
     fn drop(&mut self) {
-        panic!("a bug in the publisher's Drop");
+        panic!("injected: a bug in the publisher's Drop");
     }
 }
 
@@ -1793,7 +1793,7 @@ impl Publisher for PanicsWhenAsked {
     }
 
     fn is_broken(&self) -> bool {
-        panic!("a bug in is_broken");
+        panic!("injected: a bug in is_broken");
     }
 }
 
@@ -1808,7 +1808,7 @@ fn a_panicking_factory_or_is_broken_costs_no_attempt_and_stops_nothing() {
             // The first build panics; every publisher after that panics in `is_broken`
             // after its first batch.
             if builds.fetch_add(1, Ordering::SeqCst) == 0 {
-                panic!("a bug in the publisher factory");
+                panic!("injected: a bug in the publisher factory");
             }
             Ok::<_, Infallible>(PanicsWhenAsked { sink: sink.clone() })
         })
@@ -1854,6 +1854,104 @@ fn the_byte_budget_bounds_each_claim_and_a_larger_row_goes_alone() {
     assert_eq!(
         sink.keys(),
         ["small-0", "small-1", "small-2", "small-3", "large"]
+    );
+}
+
+#[test]
+fn headers_weigh_against_the_byte_budget_as_payloads_do() {
+    let (outbox, mut client) = common::outbox("rl_header_bytes");
+    // Small payloads, 1,000 bytes of headers each (hex, so nothing compresses them).
+    let blob: String = (0..500).map(|i| format!("{:02x}", i % 256)).collect();
+    enqueue(
+        &mut client,
+        &outbox,
+        (0..4)
+            .map(|i| {
+                Message::new("t", "p")
+                    .key(format!("h-{i}"))
+                    .header("blob", blob.clone())
+            })
+            .collect(),
+    );
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect())
+        .concurrency(1)
+        .max_in_flight_bytes(2_500);
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
+    assert_eq!(Relay::run_once(&config).unwrap(), 2);
+}
+
+#[test]
+fn a_batch_of_one_claims_ordered_rows_while_unordered_ones_keep_coming() {
+    let (outbox, mut client) = common::outbox("rl_batch_one");
+    enqueue_one(
+        &mut client,
+        &outbox,
+        Message::new("t", "o").key("ordered").aggregate_key("a"),
+    );
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect()).batch_size(1);
+    // Each claim takes one row of either kind at random: the ordered one cannot wait
+    // behind unordered rows for ever (after 40 claims, with odds of 2^-40).
+    for i in 0..40 {
+        enqueue_one(
+            &mut client,
+            &outbox,
+            Message::new("t", "u").key(format!("u-{i}")),
+        );
+        Relay::run_once(&config).unwrap();
+        if sink.contains("ordered") {
+            return;
+        }
+    }
+    panic!("the ordered row was never claimed: {:?}", sink.keys());
+}
+
+#[test]
+fn process_refuses_a_limit_it_cannot_claim_and_contains_a_panicking_handler() {
+    let (outbox, mut client) = common::outbox("rl_process_limits");
+    for limit in [0, 10_001, usize::MAX] {
+        let e = outbox
+            .process(&mut client, limit, |_, _| Ok(()))
+            .unwrap_err();
+        assert!(e.is_invalid_input(), "{limit}: {e}");
+    }
+    enqueue(&mut client, &outbox, numbered("p", 2));
+    let report = outbox
+        .process(&mut client, 10, |_, record| {
+            if record.key == "p-0" {
+                panic!("injected: a bug in the handler");
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!((report.processed, report.retried), (1, 1), "{report:?}");
+    assert_eq!(
+        row_state(&mut client, &outbox, "p-0"),
+        ("pending".into(), 1)
+    );
+    let error = last_error(&mut client, &outbox, "p-0").unwrap();
+    assert!(error.contains("panicked"), "{error}");
+}
+
+#[test]
+fn producers_and_relays_that_spell_the_table_differently_share_its_channel() {
+    // Producers migrate and enqueue as `name`; the relay is given `schema.name`.
+    let (outbox, mut client) = common::outbox("rl_spelling");
+    let qualified = Outbox::new(&format!("{}.{}", common::schema(), outbox.table())).unwrap();
+    let sink = Sink::default();
+    let relay = Relay::spawn(
+        relay_config(&qualified, sink.collect()).poll_interval(Duration::from_secs(3600)),
+    )
+    .unwrap();
+    wait_until("the relay listens", || relay.is_listening());
+    enqueue_one(&mut client, &outbox, Message::new("t", "x").key("woken"));
+    // An hourly poll: only the notification can have woken it.
+    wait_until("the relay is woken", || sink.contains("woken"));
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        outbox.channel(&mut client).unwrap(),
+        qualified.channel(&mut client).unwrap()
     );
 }
 

@@ -187,7 +187,11 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
+    // The PostgreSQL driver logs every statement's parameters (payloads) at debug level:
+    // never above info here, whatever RUST_LOG asks for.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default_level))
+        .filter_module("tokio_postgres", log::LevelFilter::Info)
+        .filter_module("postgres", log::LevelFilter::Info)
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -31,7 +31,7 @@ use super::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use super::Error;
 use crate::message::MAX_SHORT_STRING;
 use crate::outbox::Outbox;
-use crate::pool::Pool;
+use crate::pool::{connector, Connect, Source};
 use crate::publish::HandlerError;
 use dispatch::Dispatcher;
 use worker::Worker;
@@ -122,6 +122,9 @@ pub struct ConsumerConfig {
     /// `None`: reject to the queue's own dead-letter exchange.
     dead_letter_queue: Option<String>,
     metrics: Arc<dyn ConsumerMetrics>,
+    /// Where the handlers' connections come from, when not from the pool.
+    own: Option<Arc<Connect>>,
+    statement_timeout: Duration,
 }
 
 impl fmt::Debug for ConsumerConfig {
@@ -134,6 +137,8 @@ impl fmt::Debug for ConsumerConfig {
             .field("max_failures", &self.max_failures)
             .field("backoff", &(self.backoff_min, self.backoff_max))
             .field("dead_letter_queue", &self.dead_letter_queue)
+            .field("own_connections", &self.own.is_some())
+            .field("statement_timeout", &self.statement_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -155,7 +160,36 @@ impl ConsumerConfig {
             backoff_max: Duration::from_secs(60),
             dead_letter_queue: Some(format!("{queue}.dead")),
             metrics: Arc::new(NoConsumerMetrics),
+            own: None,
+            statement_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// Opens the handlers' connections (one per handler thread) from `config` with `tls`,
+    /// outside the pool, with the relay's liveness settings (see
+    /// [`RelayConfig::connections`](crate::RelayConfig::connections)): TCP keepalives and
+    /// `tcp_user_timeout`, so a dead or half-open database connection is noticed within
+    /// about 30 s and the deliveries it held are handled on a new one. The pool given to
+    /// [`Consumer::spawn`] then serves only the start-up check.
+    pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> ConsumerConfig
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        self.own = Some(connector(config, tls));
+        self
+    }
+
+    /// The `statement_timeout` of the handlers' sessions (default 30 s; zero for none),
+    /// the handler's own statements included: a statement stuck behind a lock, or a server
+    /// that stopped answering, is cancelled and the delivery tried again, rather than
+    /// holding its thread and its aggregate. A handler that needs longer can
+    /// `SET LOCAL statement_timeout` in its transaction.
+    pub fn statement_timeout(mut self, timeout: Duration) -> ConsumerConfig {
+        self.statement_timeout = timeout;
+        self
     }
 
     /// Where to report what the consumer does.
@@ -302,7 +336,8 @@ type Handler = dyn Fn(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerErro
 struct Shared {
     config: ConsumerConfig,
     outbox: Outbox,
-    pool: Arc<dyn Pool>,
+    /// The handlers' connections: the pool's, or the consumer's own.
+    source: Source,
     handler: Box<Handler>,
     counters: Counters,
     /// Set by shutdown: when what is held must be back in the queue.
@@ -413,7 +448,7 @@ impl Consumer {
         F: Fn(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + Sync + 'static,
     {
         config.check()?;
-        if (pool.max_size() as usize) < config.concurrency {
+        if config.own.is_none() && (pool.max_size() as usize) < config.concurrency {
             return Err(Error::InvalidName(format!(
                 "concurrency {} needs a pool of at least as many connections; it has {}",
                 config.concurrency,
@@ -428,10 +463,14 @@ impl Consumer {
         check_tables(probe.as_deref_mut().map_err(|e| e.to_string()), &outbox)?;
         drop(probe);
 
+        let source = match &config.own {
+            Some(connect) => Source::Own(connect.clone()),
+            None => Source::Pool(Arc::new(pool)),
+        };
         let shared = Arc::new(Shared {
             config,
             outbox,
-            pool: Arc::new(pool),
+            source,
             handler: Box::new(handler),
             counters: Counters::default(),
             stop_by: Mutex::new(None),

@@ -124,12 +124,13 @@ impl Worker {
                         outcome,
                     };
                     if results.send(done).is_err() {
-                        return;
+                        break;
                     }
                 }
                 Task::Forget(key) => self.forget(&key),
             }
         }
+        self.release();
     }
 
     /// Runs the job until its outcome says something about the message. While the database
@@ -172,7 +173,8 @@ impl Worker {
             };
             outages += 1;
             let pause = reconnect_delay(outages);
-            let name = &self.shared.config.name;
+            let shared = self.shared.clone();
+            let name = &shared.config.name;
             let key = &job.delivery.key;
             match &error {
                 crate::Error::Unavailable(cause) => log::warn!(
@@ -181,7 +183,7 @@ impl Worker {
                     describe(cause.as_ref())
                 ),
                 error => {
-                    self.conn = None;
+                    self.release();
                     self.shared.observe(|m| m.database_failed(error));
                     if Fault::of(error) == Fault::World {
                         log::warn!(
@@ -281,7 +283,7 @@ impl Worker {
         // not the message's.
         let conn = match self.conn.take() {
             Some(conn) => conn,
-            None => shared.pool.get()?,
+            None => self.open()?,
         };
         let conn = self.conn.insert(conn);
         let max_failures = i32::try_from(shared.config.max_failures).unwrap_or(i32::MAX);
@@ -311,7 +313,7 @@ impl Worker {
             .map_err(crate::Error::Db)
         });
         if let Err(e) = result {
-            self.conn = None;
+            self.release();
             // Harmless: a redriven copy would just get fewer tries; Purge::Inbox clears it.
             log::warn!(
                 "rabbitmq consumer {}: cannot delete the failure count of dead-lettered {key}: {e}",
@@ -326,8 +328,30 @@ impl Worker {
         }
         let conn = match self.conn.take() {
             Some(conn) => conn,
-            None => self.shared.pool.get()?,
+            None => self.open()?,
         };
         Ok(&mut **self.conn.insert(conn))
+    }
+
+    /// A new connection, with the consumer's session settings.
+    fn open(&self) -> Result<Pooled, crate::Error> {
+        let config = &self.shared.config;
+        let mut conn = self.shared.source.connect()?;
+        let timeout = config.statement_timeout.as_millis();
+        conn.batch_execute(&format!("SET statement_timeout = {timeout}"))?;
+        conn.execute(
+            "SELECT set_config('application_name', $1, false)",
+            &[&format!("outbox consumer {}", config.name)],
+        )?;
+        Ok(conn)
+    }
+
+    /// Lets the connection go: back to the pool with its settings reset, or closed.
+    fn release(&mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            if self.shared.source.is_pool() && !conn.is_closed() {
+                let _ = conn.batch_execute("RESET statement_timeout; RESET application_name");
+            }
+        }
     }
 }
