@@ -214,15 +214,20 @@ pub fn drop_outbox(client: &mut Client, outbox: &Outbox) -> Result<()> {
     if !tables.is_empty() {
         client.batch_execute(&format!("DROP TABLE {}", tables.join(", ")))?;
     }
-    let qualified = |suffix: &str| match schema {
-        Some(schema) => format!("\"{schema}\".\"{name}{suffix}\""),
-        None => format!("\"{name}{suffix}\""),
-    };
-    client.batch_execute(&format!(
-        "DROP FUNCTION IF EXISTS {}, {}, {}",
-        qualified("_enqueue"),
-        qualified("_enqueue_n"),
-        qualified("_notify")
-    ))?;
+    // The outbox's functions, every signature of each (enqueue has two).
+    let functions: Vec<String> = client
+        .query(
+            "SELECT p.oid::regprocedure::text FROM pg_proc p \
+             JOIN pg_namespace n ON n.oid = p.pronamespace \
+             WHERE n.nspname = coalesce($1, current_schema()) \
+               AND starts_with(p.proname, $2 || '_')",
+            &[&schema, &name],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if !functions.is_empty() {
+        client.batch_execute(&format!("DROP FUNCTION {}", functions.join(", ")))?;
+    }
     Ok(())
 }
