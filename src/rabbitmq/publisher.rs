@@ -8,7 +8,7 @@ use amiquip::{
     AmqpProperties, AmqpValue, Channel, Confirm, ConfirmPayload, Connection,
     ConnectionBlockedNotification, FieldTable, Publish, Return,
 };
-use crossbeam_channel::{at, select, Receiver};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::connect::{close_within, Endpoint};
 use super::Error;
@@ -291,31 +291,27 @@ impl RabbitPublisher {
     ) {
         let deadline = crate::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
-            select! {
-                recv(self.confirms) -> confirm => match confirm {
-                    Ok(Confirm::Ack(payload)) => settle_tags(tags, payload, Ok(()), settle),
-                    Ok(Confirm::Nack(payload)) => settle_tags(
-                        tags,
-                        payload,
-                        Err("the broker nacked the message"),
-                        settle,
-                    ),
-                    Err(_) => {
-                        let why = self.why_closed();
-                        log::warn!("rabbitmq: {why}");
-                        self.broken = Some(why);
-                        return;
+            // A plain wait: a hot aggregate waits here once per message, and a select over
+            // the block notifications and a timer cost a fifth of its rate. Whether the
+            // broker blocks the connection only matters once the confirms are late.
+            match self.confirms.recv_deadline(deadline) {
+                Ok(Confirm::Ack(payload)) => settle_tags(tags, payload, Ok(()), settle),
+                Ok(Confirm::Nack(payload)) => settle_tags(
+                    tags,
+                    payload,
+                    Err("the broker nacked the message"),
+                    settle,
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    let why = self.why_closed();
+                    log::warn!("rabbitmq: {why}");
+                    self.broken = Some(why);
+                    return;
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    while let Ok(notification) = self.blocking.try_recv() {
+                        self.note(notification);
                     }
-                },
-                recv(self.blocking) -> notification => match notification {
-                    Ok(notification) => self.note(notification),
-                    Err(_) => {
-                        let why = self.why_closed();
-                        self.broken = Some(why);
-                        return;
-                    }
-                },
-                recv(at(deadline)) -> _ => {
                     if self.blocked.is_some() {
                         // The confirms come once the broker unblocks the connection.
                         self.owed.append(tags);
@@ -328,7 +324,7 @@ impl RabbitPublisher {
                         self.broken = Some(why);
                     }
                     return;
-                },
+                }
             }
         }
     }
