@@ -29,7 +29,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -111,11 +111,14 @@ fn main() -> Result<()> {
                 .concurrency(concurrency)
                 .notify(false)
                 .poll_interval(Duration::from_millis(100));
+            let cpu = CpuTimes::now();
             let rate = drain(&mut client, &outbox, config, rows, RELAY_TIMEOUT)?
                 .complete()?
                 .rate();
             let mut line = format!(
-                "bench=relay-rabbitmq rows={rows} batch={batch} concurrency={concurrency} rate={rate:.0}"
+                "bench=relay-rabbitmq rows={rows} batch={batch} concurrency={concurrency} \
+                 rate={rate:.0} {}",
+                cpu.report(rows)
             );
             if let Some(naive) = naive_rate {
                 line.push_str(&format!(" vs_naive={:.1}", rate / naive));
@@ -134,14 +137,16 @@ fn main() -> Result<()> {
             prefill_rows(&mut client, &outbox, ordered_rows, PAYLOAD, shape)?;
             broker.purge()?;
             let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?;
+            let cpu = CpuTimes::now();
             let drained = drain(&mut client, &outbox, config, ordered_rows, ordered_cap)?;
             let rate = drained.rate();
             let unordered = *unordered.get_or_insert(rate);
             let mut line = format!(
-                "bench=rabbitmq-ordered shape={} rows={ordered_rows} rate={} vs_unordered={}",
+                "bench=rabbitmq-ordered shape={} rows={ordered_rows} rate={} vs_unordered={} {}",
                 shape.name(),
                 fmt_rate(rate),
                 ratio(rate, unordered),
+                cpu.report(drained.sent as usize),
             );
             if drained.capped {
                 line.push_str(&format!(" sent={} capped=true", drained.sent));
@@ -152,7 +157,7 @@ fn main() -> Result<()> {
     }
     if wanted("consumer") {
         for round in 1..=2 {
-            for (concurrency, aggregates) in [(1, None), (4, None), (4, Some(40))] {
+            for (concurrency, aggregates) in [(1, None), (1, Some(40)), (4, None), (4, Some(40))] {
                 let shape = if aggregates.is_some() {
                     "agg40"
                 } else {
@@ -253,11 +258,14 @@ fn consumer_rate(
     Ok(messages as f64 / took.as_secs_f64())
 }
 
-/// CPU time (user and system) of this process and of the broker (`beam.smp`, if it runs on
-/// this machine), read from `/proc` in clock ticks of 10 ms (Linux's USER_HZ).
+/// CPU time (user and system) of this process, of the broker (`beam.smp`, if it runs on
+/// this machine) and of the database (its `postgres` processes alive at both readings: a
+/// relay's connections live through a drain), read from `/proc` in clock ticks of 10 ms
+/// (Linux's USER_HZ).
 struct CpuTimes {
     own: f64,
     broker: Option<f64>,
+    database: HashMap<String, f64>,
 }
 
 impl CpuTimes {
@@ -265,7 +273,28 @@ impl CpuTimes {
         CpuTimes {
             own: cpu_seconds("self").unwrap_or(0.0),
             broker: broker_pid().and_then(|pid| cpu_seconds(&pid)),
+            database: pids_of("postgres")
+                .into_iter()
+                .filter_map(|pid| Some((pid.clone(), cpu_seconds(&pid)?)))
+                .collect(),
         }
+    }
+
+    /// `cpu_us=` ours, `broker_cpu_us=` and `db_cpu_us=`: microseconds of CPU per message
+    /// since `self`.
+    fn report(&self, ops: usize) -> String {
+        let later = CpuTimes::now();
+        let (own, broker) = self.per_op(ops);
+        let database: f64 = later
+            .database
+            .iter()
+            .filter_map(|(pid, after)| Some(after - self.database.get(pid)?))
+            .sum();
+        format!(
+            "cpu_us={own:.0} broker_cpu_us={} db_cpu_us={:.0}",
+            broker.map_or_else(|| "-".to_owned(), |b| format!("{b:.0}")),
+            database * 1e6 / ops.max(1) as f64
+        )
     }
 
     /// Microseconds of CPU per operation since `self`: ours, and the broker's.
@@ -289,13 +318,21 @@ fn cpu_seconds(pid: &str) -> Option<f64> {
 }
 
 fn broker_pid() -> Option<String> {
-    std::fs::read_dir("/proc")
-        .ok()?
+    pids_of("beam.smp").into_iter().next()
+}
+
+/// The processes whose command is `command`.
+fn pids_of(command: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
         .flatten()
-        .find_map(|entry| {
+        .filter_map(|entry| {
             let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
-            (comm.trim() == "beam.smp").then(|| entry.file_name().to_string_lossy().into_owned())
+            (comm.trim() == command).then(|| entry.file_name().to_string_lossy().into_owned())
         })
+        .collect()
 }
 
 /// A fresh, migrated, empty outbox.

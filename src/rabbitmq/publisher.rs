@@ -296,12 +296,9 @@ impl RabbitPublisher {
             // broker blocks the connection only matters once the confirms are late.
             match self.confirms.recv_deadline(deadline) {
                 Ok(Confirm::Ack(payload)) => settle_tags(tags, payload, Ok(()), settle),
-                Ok(Confirm::Nack(payload)) => settle_tags(
-                    tags,
-                    payload,
-                    Err("the broker nacked the message"),
-                    settle,
-                ),
+                Ok(Confirm::Nack(payload)) => {
+                    settle_tags(tags, payload, Err("the broker nacked the message"), settle)
+                }
                 Err(RecvTimeoutError::Disconnected) => {
                     let why = self.why_closed();
                     log::warn!("rabbitmq: {why}");
