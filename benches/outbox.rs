@@ -65,7 +65,7 @@ use common::{
 use postgres::binary_copy::BinaryCopyInWriter;
 use postgres::types::Type;
 use postgres::{Client, NoTls};
-use postgres_outbox::{publisher_fn, Message, Outbox, RelayConfig};
+use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 const PAYLOAD_BYTES: usize = 512;
@@ -106,6 +106,10 @@ fn main() -> Result<()> {
     if settings.wants("enqueue-parts") {
         enqueue_parts(&scratch)?;
     }
+    // Last, and only when asked for by name: it writes millions of rows.
+    if settings.filter.as_deref() == Some("scale") {
+        scale(&settings, &scratch)?;
+    }
     Ok(())
 }
 
@@ -119,6 +123,9 @@ struct Settings {
     ordered_rows: usize,
     ordered_cap: Duration,
     rss_rows: usize,
+    scale_sent: usize,
+    scale_pending: usize,
+    scale_plans: bool,
     filter: Option<String>,
 }
 
@@ -140,6 +147,9 @@ impl Settings {
             ordered_rows: env_or("OUTBOX_BENCH_ORDERED_ROWS", 20_000)?,
             ordered_cap: Duration::from_secs_f64(env_or("OUTBOX_BENCH_ORDERED_CAP_SECS", 120.0)?),
             rss_rows: env_or("OUTBOX_BENCH_RSS_ROWS", 2_000)?,
+            scale_sent: env_or("OUTBOX_BENCH_SCALE_SENT", 10_000_000)?,
+            scale_pending: env_or("OUTBOX_BENCH_SCALE_PENDING", 1_000_000)?,
+            scale_plans: env_or("OUTBOX_BENCH_SCALE_PLANS", 0_u8)? == 1,
             // `cargo bench` passes `--bench`; the first other argument is the filter.
             filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
         })
@@ -894,5 +904,179 @@ fn prefill(client: &mut Client, outbox: &Outbox, rows: usize) -> Result<()> {
     }
     // What autovacuum would have done by now after so many inserts.
     client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------ scale
+
+/// Rows of the small table `scale` compares the big one with: a backlog to claim from.
+const SCALE_SMALL_ROWS: usize = 20_000;
+
+/// Whether what the outbox retains makes its everyday operations dearer: a relay cycle
+/// (`Relay::run_once`: claim, publish to a no-op publisher, record), `stats()`, one purge of
+/// the 1,000 oldest sent rows and one enqueue, on a table holding `scale_sent` sent rows and
+/// `scale_pending` pending rows (each its own aggregate, 128-byte payloads), against the same
+/// on a table holding `SCALE_SMALL_ROWS` of each. Both are vacuumed and analysed first, as
+/// autovacuum would have them. `vs_small=` is the big table's cost over the small one's.
+/// With `OUTBOX_BENCH_SCALE_PLANS=1` it prints the claim's and `stats()`'s plans on the
+/// big table (auto_explain, as notices).
+fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
+    let mut client = scratch.client()?;
+    let (small, big) = (scratch.outbox(false)?, scratch.outbox(false)?);
+    let started = Instant::now();
+    scale_fill(&mut client, &small, SCALE_SMALL_ROWS, SCALE_SMALL_ROWS)?;
+    scale_fill(
+        &mut client,
+        &big,
+        settings.scale_sent,
+        settings.scale_pending,
+    )?;
+    Line::new("scale-fill")
+        .kv("sent", settings.scale_sent)
+        .kv("pending", settings.scale_pending)
+        .kv("secs", format!("{:.0}", started.elapsed().as_secs_f64()))
+        .print();
+
+    let pool = scratch.pool(2)?;
+    let cycle = |outbox: &Outbox| -> Result<Duration> {
+        let config = RelayConfig::new(outbox.clone(), pool.clone(), no_op)
+            .batch_size(100)
+            .concurrency(1);
+        let started = Instant::now();
+        Relay::run_once(&config)?;
+        Ok(started.elapsed())
+    };
+    scale_compare("relay-cycle", 20, &small, &big, cycle)?;
+    scale_compare("stats", 3, &small, &big, |outbox: &Outbox| {
+        let started = Instant::now();
+        outbox.stats(&mut scratch.client()?)?;
+        Ok(started.elapsed())
+    })?;
+    // Each purge takes the 1,000 oldest sent rows still there (one ends a second before
+    // the next, so the age filter picks exactly them).
+    let purged = std::cell::Cell::new(0_u64);
+    let purge = |rows: usize| {
+        let purged = &purged;
+        move |outbox: &Outbox| -> Result<Duration> {
+            let n = purged.get() + 1_000;
+            let cutoff = Duration::from_secs(rows as u64 - n + 1);
+            let mut client = scratch.client()?;
+            let started = Instant::now();
+            outbox.purge_where(
+                &mut client,
+                postgres_outbox::PurgeTarget::Sent,
+                &postgres_outbox::Filter::new().older_than(cutoff),
+                false,
+            )?;
+            Ok(started.elapsed())
+        }
+    };
+    let (purge_small, purge_big) = (purge(SCALE_SMALL_ROWS), purge(settings.scale_sent));
+    let mut took = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..5 {
+        took.0 += purge_small(&small)?;
+        took.1 += purge_big(&big)?;
+        purged.set(purged.get() + 1_000);
+    }
+    scale_line("purge-1000-sent", 5, took);
+    scale_compare("enqueue", 200, &small, &big, |outbox: &Outbox| {
+        let mut client = scratch.client()?;
+        let started = Instant::now();
+        let mut tx = client.transaction()?;
+        outbox.enqueue(&mut tx, event(i64::from(rand_u32())))?;
+        tx.commit()?;
+        Ok(started.elapsed())
+    })?;
+    if settings.scale_plans {
+        scale_plans(&settings.url, &big)?;
+    }
+    drop_outbox(&mut client, &small)?;
+    drop_outbox(&mut client, &big)
+}
+
+/// A random number, for aggregate keys that do not repeat.
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(Instant::now().elapsed().as_nanos());
+    hasher.finish() as u32
+}
+
+/// Fills `outbox` straight through SQL: `sent` rows finished a second apart, oldest first,
+/// and `pending` rows each its own aggregate; sets the sent counter; vacuums and analyses.
+fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize) -> Result<()> {
+    let t = outbox.table();
+    client.execute(
+        &format!(
+            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
+             INSERT INTO {t} (key, topic, aggregate_key, payload, status, attempts, done_at) \
+             SELECT 'sent-' || i, 'scale.event', 'sent-' || i, p.payload, 'sent', 1, \
+                    now() - ($1::bigint - i + 1) * interval '1 second' \
+             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i"
+        ),
+        &[&i64::try_from(sent)?],
+    )?;
+    client.execute(
+        &format!(
+            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
+             INSERT INTO {t} (key, topic, aggregate_key, payload) \
+             SELECT 'pending-' || i, 'scale.event', 'agg-' || i, p.payload \
+             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i"
+        ),
+        &[&i64::try_from(pending)?],
+    )?;
+    client.execute(
+        &format!("UPDATE {t}_counts SET sent = $1 WHERE slot = 0"),
+        &[&i64::try_from(sent)?],
+    )?;
+    client.batch_execute(&format!("VACUUM ANALYZE {t}"))?;
+    Ok(())
+}
+
+/// Runs `op` `times` times on each table, taking turns, and prints the mean costs.
+fn scale_compare(
+    name: &str,
+    times: u32,
+    small: &Outbox,
+    big: &Outbox,
+    mut op: impl FnMut(&Outbox) -> Result<Duration>,
+) -> Result<()> {
+    let mut took = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..times {
+        took.0 += op(small)?;
+        took.1 += op(big)?;
+    }
+    scale_line(name, times, took);
+    Ok(())
+}
+
+fn scale_line(name: &str, times: u32, (small, big): (Duration, Duration)) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(times);
+    Line::new("scale")
+        .kv("op", name)
+        .kv("times", times)
+        .kv("small_ms", format!("{:.2}", ms(small)))
+        .kv("big_ms", format!("{:.2}", ms(big)))
+        .kv("vs_small", ratio(ms(big), ms(small)))
+        .print();
+}
+
+/// The plans of a claim (through `process`, on one connection) and of `stats()` on the big
+/// table, as auto_explain reports them.
+fn scale_plans(url: &str, outbox: &Outbox) -> Result<()> {
+    let mut config: postgres::Config = url.parse()?;
+    config.notice_callback(|notice| {
+        for line in notice.message().lines() {
+            println!("plan: {line}");
+        }
+    });
+    let mut client = config.connect(NoTls)?;
+    client.batch_execute(
+        "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0; \
+         SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on; \
+         SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice",
+    )?;
+    outbox.process(&mut client, 100, |_, _| Ok(()))?;
+    outbox.stats(&mut client)?;
     Ok(())
 }

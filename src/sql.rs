@@ -157,9 +157,10 @@ impl Statements {
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING"
             ),
-            // Each half reads its own partial index. Per aggregate: its head (oldest pending
-            // or parked row), how many rows wait (not leased) and how many are leased; every
-            // waiting row but a waiting head is blocked, so behind a parked head all are.
+            // Each half reads its own partial index. The ordered half walks the aggregate
+            // index in its order, so telling heads (oldest pending or parked row of their
+            // aggregate) from the rows behind them needs no sort: every waiting row but a
+            // head is blocked, so behind a parked head all are.
             stats: format!(
                 "WITH u AS (
                    SELECT count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
@@ -167,31 +168,24 @@ impl Statements {
                           count(*) FILTER (WHERE available_at <= now()) AS due,
                           min(created_at) AS oldest
                    FROM {t} WHERE status = 'pending' AND aggregate_key IS NULL),
-                 g AS (
-                   SELECT min(id) AS head,
-                          min(created_at) FILTER (WHERE status = 'pending') AS oldest,
-                          count(*) FILTER (WHERE status = 'pending'
-                                           AND (lease_until IS NULL OR lease_until <= now())) AS waiting,
-                          count(*) FILTER (WHERE status = 'pending' AND lease_until > now()) AS in_flight
+                 r AS (
+                   SELECT status, available_at, created_at,
+                          status = 'pending' AND (lease_until IS NULL OR lease_until <= now()) AS waiting,
+                          status = 'pending' AND lease_until > now() AS leased,
+                          aggregate_key IS DISTINCT FROM lag(aggregate_key) OVER w AS head,
+                          first_value(created_at) OVER w AS head_created
                    FROM {t} WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
-                   GROUP BY aggregate_key),
-                 a AS (
-                   SELECT g.*, h.status = 'pending' AND h.available_at <= now() AS head_due,
-                          h.status = 'parked' AS parked,
-                          g.waiting - CASE WHEN h.status = 'pending'
-                                                AND NOT coalesce(h.lease_until > now(), false)
-                                           THEN 1 ELSE 0 END AS blocked,
-                          h.created_at AS head_created
-                   FROM g JOIN {t} h ON h.id = g.head),
+                   WINDOW w AS (PARTITION BY aggregate_key ORDER BY id)),
                  o AS (
-                   SELECT coalesce(sum(waiting), 0)::bigint AS waiting,
-                          coalesce(sum(in_flight), 0)::bigint AS in_flight,
-                          count(*) FILTER (WHERE head_due) AS due,
-                          coalesce(sum(blocked), 0)::bigint AS blocked,
-                          min(oldest) AS oldest,
-                          min(head_created) FILTER (WHERE blocked > 0) AS blocked_head,
-                          count(*) FILTER (WHERE parked) AS parked
-                   FROM a)
+                   SELECT count(*) FILTER (WHERE waiting) AS waiting,
+                          count(*) FILTER (WHERE leased) AS in_flight,
+                          count(*) FILTER (WHERE head AND status = 'pending'
+                                                AND available_at <= now()) AS due,
+                          count(*) FILTER (WHERE waiting AND NOT head) AS blocked,
+                          min(created_at) FILTER (WHERE status = 'pending') AS oldest,
+                          min(head_created) FILTER (WHERE waiting AND NOT head) AS blocked_head,
+                          count(*) FILTER (WHERE status = 'parked') AS parked
+                   FROM r)
                  SELECT u.waiting + o.waiting, u.in_flight + o.in_flight, u.due + o.due,
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
                         (SELECT count(*) FROM {t} WHERE status IN ('dead', 'parked')),
