@@ -5,6 +5,7 @@
 //! cargo bench --bench outbox enqueue      # only benchmarks whose name contains "enqueue"
 //! cargo bench --bench outbox ordered      # the relay on ordered backlogs, per shape
 //! cargo bench --bench outbox rss          # the relay's memory on 1 MiB payloads
+//! cargo bench --bench outbox scale        # 10M sent + 1M pending rows against a small table
 //! ```
 //!
 //! Prints one line per measurement, `bench=<name> key=value ... rate=<operations per second>`:
@@ -39,7 +40,10 @@
 //!   publisher: `rate=`, `peak_rss_mib=` (VmHWM) and `baseline_rss_mib=` (VmRSS after the
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
-//!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`.
+//!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
+//! - `scale op=relay-cycle|stats|purge-1000-sent|enqueue`: the mean cost of each operation on
+//!   a table retaining many rows (`small_ms`, `big_ms`, `vs_small`); runs only when asked for
+//!   by exactly that name, as filling the big table takes minutes and a few GB of disk.
 //!
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
@@ -48,7 +52,9 @@
 //! (rows the relay drains, default 100000), `OUTBOX_BENCH_ORDERED_ROWS` (backlog per
 //! `ordered` shape, default 20000), `OUTBOX_BENCH_ORDERED_CAP_SECS` (time cap per shape,
 //! default 120), `OUTBOX_BENCH_RSS_ROWS` (1 MiB rows for `rss`, default 2000: 2 GiB through
-//! the relay, though the repeated bytes compress to a few MB on disk).
+//! the relay, though the repeated bytes compress to a few MB on disk),
+//! `OUTBOX_BENCH_SCALE_SENT` / `OUTBOX_BENCH_SCALE_PENDING` (the big table of `scale`, default
+//! 10000000 / 1000000), `OUTBOX_BENCH_SCALE_PLANS=1` (print its plans).
 
 mod common;
 
