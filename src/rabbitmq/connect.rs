@@ -1,14 +1,194 @@
 //! Opening amiquip connections the way a relay needs them: TCP_NODELAY, a short heartbeat,
-//! TLS for `amqps://`, and a close that cannot hang.
+//! TLS for `amqps://`, failing over between a cluster's endpoints, and a close that cannot
+//! hang.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use amiquip::{Auth, Connection, ConnectionOptions, ConnectionTuning};
+use rand::seq::SliceRandom;
 
 use super::Error;
+
+/// The brokers to connect to: one URL, or several (the nodes of a cluster, say), tried in
+/// turn until one answers.
+///
+/// In order (the default), a connection attempt starts at the endpoint that answered last;
+/// once a connection to it is lost, the next attempt starts at the one after it, so a
+/// relay or consumer whose node goes down moves on to the next node (with its usual
+/// reconnect backoff) rather than knocking on the dead one first. Every `Endpoints` made
+/// from the same list in a process shares that place, so the relay's publishers, which are
+/// built anew after a loss, follow it too. [`shuffle`](Endpoints::shuffle) tries them in a
+/// random order instead, spreading many processes over the nodes.
+///
+/// `Display` and every log line and error name an endpoint as `amqp://user@host:port/vhost`,
+/// never with its password.
+///
+/// ```
+/// use postgres_outbox::rabbitmq::Endpoints;
+/// let nodes = Endpoints::parse("amqp://app:secret@rabbit-1,amqp://app:secret@rabbit-2")?;
+/// assert_eq!(nodes.to_string(), "amqp://app@rabbit-1:5672/,amqp://app@rabbit-2:5672/");
+/// let spread = Endpoints::new(["amqp://rabbit-1", "amqp://rabbit-2"])?.shuffle(true);
+/// # let _ = spread;
+/// # Ok::<(), postgres_outbox::rabbitmq::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Endpoints {
+    list: Arc<[Endpoint]>,
+    shuffle: bool,
+    /// Where the next attempt starts, in order.
+    next: Arc<AtomicUsize>,
+}
+
+impl Endpoints {
+    /// Parses one URL, or several separated by commas (a comma inside a password must be
+    /// percent-encoded, `%2C`). Each is `amqp://` or `amqps://` with the query parameters
+    /// `heartbeat` (seconds) and `connection_timeout` (milliseconds, default 10,000: how long
+    /// an endpoint that does not answer holds up trying the next).
+    pub fn parse(urls: &str) -> Result<Endpoints, Error> {
+        Endpoints::new(urls.split(','))
+    }
+
+    /// The endpoints from a list of URLs, each as [`parse`](Endpoints::parse) takes one.
+    pub fn new<I, S>(urls: I) -> Result<Endpoints, Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let list = urls
+            .into_iter()
+            .map(|url| Endpoint::parse(url.as_ref().trim()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if list.is_empty() {
+            return Err(Error::InvalidUrl("no URL given".to_owned()));
+        }
+        let next = cursor(&list);
+        Ok(Endpoints {
+            list: list.into(),
+            shuffle: false,
+            next,
+        })
+    }
+
+    /// Try the endpoints in a random order on every connection attempt (default off: in
+    /// order, starting where the last connection was made).
+    pub fn shuffle(mut self, shuffle: bool) -> Endpoints {
+        self.shuffle = shuffle;
+        self
+    }
+
+    /// The heartbeat of every connection (default 5 s; a dead broker is noticed after two
+    /// missed heartbeats), overriding the URLs' `heartbeat`.
+    pub fn heartbeat(mut self, heartbeat: Duration) -> Endpoints {
+        let mut list = self.list.to_vec();
+        for endpoint in &mut list {
+            endpoint.set_heartbeat(heartbeat);
+        }
+        self.list = list.into();
+        self
+    }
+
+    /// How many endpoints there are.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Always false: there is at least one endpoint.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    pub(crate) fn get(&self, index: usize) -> &Endpoint {
+        &self.list[index % self.list.len()]
+    }
+
+    /// Opens a connection to the first endpoint that answers, and says which it was.
+    pub(crate) fn open(&self) -> Result<(Connection, usize), Error> {
+        let n = self.list.len();
+        let order: Vec<usize> = if self.shuffle {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rand::thread_rng());
+            order
+        } else {
+            let start = self.next.load(Ordering::SeqCst) % n;
+            (0..n).map(|k| (start + k) % n).collect()
+        };
+        let mut failures = Vec::new();
+        for index in order {
+            match self.list[index].open() {
+                Ok(connection) => {
+                    self.next.store(index, Ordering::SeqCst);
+                    return Ok((connection, index));
+                }
+                Err(e) if n > 1 => {
+                    log::warn!("rabbitmq: {e}; trying the next endpoint");
+                    failures.push(e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(Error::Connect {
+            what: format!("no endpoint answered ({})", failures.join("; ")),
+            source: None,
+        })
+    }
+
+    /// The connection to endpoint `index` was lost: the next attempt starts past it.
+    pub(crate) fn lost(&self, index: usize) {
+        let n = self.list.len();
+        // Several connections to it may report the loss; only the first moves on.
+        let _ = self.next.compare_exchange(
+            index % n,
+            (index + 1) % n,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+}
+
+impl fmt::Display for Endpoints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, endpoint) in self.list.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            fmt::Display::fmt(endpoint, f)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Endpoints {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoints")
+            .field("list", &self.to_string())
+            .field("shuffle", &self.shuffle)
+            .finish()
+    }
+}
+
+/// The place in `list` where the next attempt starts, shared by every `Endpoints` of the
+/// same list in this process (a single endpoint needs none).
+fn cursor(list: &[Endpoint]) -> Arc<AtomicUsize> {
+    static CURSORS: OnceLock<Mutex<HashMap<String, Arc<AtomicUsize>>>> = OnceLock::new();
+    if list.len() < 2 {
+        return Arc::default();
+    }
+    let key = list
+        .iter()
+        .map(|e| format!("{e}?tls={}", e.tls))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut cursors = CURSORS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    cursors.entry(key).or_default().clone()
+}
 
 /// Where and how to connect, parsed from an `amqp://` or `amqps://` URL.
 #[derive(Clone)]
@@ -198,6 +378,41 @@ mod tests {
         let d = Endpoint::parse("amqps://h").unwrap();
         assert!(d.tls && d.port == 5671 && d.vhost == "/" && d.user == "guest");
         assert_eq!(Endpoint::parse("amqp://h/%2f").unwrap().vhost, "/");
+    }
+
+    #[test]
+    fn parses_lists_and_hides_every_password() {
+        let e = Endpoints::parse("amqp://a:pw1@h1, amqps://b:pw2@h2:5000/v").unwrap();
+        assert_eq!(e.len(), 2);
+        assert_eq!(e.to_string(), "amqp://a@h1:5672/,amqps://b@h2:5000/v");
+        assert!(!format!("{e:?}").contains("pw"));
+        let list = Endpoints::new(["amqp://h1", "amqp://h2"]).unwrap();
+        assert_eq!(
+            list.to_string(),
+            "amqp://guest@h1:5672/,amqp://guest@h2:5672/"
+        );
+        for bad in ["", "amqp://u:pw@h1,", "amqp://u:pw@h1,http://u:pw@h2"] {
+            let err = Endpoints::parse(bad).unwrap_err().to_string();
+            assert!(!err.contains("pw"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_lost_endpoint_moves_the_next_attempt_past_it_once() {
+        let urls = "amqp://cursor-test-1,amqp://cursor-test-2,amqp://cursor-test-3";
+        let (a, b) = (
+            Endpoints::parse(urls).unwrap(),
+            Endpoints::parse(urls).unwrap(),
+        );
+        assert_eq!(a.next.load(Ordering::SeqCst), 0);
+        a.lost(0);
+        b.lost(0); // a second report of the same loss
+        assert_eq!(b.next.load(Ordering::SeqCst), 1, "shared, and moved once");
+        a.lost(2); // not where attempts start: nothing moves
+        assert_eq!(a.next.load(Ordering::SeqCst), 1);
+        b.lost(1);
+        b.lost(2);
+        assert_eq!(a.next.load(Ordering::SeqCst), 0, "wraps around");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! Built on amiquip, whose types never appear in this API; it has no reconnect of its own,
 //! so a publisher that loses its connection reports itself broken and the relay builds a new
-//! one, and the consumer reconnects with backoff.
+//! one, and the consumer reconnects with backoff. Both take one broker URL or several
+//! ([`Endpoints`]) and fail over between them.
 
 mod connect;
 mod consumer;
@@ -11,10 +12,11 @@ mod publisher;
 
 use std::fmt;
 
+pub use connect::Endpoints;
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, DEAD_CONSUMER_HEADER,
-    DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
-    DEAD_USER_ID_HEADER,
+    Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, QueueType,
+    DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER,
+    DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
 

@@ -10,7 +10,7 @@ use amiquip::{
 };
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::connect::{close_within, Endpoint};
+use super::connect::{close_within, Endpoint, Endpoints};
 use super::Error;
 use crate::message::MAX_SHORT_STRING;
 use crate::publish::{PublishError, Publisher};
@@ -62,6 +62,9 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// # }
 /// ```
 pub struct RabbitPublisher {
+    endpoints: Endpoints,
+    /// Which of `endpoints` the connection is to.
+    at: usize,
     endpoint: Endpoint,
     exchange: String,
     mandatory: bool,
@@ -99,12 +102,13 @@ impl fmt::Debug for RabbitPublisher {
 }
 
 impl RabbitPublisher {
-    /// Connects to the broker at `url` (`amqp://` or `amqps://`) and opens a confirming
-    /// channel that publishes to `exchange` (`""` is the default exchange). The exchange
-    /// must already exist: a missing one (or one this user may not see) is an error here,
-    /// at once, rather than a failure of every publish.
+    /// Connects to the broker at `url` (`amqp://` or `amqps://`; several, comma-separated,
+    /// for the nodes of a cluster: see [`Endpoints`]) and opens a confirming channel that
+    /// publishes to `exchange` (`""` is the default exchange). The exchange must already
+    /// exist: a missing one (or one this user may not see) is an error here, at once,
+    /// rather than a failure of every publish.
     pub fn connect(url: &str, exchange: &str) -> Result<RabbitPublisher, Error> {
-        RabbitPublisher::open(Endpoint::parse(url)?, exchange)
+        RabbitPublisher::connect_to(&Endpoints::parse(url)?, exchange)
     }
 
     /// Like [`connect`](RabbitPublisher::connect) with an explicit heartbeat (default 5 s; a
@@ -114,19 +118,21 @@ impl RabbitPublisher {
         exchange: &str,
         heartbeat: Duration,
     ) -> Result<RabbitPublisher, Error> {
-        let mut endpoint = Endpoint::parse(url)?;
-        endpoint.set_heartbeat(heartbeat);
-        RabbitPublisher::open(endpoint, exchange)
+        RabbitPublisher::connect_to(&Endpoints::parse(url)?.heartbeat(heartbeat), exchange)
     }
 
-    fn open(endpoint: Endpoint, exchange: &str) -> Result<RabbitPublisher, Error> {
+    /// Like [`connect`](RabbitPublisher::connect), to the first of `endpoints` that answers.
+    /// Once this publisher's connection is lost (it then reports itself broken, and the
+    /// relay builds a new one), the next connection starts at the endpoint after it.
+    pub fn connect_to(endpoints: &Endpoints, exchange: &str) -> Result<RabbitPublisher, Error> {
         if exchange.len() > MAX_SHORT_STRING {
             return Err(Error::InvalidName(format!(
                 "exchange name is {} bytes; at most {MAX_SHORT_STRING}",
                 exchange.len()
             )));
         }
-        let mut connection = endpoint.open()?;
+        let (mut connection, at) = endpoints.open()?;
+        let endpoint = endpoints.get(at).clone();
         if !exchange.is_empty() {
             // A failed passive declare closes its channel, so it gets one of its own.
             let checked = connection
@@ -158,6 +164,8 @@ impl RabbitPublisher {
         };
         log::debug!("rabbitmq publisher connected to {endpoint}");
         Ok(RabbitPublisher {
+            endpoints: endpoints.clone(),
+            at,
             endpoint,
             exchange: exchange.to_owned(),
             mandatory: true,
@@ -302,7 +310,7 @@ impl RabbitPublisher {
                 Err(RecvTimeoutError::Disconnected) => {
                     let why = self.why_closed();
                     log::warn!("rabbitmq: {why}");
-                    self.broken = Some(why);
+                    self.break_off(why);
                     return;
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -318,12 +326,19 @@ impl RabbitPublisher {
                             self.endpoint, self.confirm_timeout
                         );
                         log::warn!("rabbitmq: {why}");
-                        self.broken = Some(why);
+                        self.break_off(why);
                     }
                     return;
                 }
             }
         }
+    }
+
+    /// Gives the connection up: this publisher is broken, and the next connection to these
+    /// endpoints starts at the one after it.
+    fn break_off(&mut self, why: String) {
+        self.broken = Some(why);
+        self.endpoints.lost(self.at);
     }
 
     /// Why the channel closed. On a closed channel amiquip answers a passive declare at once
@@ -449,7 +464,7 @@ impl Publisher for RabbitPublisher {
             if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
                 let why = format!("publishing to {} failed: {e}", self.endpoint);
                 log::warn!("rabbitmq: {why}; reconnecting");
-                self.broken = Some(why);
+                self.break_off(why);
                 break;
             }
             index.insert(self.next_tag, i);

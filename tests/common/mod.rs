@@ -3,6 +3,8 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
+#[cfg(feature = "rabbitmq")]
+pub mod proxy;
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};

@@ -24,24 +24,54 @@ pub const DEAD_EXPIRATION_HEADER: &str = "x-outbox-expiration";
 /// (the broker refuses a message whose `user_id` is not the publishing connection's user).
 pub const DEAD_USER_ID_HEADER: &str = "x-outbox-user-id";
 
+/// The type of queue the consumer declares for its dead letters (RabbitMQ's
+/// `x-queue-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// A classic queue, on the node it is declared on.
+    Classic,
+    /// A quorum queue, replicated over a cluster's nodes.
+    Quorum,
+}
+
+impl QueueType {
+    fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
 /// How much of an error's text travels with a dead letter.
 const MAX_REASON: usize = 1024;
 /// How long the broker may take to confirm a dead letter before the connection is given up.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Declares `queue` durable unless it exists already, whatever its arguments (an operator
-/// may have made it a quorum queue, or given it a length limit).
-pub(super) fn ensure_queue(connection: &mut Connection, queue: &str) -> Result<(), amiquip::Error> {
+/// Declares `queue` durable, of type `queue_type`, unless it exists already, whatever its
+/// arguments (an operator may have made it a quorum queue, or given it a length limit).
+pub(super) fn ensure_queue(
+    connection: &mut Connection,
+    queue: &str,
+    queue_type: QueueType,
+) -> Result<(), amiquip::Error> {
     // A failed passive declare closes its channel, so it gets one of its own.
     let probe = connection.open_channel(None)?;
     if probe.queue_declare_passive(queue).is_ok() {
         return probe.close();
     }
     let channel = connection.open_channel(None)?;
+    let mut arguments = FieldTable::new();
+    arguments.insert(
+        "x-queue-type".to_owned(),
+        AmqpValue::LongString(queue_type.as_str().to_owned()),
+    );
     channel.queue_declare(
         queue,
         QueueDeclareOptions {
             durable: true,
+            arguments,
             ..QueueDeclareOptions::default()
         },
     )?;
@@ -80,8 +110,9 @@ impl DeadLetterQueue {
     pub(super) fn open(
         connection: &mut Connection,
         queue: &str,
+        queue_type: QueueType,
     ) -> Result<DeadLetterQueue, amiquip::Error> {
-        ensure_queue(connection, queue)?;
+        ensure_queue(connection, queue, queue_type)?;
         let channel = connection.open_channel(None)?;
         // Listen first: confirms and returns that arrive before anyone listens are dropped.
         let returns = channel.listen_for_returns()?;

@@ -15,7 +15,7 @@ use super::lanes::{Lanes, Tag};
 use super::worker::{Done, Job, Outcome, Task};
 use super::{view, Delivery, Shared};
 use crate::error::describe;
-use crate::rabbitmq::connect::{close_within, Endpoint};
+use crate::rabbitmq::connect::{close_within, Endpoints};
 use crate::retry::{reconnect_delay, RetryPolicy};
 
 /// The longest a committed delivery's ack is held back to go out with others.
@@ -63,7 +63,7 @@ struct Link<'c> {
 
 pub(super) struct Dispatcher {
     shared: Arc<Shared>,
-    endpoint: Endpoint,
+    endpoints: Endpoints,
     tasks: Sender<Task>,
     results: Receiver<Done>,
     /// Disconnected when the consumer is told to stop.
@@ -79,14 +79,14 @@ pub(super) struct Dispatcher {
 impl Dispatcher {
     pub(super) fn new(
         shared: Arc<Shared>,
-        endpoint: Endpoint,
+        endpoints: Endpoints,
         tasks: Sender<Task>,
         results: Receiver<Done>,
         stop: Receiver<()>,
     ) -> Dispatcher {
         Dispatcher {
             shared,
-            endpoint,
+            endpoints,
             tasks,
             results,
             stop,
@@ -147,11 +147,15 @@ impl Dispatcher {
 
     /// Consumes on one connection until told to stop or the connection fails.
     fn consume(&mut self) -> Ended {
-        let mut connection = match self.endpoint.open() {
-            Ok(c) => c,
+        let (mut connection, at) = match self.endpoints.open() {
+            Ok(opened) => opened,
             Err(e) => return Ended::Lost(e.to_string()),
         };
         let ended = self.consume_on(&mut connection);
+        if let Ended::Lost(_) = ended {
+            // The next connection starts at the endpoint after this one.
+            self.endpoints.lost(at);
+        }
         // Closing hands every delivery not acked back to the queue.
         close_within(connection, Duration::from_secs(2));
         ended
@@ -160,10 +164,12 @@ impl Dispatcher {
     fn consume_on(&mut self, connection: &mut Connection) -> Ended {
         let config = &self.shared.config;
         let dead_letters = match &config.dead_letter_queue {
-            Some(queue) => match DeadLetterQueue::open(connection, queue) {
-                Ok(d) => Some(d),
-                Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
-            },
+            Some(queue) => {
+                match DeadLetterQueue::open(connection, queue, config.dead_letter_queue_type) {
+                    Ok(d) => Some(d),
+                    Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
+                }
+            }
             None => None,
         };
         let channel = match connection.open_channel(None) {
@@ -499,7 +505,8 @@ impl Dispatcher {
         let refused = match &config.dead_letter_queue {
             Some(name) => {
                 if link.dead_letters.is_none() {
-                    link.dead_letters = DeadLetterQueue::open(link.connection, name)
+                    let queue_type = config.dead_letter_queue_type;
+                    link.dead_letters = DeadLetterQueue::open(link.connection, name, queue_type)
                         .map_err(|e| log::debug!("dead-letter queue {name:?}: {e}"))
                         .ok();
                 }

@@ -22,11 +22,11 @@ use postgres::{Socket, Transaction};
 use r2d2_postgres::PostgresConnectionManager;
 
 pub use dead_letter::{
-    DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER,
-    DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
+    QueueType, DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER,
+    DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 
-use super::connect::{close_within, Endpoint};
+use super::connect::{close_within, Endpoints};
 use super::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use super::Error;
 use crate::message::MAX_SHORT_STRING;
@@ -112,6 +112,8 @@ impl ConsumerMetrics for NoConsumerMetrics {}
 #[derive(Clone)]
 pub struct ConsumerConfig {
     url: String,
+    /// Set by [`ConsumerConfig::endpoints`]; else parsed from `url` at spawn.
+    endpoints: Option<Endpoints>,
     queue: String,
     name: String,
     prefetch: u16,
@@ -121,6 +123,7 @@ pub struct ConsumerConfig {
     backoff_max: Duration,
     /// `None`: reject to the queue's own dead-letter exchange.
     dead_letter_queue: Option<String>,
+    dead_letter_queue_type: QueueType,
     metrics: Arc<dyn ConsumerMetrics>,
     /// Where the handlers' connections come from, when not from the pool.
     own: Option<Arc<Connect>>,
@@ -136,7 +139,9 @@ impl fmt::Debug for ConsumerConfig {
             .field("concurrency", &self.concurrency)
             .field("max_failures", &self.max_failures)
             .field("backoff", &(self.backoff_min, self.backoff_max))
+            .field("endpoints", &self.endpoints)
             .field("dead_letter_queue", &self.dead_letter_queue)
+            .field("dead_letter_queue_type", &self.dead_letter_queue_type)
             .field("own_connections", &self.own.is_some())
             .field("statement_timeout", &self.statement_timeout)
             .finish_non_exhaustive()
@@ -144,13 +149,15 @@ impl fmt::Debug for ConsumerConfig {
 }
 
 impl ConsumerConfig {
-    /// Consume `queue` at `url`; `name` identifies this consumer in the outbox's inbox table,
+    /// Consume `queue` at `url` (several URLs, comma-separated, for the nodes of a cluster:
+    /// see [`Endpoints`]); `name` identifies this consumer in the outbox's inbox table,
     /// so two services reading copies of one message each process it once. Every process
     /// consuming the same queue for the same purpose uses the same name: they share dedupe
     /// records and failure counts.
     pub fn new(url: &str, queue: &str, name: &str) -> ConsumerConfig {
         ConsumerConfig {
             url: url.to_owned(),
+            endpoints: None,
             queue: queue.to_owned(),
             name: name.to_owned(),
             prefetch: 16,
@@ -159,10 +166,19 @@ impl ConsumerConfig {
             backoff_min: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
             dead_letter_queue: Some(format!("{queue}.dead")),
+            dead_letter_queue_type: QueueType::Classic,
             metrics: Arc::new(NoConsumerMetrics),
             own: None,
             statement_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// The brokers to consume from, instead of the URL given to
+    /// [`new`](ConsumerConfig::new): a list, or a shuffled order. After a lost connection
+    /// the consumer reconnects (with its backoff) starting at the endpoint after the lost one.
+    pub fn endpoints(mut self, endpoints: Endpoints) -> ConsumerConfig {
+        self.endpoints = Some(endpoints);
+        self
     }
 
     /// Opens the handlers' connections (one per handler thread) from `config` with `tls`,
@@ -238,6 +254,15 @@ impl ConsumerConfig {
     /// [`DEAD_CONSUMER_HEADER`]; to redrive, move it back to the queue.
     pub fn dead_letter_queue(mut self, queue: &str) -> ConsumerConfig {
         self.dead_letter_queue = Some(queue.to_owned());
+        self
+    }
+
+    /// The type the dead-letter queue is declared with when it does not exist yet (default
+    /// [`QueueType::Classic`]). Consuming a quorum queue in a cluster, make it
+    /// [`QueueType::Quorum`] too, so dead letters survive the loss of a node like the
+    /// messages they come from. An existing queue is used as it is.
+    pub fn dead_letter_queue_type(mut self, queue_type: QueueType) -> ConsumerConfig {
+        self.dead_letter_queue_type = queue_type;
         self
     }
 
@@ -455,9 +480,12 @@ impl Consumer {
                 pool.max_size()
             )));
         }
-        let endpoint = Endpoint::parse(&config.url)?;
+        let endpoints = match &config.endpoints {
+            Some(endpoints) => endpoints.clone(),
+            None => Endpoints::parse(&config.url)?,
+        };
         // Fail fast on a wrong broker or queue; the dispatcher opens its own connection.
-        check_broker(endpoint.open()?, &config)?;
+        check_broker(endpoints.open()?.0, &config)?;
         // A database that is down now must not hold the start up for the pool's timeout.
         let mut probe = pool.get_timeout(Duration::from_secs(5));
         check_tables(probe.as_deref_mut().map_err(|e| e.to_string()), &outbox)?;
@@ -499,7 +527,7 @@ impl Consumer {
                 .map_err(|e| Error::connect("cannot start a consumer thread", e))?;
         }
         drop(results_tx);
-        let dispatcher = Dispatcher::new(shared, endpoint, tasks_tx, results_rx, stop_rx);
+        let dispatcher = Dispatcher::new(shared, endpoints, tasks_tx, results_rx, stop_rx);
         std::thread::Builder::new()
             .name("outbox-consumer".into())
             .spawn(move || {
@@ -571,7 +599,7 @@ fn check_broker(mut connection: amiquip::Connection, config: &ConsumerConfig) ->
         .and_then(|channel| channel.queue_declare_passive(queue.as_str()).map(|_| ()))
         .map_err(|e| Error::broker(format!("queue {queue:?} is not usable"), e));
     if let (Ok(()), Some(dead)) = (&result, &config.dead_letter_queue) {
-        result = dead_letter::ensure_queue(&mut connection, dead)
+        result = dead_letter::ensure_queue(&mut connection, dead, config.dead_letter_queue_type)
             .map_err(|e| Error::broker(format!("cannot declare dead-letter queue {dead:?}"), e));
     }
     close_within(connection, Duration::from_secs(2));
