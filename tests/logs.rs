@@ -196,6 +196,7 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
         "the CLI logged the failure"
     );
     assert_nothing_quotes_the_payload("the CLI", &cli_log);
+    broker.delete_exchange(&exchange);
 
     let lines = capture.0.lock().unwrap().clone();
     assert!(

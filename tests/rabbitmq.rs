@@ -135,6 +135,7 @@ fn an_unroutable_message_is_a_failed_attempt_by_default() {
         row_state(&mut client, &outbox, &keys[0]),
         ("dead".into(), 2)
     );
+    broker.delete_exchange(&exchange);
 }
 
 #[test]
@@ -531,6 +532,7 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_with_an_unbounded_confirm
     for aggregate in ["a", "b", "c"] {
         assert_eq!(seen[aggregate], (0..20).collect::<Vec<_>>(), "{aggregate}");
     }
+    broker.delete_queue(&queue);
 }
 
 #[test]

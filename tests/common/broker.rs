@@ -110,6 +110,11 @@ impl Broker {
             .expect("publish");
     }
 
+    /// Deletes an exchange (one no queue was ever bound to is not deleted automatically).
+    pub fn delete_exchange(&self, name: &str) {
+        let _ = self.channel.exchange_delete(name, Default::default());
+    }
+
     /// Deletes the queue, and the dead-letter queue a consumer of it may have declared.
     pub fn delete_queue(&self, queue: &str) {
         for name in [queue.to_owned(), format!("{queue}.dead")] {
