@@ -450,3 +450,119 @@ fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
     assert_eq!(row_state(&mut client, &outbox, "d1").0, "dead");
     assert_eq!(json(&ok(&outbox, &["stats", "--json"]))["parked"], 0);
 }
+
+#[test]
+fn a_database_that_requires_tls_is_reached_with_its_ca_and_refused_without_it() {
+    let Some(ca) = std::env::var("OUTBOX_TEST_PG_TLS_CA")
+        .ok()
+        .filter(|p| !p.is_empty())
+    else {
+        eprintln!(
+            "skipped: OUTBOX_TEST_PG_TLS_CA is not set (run .ci/pg-tls and export what it \
+             prints as OUTBOX_TEST_PG_TLS_CA)"
+        );
+        return;
+    };
+    let outbox = Outbox::new(&unique_name("cli_tls")).unwrap();
+    let base = database_url();
+    let separator = if base.contains('?') { '&' } else { '?' };
+    // Trust auth ignores a password; one in the URL shows none is ever printed.
+    let url = format!("{base}{separator}sslmode=require").replacen(
+        "://postgres@",
+        "://postgres:s3cret@",
+        1,
+    );
+    let run = |args: &[&str], ca: Option<&str>| {
+        let mut command = cli(&outbox);
+        command
+            .env("DATABASE_URL", &url)
+            .env_remove("PGSSLROOTCERT");
+        if let Some(ca) = ca {
+            command.env("PGSSLROOTCERT", ca);
+        }
+        command.args(args).output().expect("run the binary")
+    };
+    let output = run(&["--database-ca", &ca, "migrate"], None);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let output = run(&["stats", "--json"], Some(&ca));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(json(&String::from_utf8_lossy(&output.stdout))["pending"], 0);
+
+    // Without the CA the certificate does not verify: TLS really was used, and checked.
+    let output = run(&["stats"], None);
+    assert_eq!(output.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&output.stderr);
+    assert!(e.contains("certificate verify failed"), "{e}");
+    assert!(e.contains("--database-ca"), "{e}");
+    assert!(!e.contains("s3cret"), "{e}");
+    let output = run(&["--database-ca", "/nonexistent/ca.pem", "stats"], None);
+    assert_eq!(output.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        e.contains("cannot read --database-ca") && e.contains("/nonexistent/ca.pem"),
+        "{e}"
+    );
+
+    // The relay's connections are encrypted, as the server sees them.
+    let binary = assert_cmd::cargo::cargo_bin("postgres-outbox");
+    let relay = StdCommand::new(binary)
+        .env("DATABASE_URL", &url)
+        .env("PGSSLROOTCERT", &ca)
+        .args([
+            "--table",
+            outbox.table(),
+            "relay",
+            "--exchange",
+            "amq.topic",
+        ])
+        .args(["--amqp-url", &amqp_url(), "--poll-interval", "100ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut client = client();
+    let channel: String = client
+        .query_one(&format!("SELECT \"{}_channel\"()", outbox.table()), &[])
+        .unwrap()
+        .get(0);
+    let mut sessions: Vec<bool> = Vec::new();
+    wait_until(
+        "the relay's four workers and its listener are connected",
+        || {
+            sessions = client
+                .query(
+                    "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+                 WHERE a.datname = current_database()
+                   AND (a.application_name = $1
+                        OR (a.application_name = 'postgres-outbox listener' AND a.query = $2))",
+                    &[
+                        &format!("outbox relay {}", outbox.table()),
+                        &format!("LISTEN \"{channel}\""),
+                    ],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            sessions.len() == 5
+        },
+    );
+    assert!(sessions.iter().all(|&ssl| ssl), "{sessions:?}");
+    let terminated = StdCommand::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(terminated.success());
+    let output = relay.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(!log.contains("s3cret"), "{log}");
+}

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 use std::error::Error;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,8 +13,10 @@ use std::time::{Duration, SystemTime};
 
 use clap::error::ErrorKind;
 use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
-use postgres::{Client, NoTls};
-use postgres_outbox::rabbitmq::RabbitPublisher;
+use postgres::config::SslMode;
+use postgres::Client;
+use postgres_native_tls::MakeTlsConnector;
+use postgres_outbox::rabbitmq::{Endpoints, RabbitPublisher};
 use postgres_outbox::{Filter, Outbox, PurgeTarget, Relay, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 use serde_json::{json, Value};
@@ -25,9 +28,17 @@ type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 #[derive(Parser)]
 #[command(name = "postgres-outbox", version)]
 struct Cli {
-    /// PostgreSQL URL, e.g. postgres://user:password@host/db.
+    /// PostgreSQL URL, e.g. postgres://user:password@host/db?sslmode=require. TLS: with
+    /// sslmode=require the server's certificate and name are verified (system roots and
+    /// --database-ca); with prefer (the default), TLS when the server offers it, verified only
+    /// with --database-ca; disable: none.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
+    /// A CA certificate (PEM; a bundle may hold several) to verify the server's certificate
+    /// with, besides the system's roots; `system`: the system's roots only. Given, the
+    /// certificate is verified under sslmode=prefer too.
+    #[arg(long, env = "PGSSLROOTCERT", value_name = "FILE")]
+    database_ca: Option<PathBuf>,
     /// The outbox table (`name` or `schema.name`).
     #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
     table: String,
@@ -153,9 +164,14 @@ struct FilterArgs {
 
 #[derive(Args)]
 struct RelayArgs {
-    /// RabbitMQ URL, e.g. amqp://user:password@host:5672/vhost.
+    /// RabbitMQ URL, e.g. amqp://user:password@host:5672/vhost; several, comma-separated, for
+    /// the nodes of a cluster (tried in order, failing over to the next on a lost connection).
+    /// amqps:// takes ?cacertfile=/path/ca.pem for a CA besides the system's.
     #[arg(long, env = "AMQP_URL", hide_env_values = true)]
     amqp_url: String,
+    /// Try the --amqp-url endpoints in a random order instead (spreads relays over the nodes).
+    #[arg(long)]
+    amqp_shuffle: bool,
     /// The exchange to publish to (it must exist).
     #[arg(long)]
     exchange: String,
@@ -203,22 +219,49 @@ fn main() -> ExitCode {
 }
 
 /// The error and its causes, on one line, with a hint where one helps. The crate's own
-/// errors already show their cause.
+/// errors already show their cause, except what lies below a connection that failed before
+/// any SQL (TLS, I/O).
 fn one_line(error: &(dyn Error + 'static)) -> String {
     let mut text = error.to_string();
+    let mut cause = error.source();
     if let Some(e) = error.downcast_ref::<postgres_outbox::Error>() {
         if e.is_not_migrated() {
             text.push_str(" (`postgres-outbox migrate` creates it)");
         }
-    } else {
-        let mut cause = error.source();
-        while let Some(e) = cause {
+        cause = e
+            .source()
+            .and_then(|s| s.downcast_ref::<postgres::Error>())
+            .filter(|db| db.as_db_error().is_none())
+            .and_then(|db| db.source());
+    }
+    while let Some(e) = cause {
+        // (A TLS error shows the same OpenSSL error as its source does.)
+        let more = e.to_string();
+        if !text.contains(&more) {
             text.push_str(": ");
-            text.push_str(&e.to_string());
-            cause = e.source();
+            text.push_str(&more);
         }
+        cause = e.source();
+    }
+    if certificate_failed(error) {
+        text.push_str(
+            " (a server certificate signed by a private CA verifies with --database-ca FILE \
+             or PGSSLROOTCERT)",
+        );
     }
     text.replace('\n', " ")
+}
+
+/// Whether a server certificate that did not verify is behind `error`.
+fn certificate_failed(error: &(dyn Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.is::<native_tls::Error>() && e.to_string().contains("certificate") {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -228,11 +271,12 @@ fn run(cli: Cli) -> Result<()> {
         print!("{}", outbox.sql());
         return Ok(());
     }
+    let tls = database_tls(&config, cli.database_ca.as_deref())?;
     if let Command::Relay(args) = cli.command {
-        return relay(outbox, config, args);
+        return relay(outbox, config, tls, args);
     }
     let mut client = config
-        .connect(NoTls)
+        .connect(tls)
         .map_err(|e| format!("cannot connect to the database: {}", one_line(&e)))?;
     match cli.command {
         Command::Migrate => {
@@ -302,6 +346,54 @@ fn database_config(url: &str) -> Result<postgres::Config> {
         config.connect_timeout(Duration::from_secs(10));
     }
     Ok(config)
+}
+
+/// The TLS connector for every connection to the database (the commands' client, the relay's
+/// pool and its own connections). `sslmode` in the URL decides whether it is used: disable,
+/// never; require, always, and the connection fails unless the server's certificate verifies
+/// (the system's roots and `ca`) for the host it was reached by; prefer (the default) when the
+/// server offers TLS. Under prefer a certificate is verified only when `ca` is given: like
+/// libpq's prefer, which verifies nothing, so a server with a self-signed certificate (a stock
+/// Debian one) still connects, encrypted. (The driver would not fall back to plain text after
+/// a failed handshake.)
+fn database_tls(config: &postgres::Config, ca: Option<&Path>) -> Result<MakeTlsConnector> {
+    let mut builder = native_tls::TlsConnector::builder();
+    let mode = config.get_ssl_mode();
+    match ca {
+        _ if mode == SslMode::Disable => {}
+        // libpq's PGSSLROOTCERT=system: the system's roots, verified.
+        Some(path) if path.as_os_str() == "system" => {}
+        Some(path) => {
+            for certificate in read_ca(path)? {
+                builder.add_root_certificate(certificate);
+            }
+        }
+        None if mode == SslMode::Prefer => {
+            builder.danger_accept_invalid_certs(true);
+        }
+        None => {}
+    }
+    let connector = builder
+        .build()
+        .map_err(|e| format!("cannot set up TLS: {e}"))?;
+    Ok(MakeTlsConnector::new(connector))
+}
+
+/// The certificates of a PEM file (a CA, or a bundle of them).
+fn read_ca(path: &Path) -> Result<Vec<native_tls::Certificate>> {
+    let shown = path.display();
+    let pem = std::fs::read(path)
+        .map_err(|e| format!("cannot read --database-ca (PGSSLROOTCERT) {shown}: {e}"))?;
+    let certificates = native_tls::Certificate::stack_from_pem(&pem)
+        .map_err(|e| format!("--database-ca (PGSSLROOTCERT) {shown}: {e}"))?;
+    if certificates.is_empty() {
+        return Err(format!(
+            "--database-ca (PGSSLROOTCERT) {shown} holds no PEM certificate \
+             (-----BEGIN CERTIFICATE-----)"
+        )
+        .into());
+    }
+    Ok(certificates)
 }
 
 /// Says which dedupe records `purge inbox` deletes and what that means, and refuses, as bad
@@ -495,21 +587,28 @@ fn dead_by_error(
 
 /// Runs a relay until SIGINT or SIGTERM (or until it stops on its own, with an error), then
 /// shuts it down within the drain timeout.
-fn relay(outbox: Outbox, database: postgres::Config, args: RelayArgs) -> Result<()> {
+fn relay(
+    outbox: Outbox,
+    database: postgres::Config,
+    tls: MakeTlsConnector,
+    args: RelayArgs,
+) -> Result<()> {
     let drain = duration("--drain-timeout", &args.drain_timeout)?;
     // Connections of the relay's own, with keepalives; the pool only serves the start-up
     // check.
+    let manager = PostgresConnectionManager::new(database.clone(), tls.clone());
     let pool = r2d2::Pool::builder()
         .max_size(1)
         .min_idle(Some(0))
-        .build(PostgresConnectionManager::new(database.clone(), NoTls))?;
-    let (url, exchange) = (args.amqp_url, args.exchange);
+        .build(manager)?;
+    let endpoints = Endpoints::parse(&args.amqp_url)?.shuffle(args.amqp_shuffle);
+    let exchange = args.exchange;
     // Fail fast on a wrong broker or exchange, before taking rows.
-    RabbitPublisher::connect(&url, &exchange)?.close();
+    RabbitPublisher::connect_to(&endpoints, &exchange)?.close();
     let mut config = RelayConfig::new(outbox.clone(), pool, move || {
-        RabbitPublisher::connect(&url, &exchange)
+        RabbitPublisher::connect_to(&endpoints, &exchange)
     })
-    .connections(database, NoTls)
+    .connections(database, tls)
     .drain_timeout(drain);
     if let Some(n) = args.batch_size {
         config = config.batch_size(n);
