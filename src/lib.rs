@@ -88,3 +88,8 @@ pub use process::ProcessReport;
 pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
 pub use record::Record;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
+
+// The README's Rust examples are compiled as doc tests, so they cannot drift from the API.
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

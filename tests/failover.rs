@@ -1,4 +1,4 @@
-//! Outgrowing one broker: several endpoints with failover, and quorum queues.
+//! Outgrowing one broker: several endpoints with failover, quorum queues, and TLS.
 //!
 //! The endpoints are TCP proxies in front of the one local broker (tests/common/proxy.rs),
 //! so a test can see which endpoint a client reconnected through and have the broker close
@@ -372,4 +372,124 @@ fn the_consumer_reads_a_quorum_queue_and_dead_letters_into_a_quorum_queue() {
     assert_eq!(*handled.lock().unwrap(), expected);
     assert_eq!(broker.ready(&queue), 0);
     broker.delete_queue(&queue);
+}
+
+/// The RabbitMQ node with a TLS listener that `.ci/rabbitmq-tls` starts, if there is one.
+fn amqps_url() -> Option<String> {
+    let url = std::env::var("OUTBOX_TEST_AMQPS_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!(
+            "amqps test skipped: OUTBOX_TEST_AMQPS_URL is not set \
+             (.ci/rabbitmq-tls start prints it; .ci/run sets it)"
+        );
+    }
+    url
+}
+
+/// A connection of the test's own to the TLS node, trusting the URL's `cacertfile`.
+fn tls_broker(url: &str) -> amiquip::Connection {
+    let (_, query) = url.split_once('?').expect("a cacertfile parameter");
+    let ca = query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("cacertfile="))
+        .expect("a cacertfile parameter");
+    let ca = native_tls::Certificate::from_pem(&std::fs::read(ca).expect("read the CA")).unwrap();
+    let connector = native_tls::TlsConnector::builder()
+        .add_root_certificate(ca)
+        .build()
+        .unwrap();
+    let address = url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split(['/', '?']).next())
+        .expect("host:port");
+    let socket = std::net::TcpStream::connect(address.replace("localhost", "127.0.0.1")).unwrap();
+    let stream = mio::net::TcpStream::from_stream(socket).unwrap();
+    amiquip::Connection::open_tls_stream(
+        connector,
+        "localhost",
+        stream,
+        amiquip::ConnectionOptions::<amiquip::Auth>::default(),
+        amiquip::ConnectionTuning::default(),
+    )
+    .expect("connect to the TLS node")
+}
+
+#[test]
+fn the_relay_and_the_consumer_speak_amqps_and_verify_the_broker() {
+    let Some(url) = amqps_url() else { return };
+    let (exchange, queue) = (unique_name("x_amqps"), unique_name("q_amqps"));
+    let mut setup = tls_broker(&url);
+    let channel = setup.open_channel(None).unwrap();
+    channel
+        .exchange_declare(
+            amiquip::ExchangeType::Topic,
+            exchange.as_str(),
+            amiquip::ExchangeDeclareOptions::default(),
+        )
+        .unwrap();
+    channel
+        .queue_declare(
+            queue.as_str(),
+            amiquip::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    channel
+        .queue_bind(queue.as_str(), exchange.as_str(), "#", FieldTable::new())
+        .unwrap();
+
+    // Without the CA the certificate does not verify: no connection.
+    let (untrusted, _) = url.split_once('?').unwrap();
+    let refused = RabbitPublisher::connect(untrusted, &exchange).unwrap_err();
+    assert!(
+        format!("{refused} {:?}", std::error::Error::source(&refused)).contains("certificate"),
+        "{refused}"
+    );
+
+    let (outbox, mut client) = outbox("amqps");
+    let mut tx = client.transaction().unwrap();
+    let keys = outbox
+        .enqueue_all(
+            &mut tx,
+            (0..20).map(|i| {
+                Message::new("order.placed", format!("{i}").into_bytes())
+                    .key(format!("tls-{i}"))
+                    .aggregate_key("order-1")
+            }),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    let (relay_url, relay_exchange) = (url.clone(), exchange.clone());
+    let config = RelayConfig::new(outbox.clone(), pool(2), move || {
+        RabbitPublisher::connect(&relay_url, &relay_exchange)
+    });
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 20);
+
+    let handled = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&url, &queue, "amqps"),
+        outbox,
+        pool(1),
+        move |_tx, delivery| {
+            seen.lock().unwrap().push(delivery.key.clone());
+            Ok(())
+        },
+    )
+    .unwrap();
+    wait_until("every message is handled", || {
+        consumer.report().processed == 20
+    });
+    consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(*handled.lock().unwrap(), keys, "all of them, in order");
+
+    for name in [queue.clone(), format!("{queue}.dead")] {
+        let _ = channel.queue_delete(name, Default::default());
+    }
+    let _ = channel.exchange_delete(exchange.as_str(), Default::default());
+    let _ = setup.close();
 }

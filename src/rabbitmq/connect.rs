@@ -125,8 +125,15 @@ impl Endpoints {
                     return Ok((connection, index));
                 }
                 Err(e) if n > 1 => {
-                    log::warn!("rabbitmq: {e}; trying the next endpoint");
-                    failures.push(e.to_string());
+                    log::warn!("{e}; trying the next endpoint");
+                    failures.push(match e {
+                        Error::Connect {
+                            what,
+                            source: Some(source),
+                        } => format!("{what}: {source}"),
+                        Error::Connect { what, source: None } => what,
+                        other => other.to_string(),
+                    });
                 }
                 Err(e) => return Err(e),
             }
@@ -194,6 +201,8 @@ fn cursor(list: &[Endpoint]) -> Arc<AtomicUsize> {
 #[derive(Clone)]
 pub(crate) struct Endpoint {
     tls: bool,
+    /// Certificates to trust besides the system's, from the URL's `cacertfile` (PEM).
+    roots: Vec<native_tls::Certificate>,
     host: String,
     port: u16,
     user: String,
@@ -227,8 +236,10 @@ const DEFAULT_HEARTBEAT: u16 = 5;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Endpoint {
-    /// Parses the URL. Supports the query parameters `heartbeat` (seconds) and
-    /// `connection_timeout` (milliseconds); anything else is an error, not silently ignored.
+    /// Parses the URL. Supports the query parameters `heartbeat` (seconds),
+    /// `connection_timeout` (milliseconds) and, for `amqps`, `cacertfile` (a PEM file of
+    /// certificates to trust besides the system's, read here); anything else is an error, not
+    /// silently ignored.
     pub(crate) fn parse(url: &str) -> Result<Endpoint, Error> {
         // The URL may hold a password: never echo it in an error.
         let invalid = |why: &str| Error::InvalidUrl(why.to_owned());
@@ -264,6 +275,7 @@ impl Endpoint {
         };
         let mut endpoint = Endpoint {
             tls,
+            roots: Vec::new(),
             port: parsed.port().unwrap_or(if tls { 5671 } else { 5672 }),
             host,
             user,
@@ -284,6 +296,9 @@ impl Endpoint {
                         .parse()
                         .map_err(|_| invalid("connection_timeout must be milliseconds"))?;
                     endpoint.timeout = Duration::from_millis(ms);
+                }
+                "cacertfile" if tls => {
+                    endpoint.roots = read_roots(&value)?;
                 }
                 other => return Err(invalid(&format!("unsupported query parameter {other:?}"))),
             }
@@ -329,7 +344,12 @@ impl Endpoint {
                 .connection_timeout(Some(self.timeout));
             let tuning = ConnectionTuning::default();
             let opened = if self.tls {
-                let connector = native_tls::TlsConnector::new()
+                let mut builder = native_tls::TlsConnector::builder();
+                for root in &self.roots {
+                    builder.add_root_certificate(root.clone());
+                }
+                let connector = builder
+                    .build()
                     .map_err(|e| Error::connect("cannot set up TLS", e))?;
                 Connection::open_tls_stream(connector, &self.host, stream, options, tuning)
             } else {
@@ -340,6 +360,24 @@ impl Endpoint {
         }
         Err(last)
     }
+}
+
+/// The certificates of a PEM file (one or several).
+fn read_roots(path: &str) -> Result<Vec<native_tls::Certificate>, Error> {
+    let invalid = |why: String| Error::InvalidUrl(format!("cacertfile {path:?}: {why}"));
+    let pem = std::fs::read(path).map_err(|e| invalid(e.to_string()))?;
+    let text = String::from_utf8_lossy(&pem);
+    const END: &str = "-----END CERTIFICATE-----";
+    let roots = text
+        .split_inclusive(END)
+        .filter(|block| block.contains("-----BEGIN CERTIFICATE-----"))
+        .map(|block| native_tls::Certificate::from_pem(block.trim_start().as_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(e.to_string()))?;
+    if roots.is_empty() {
+        return Err(invalid("no PEM certificate in it".to_owned()));
+    }
+    Ok(roots)
 }
 
 fn percent_encoding_decode(s: &str) -> Option<String> {
@@ -413,6 +451,25 @@ mod tests {
         b.lost(1);
         b.lost(2);
         assert_eq!(a.next.load(Ordering::SeqCst), 0, "wraps around");
+    }
+
+    #[test]
+    fn cacertfile_is_read_at_parse_time() {
+        let missing = Endpoint::parse("amqps://u:pw@h?cacertfile=/nonexistent/ca.pem")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            missing.contains("/nonexistent/ca.pem") && !missing.contains("pw"),
+            "{missing}"
+        );
+        let not_pem = std::env::temp_dir().join(format!("not-a-ca-{}.pem", std::process::id()));
+        std::fs::write(&not_pem, "hello").unwrap();
+        let url = format!("amqps://h?cacertfile={}", not_pem.display());
+        let error = Endpoint::parse(&url).unwrap_err().to_string();
+        std::fs::remove_file(&not_pem).unwrap();
+        assert!(error.contains("no PEM certificate"), "{error}");
+        // Plain AMQP has no use for it.
+        assert!(Endpoint::parse("amqp://h?cacertfile=/x").is_err());
     }
 
     #[test]
