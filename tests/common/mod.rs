@@ -77,6 +77,8 @@ pub const SCHEMA_VAR: &str = "OUTBOX_TEST_SCHEMA";
 static SCHEMA: OnceLock<String> = OnceLock::new();
 static OWNED: AtomicBool = AtomicBool::new(false);
 static FAILED: AtomicBool = AtomicBool::new(false);
+/// Where the first such panic happened, said when the schemas are kept.
+static FIRST_FAILURE: OnceLock<String> = OnceLock::new();
 
 /// A test fails by panicking on its own thread (or one it spawned). Panics on the library's
 /// threads (`outbox-*`), and panics whose message starts with [`INJECTED`], are the faults
@@ -94,6 +96,13 @@ fn watch_for_failures() {
         let injected = message.is_some_and(|m| m.starts_with(INJECTED));
         if !library && !injected {
             FAILED.store(true, Ordering::SeqCst);
+            let _ = FIRST_FAILURE.set(format!(
+                "thread {:?} panicked at {}: {}",
+                thread.name().unwrap_or("unnamed"),
+                info.location()
+                    .map_or_else(String::new, ToString::to_string),
+                message.unwrap_or("(no message)")
+            ));
         }
         default(info);
     }));
@@ -115,8 +124,10 @@ fn drop_run_schemas() {
     }
     if FAILED.load(Ordering::SeqCst) {
         eprintln!(
-            "a test failed: kept schema {schema} (and *_{}_* schemas) for inspection",
-            std::process::id()
+            "a test failed: kept schema {schema} (and *_{}_* schemas) for inspection; the first \
+             panic: {}",
+            std::process::id(),
+            FIRST_FAILURE.get().map_or("(unknown)", String::as_str)
         );
         return;
     }
