@@ -71,7 +71,7 @@ use common::{
 use postgres::binary_copy::BinaryCopyInWriter;
 use postgres::types::Type;
 use postgres::{Client, NoTls};
-use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig};
+use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig, Rows};
 use r2d2_postgres::PostgresConnectionManager;
 
 const PAYLOAD_BYTES: usize = 512;
@@ -968,11 +968,9 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
             let cutoff = Duration::from_secs(rows as u64 - n + 1);
             let mut client = scratch.client()?;
             let started = Instant::now();
-            outbox.purge_where(
+            outbox.purge(
                 &mut client,
-                postgres_outbox::PurgeTarget::Sent,
-                &postgres_outbox::Filter::new().older_than(cutoff),
-                false,
+                Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff)),
             )?;
             Ok(started.elapsed())
         }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use amiquip::{Connection, ExchangeDeclareOptions, ExchangeType, FieldTable, QueueDeclareOptions};
 use postgres_outbox::rabbitmq::RabbitPublisher;
-use postgres_outbox::{Message, Outbox, Relay, RelayConfig};
+use postgres_outbox::{Connections, Message, Outbox, Relay, RelayConfig};
 use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
 
 const EXCHANGE: &str = "outbox.demo";
@@ -36,14 +36,17 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     let url = amqp_url.clone();
     let relay = Relay::spawn(
-        RelayConfig::new(outbox.clone(), pool.clone(), move || {
-            // Mandatory by default: an unroutable message is a failed attempt, not a drop.
-            RabbitPublisher::connect(&url, EXCHANGE)
-        })
-        .batch_size(100)
-        .concurrency(2)
         // The relay's own connections, with keepalives: none taken from the pool.
-        .connections(database_url.parse()?, NoTls),
+        RelayConfig::new(
+            outbox.clone(),
+            Connections::open(database_url.parse()?, NoTls),
+            move || {
+                // Mandatory by default: an unroutable message is a failed attempt, not a drop.
+                RabbitPublisher::connect(&url, EXCHANGE)
+            },
+        )
+        .batch_size(100)
+        .concurrency(2),
     )?;
 
     // The business write and its event commit together, or not at all.

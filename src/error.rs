@@ -30,7 +30,8 @@ pub enum Error {
         /// Why it was rejected.
         reason: String,
     },
-    /// A relay configuration that cannot work.
+    /// A setting that cannot work, of an outbox, a relay or `Outbox::process`; the text
+    /// names the setting.
     InvalidConfig(String),
     /// One or more keys are already in the outbox; nothing was written and the caller's
     /// transaction is still usable.
@@ -153,7 +154,7 @@ impl fmt::Display for Error {
                 write!(f, "invalid outbox table name {name:?}: {reason}")
             }
             Error::InvalidInput { field, reason } => write!(f, "invalid {field}: {reason}"),
-            Error::InvalidConfig(reason) => write!(f, "invalid relay configuration: {reason}"),
+            Error::InvalidConfig(reason) => write!(f, "invalid configuration: {reason}"),
             Error::DuplicateKey { keys } => {
                 write!(f, "message key already in the outbox: {}", keys.join(", "))
             }

@@ -82,12 +82,17 @@ pub use facade::OutboxMetrics;
 pub use facade::QueueMetrics;
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{Metrics, NoMetrics};
-pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Stats, TopicStats};
+#[allow(deprecated)]
+pub use operate::{
+    DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection, Stats, TopicStats,
+};
 pub use outbox::{Outbox, OutboxBuilder};
+pub use pool::Connections;
 pub use process::ProcessReport;
 pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
 pub use record::Record;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
+pub use retry::Retry;
 
 // The README's Rust examples are compiled as doc tests, so they cannot drift from the API.
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]

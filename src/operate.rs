@@ -1,4 +1,9 @@
-//! Operating an outbox: counts, dead letters, redrive and purge.
+//! Operating an outbox: counts, dead letters, redrive, skip and purge.
+//!
+//! One vocabulary: a [`Filter`] says which dead letters an operation applies to
+//! (`dead_letters`, `dead_letter_errors`, `redrive`, `skip`), and [`Rows`] with a filter says
+//! which finished rows (`purge`, `count`). Every change returns how many rows it changed;
+//! [`Outbox::count`] of the same selection is its dry run.
 
 use std::time::{Duration, SystemTime};
 
@@ -56,6 +61,10 @@ pub struct DeadLetter {
 }
 
 /// Which dead letters [`Outbox::redrive`] makes pending again.
+#[deprecated(
+    since = "0.2.0",
+    note = "pass a `Filter` to `redrive`: `Filter::new()` for every dead letter, `.key(k)` for some"
+)]
 #[derive(Debug, Clone, Copy)]
 pub enum Redrive<'a> {
     /// Every dead letter.
@@ -65,6 +74,10 @@ pub enum Redrive<'a> {
 }
 
 /// Which finished rows [`Outbox::purge`] deletes.
+#[deprecated(
+    since = "0.2.0",
+    note = "pass `Rows::Sent.matching(Filter::new().older_than(age))` (or `Rows::Dead`, `Rows::Inbox`) to `purge`"
+)]
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub enum Purge {
@@ -103,11 +116,14 @@ pub enum Purge {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
-    keys: Vec<String>,
+    /// `None`: any key; `Some`: one of these (none, if empty).
+    keys: Option<Vec<String>>,
     topic: Option<String>,
     error_contains: Option<String>,
     older_than: Option<Duration>,
-    parked: bool,
+    /// Of dead letters: `None` both kinds, `Some(true)` only parked, `Some(false)` none.
+    parked: Option<bool>,
+    limit: Option<usize>,
 }
 
 impl Filter {
@@ -118,7 +134,18 @@ impl Filter {
 
     /// Only the row with this key; call it again for more keys (any of them).
     pub fn key(mut self, key: impl Into<String>) -> Filter {
-        self.keys.push(key.into());
+        self.keys.get_or_insert_with(Vec::new).push(key.into());
+        self
+    }
+
+    /// Only the rows with these keys (none, if there are none).
+    pub fn keys<I, K>(mut self, keys: I) -> Filter
+    where
+        I: IntoIterator<Item = K>,
+        K: Into<String>,
+    {
+        let list = self.keys.get_or_insert_with(Vec::new);
+        list.extend(keys.into_iter().map(Into::into));
         self
     }
 
@@ -144,7 +171,21 @@ impl Filter {
     /// Only dead letters that park their aggregate (see
     /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)).
     pub fn parked(mut self) -> Filter {
-        self.parked = true;
+        self.parked = Some(true);
+        self
+    }
+
+    /// Only dead letters that do not park their aggregate: what a purge of dead letters
+    /// deletes (it never deletes parked ones).
+    pub fn unparked(mut self) -> Filter {
+        self.parked = Some(false);
+        self
+    }
+
+    /// At most this many rows, for [`Outbox::dead_letters`] (oldest first); other
+    /// operations refuse a filter with a limit rather than change only some rows.
+    pub fn limit(mut self, limit: usize) -> Filter {
+        self.limit = Some(limit);
         self
     }
 
@@ -154,7 +195,7 @@ impl Filter {
     }
 
     fn check(&self) -> Result<()> {
-        if self.keys.iter().any(String::is_empty) {
+        if self.keys.iter().flatten().any(String::is_empty) {
             return Err(Error::invalid("key", "must not be empty"));
         }
         if self.error_contains.as_deref() == Some("") {
@@ -169,21 +210,123 @@ impl Filter {
         Ok(())
     }
 
-    /// The five parameters of the SQL filter (`sql::FILTER`) over rows in `states`; a
-    /// parked-only filter narrows dead letters to the parked ones.
+    /// For every operation but listing: a limit would change only some of the rows.
+    fn check_unlimited(&self, operation: &str) -> Result<()> {
+        self.check()?;
+        match self.limit {
+            Some(_) => Err(Error::invalid(
+                "filter",
+                format!("{operation} applies to every row that matches: a limit only lists"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The five parameters of the SQL filter (`sql::FILTER`) over rows in `states`;
+    /// `parked` narrows dead letters to one kind.
     fn params<'a>(&'a self, states: &'static [&'static str]) -> FilterParams<'a> {
-        let states = if self.parked && states.contains(&PARKED) {
-            &[PARKED]
-        } else {
-            states
+        let states: &'static [&'static str] = match self.parked {
+            Some(true) if states.contains(&PARKED) => &[PARKED],
+            Some(false) if states.contains(&PARKED) => &["dead"],
+            _ => states,
         };
         (
-            (!self.keys.is_empty()).then_some(self.keys.as_slice()),
+            self.keys.as_deref(),
             self.topic.as_deref(),
             self.error_contains.as_deref(),
             self.older_than.map(micros),
             states,
         )
+    }
+}
+
+impl From<&Filter> for Filter {
+    fn from(filter: &Filter) -> Filter {
+        filter.clone()
+    }
+}
+
+/// The first `limit` dead letters: `dead_letters(client, 100)`.
+impl From<usize> for Filter {
+    fn from(limit: usize) -> Filter {
+        Filter::new().limit(limit)
+    }
+}
+
+#[allow(deprecated)]
+impl From<Redrive<'_>> for Filter {
+    fn from(which: Redrive<'_>) -> Filter {
+        match which {
+            Redrive::All => Filter::new(),
+            Redrive::Keys(keys) => Filter::new().keys(keys.iter().copied()),
+        }
+    }
+}
+
+/// Which finished rows [`Outbox::purge`] deletes and [`Outbox::count`] counts; with a
+/// filter, through [`matching`](Rows::matching).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use postgres_outbox::{Filter, Outbox, Rows};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+/// let outbox = Outbox::new("orders_outbox")?;
+/// let week_old = Rows::Sent.matching(Filter::new().older_than(Duration::from_secs(7 * 86_400)));
+/// println!("would purge {}", outbox.count(&mut client, week_old.clone())?);
+/// outbox.purge(&mut client, week_old)?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rows {
+    /// Sent rows.
+    Sent,
+    /// Dead letters; [`Filter::parked`] and [`Filter::unparked`] narrow them to one kind.
+    /// A purge deletes only the unparked ones.
+    Dead,
+    /// Dedupe records of consumers (filters: keys and age only).
+    Inbox,
+}
+
+/// The old name of [`Rows`].
+#[deprecated(since = "0.2.0", note = "renamed `Rows`")]
+pub type PurgeTarget = Rows;
+
+impl Rows {
+    /// The rows of this kind that match `filter`.
+    pub fn matching(self, filter: impl Into<Filter>) -> Selection {
+        Selection {
+            rows: self,
+            filter: filter.into(),
+        }
+    }
+}
+
+/// Rows of one kind that match a filter: what [`Outbox::purge`] and [`Outbox::count`]
+/// take. Made by [`Rows::matching`]; a bare [`Rows`] selects every row of its kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    rows: Rows,
+    filter: Filter,
+}
+
+impl From<Rows> for Selection {
+    fn from(rows: Rows) -> Selection {
+        rows.matching(Filter::new())
+    }
+}
+
+#[allow(deprecated)]
+impl From<Purge> for Selection {
+    fn from(which: Purge) -> Selection {
+        let (rows, older_than) = match which {
+            Purge::Sent { older_than } => (Rows::Sent, older_than),
+            Purge::Dead { older_than } => (Rows::Dead, older_than),
+            Purge::Inbox { older_than } => (Rows::Inbox, older_than),
+        };
+        rows.matching(Filter::new().older_than(older_than))
     }
 }
 
@@ -199,17 +342,28 @@ type FilterParams<'a> = (
 const PARKED: &str = "parked";
 /// Every dead letter: parked or not.
 const DEAD_LETTERS: &[&str] = &["dead", PARKED];
+const SENT: &[&str] = &["sent"];
 
-/// Finished rows that [`Outbox::purge_where`] deletes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum PurgeTarget {
-    /// Sent rows.
-    Sent,
-    /// Dead letters.
-    Dead,
-    /// Dedupe records of consumers (filters: keys and age only).
-    Inbox,
+/// Parking narrows dead letters only.
+fn check_parking(rows: Rows, filter: &Filter) -> Result<()> {
+    match (rows, filter.parked) {
+        (Rows::Sent | Rows::Inbox, Some(_)) => Err(Error::invalid(
+            "filter",
+            "only dead letters are parked or not: drop parked/unparked from this filter",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The inbox's filter: keys and age, as SQL parameters; a topic or an error text is an error.
+fn inbox_params(filter: &Filter) -> Result<(Option<&[String]>, Option<i64>)> {
+    if filter.topic.is_some() || filter.error_contains.is_some() || filter.parked.is_some() {
+        return Err(Error::invalid(
+            "filter",
+            "dedupe records have no topic, error or parking: filter them by key or age",
+        ));
+    }
+    Ok((filter.keys.as_deref(), filter.older_than.map(micros)))
 }
 
 /// Dead letters that share one error text, from [`Outbox::dead_letter_errors`].
@@ -277,21 +431,31 @@ impl Outbox {
         })
     }
 
-    /// Up to `limit` dead letters, oldest first.
-    pub fn dead_letters(&self, client: &mut Client, limit: usize) -> Result<Vec<DeadLetter>> {
-        self.dead_letters_where(client, &Filter::new(), limit)
-    }
-
-    /// Up to `limit` dead letters that match `filter`, oldest first.
-    pub fn dead_letters_where(
+    /// The dead letters that match `filter`, oldest first: all of them, or the first
+    /// [`limit`](Filter::limit) (a number alone is such a limit: `dead_letters(client, 100)`).
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{Filter, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let outbox = Outbox::new("orders_outbox")?;
+    /// for dead in outbox.dead_letters(&mut client, Filter::new().topic("order.paid").limit(20))? {
+    ///     println!("{}: {:?}", dead.record.key, dead.last_error);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn dead_letters(
         &self,
         client: &mut Client,
-        filter: &Filter,
-        limit: usize,
+        filter: impl Into<Filter>,
     ) -> Result<Vec<DeadLetter>> {
+        let filter = filter.into();
         filter.check()?;
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let limit = filter
+            .limit
+            .map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
         let rows = client
             .query(
                 &self.statements().dead_where,
@@ -310,14 +474,26 @@ impl Outbox {
             .map_err(Error::Db)
     }
 
-    /// Dead letters that match `filter`, grouped by their last error, most common first:
-    /// what broke, how often, since when, and one key to look at.
-    pub fn dead_letter_errors(
+    /// Up to `limit` dead letters that match `filter`, oldest first.
+    #[deprecated(since = "0.2.0", note = "use `dead_letters(client, filter.limit(n))`")]
+    pub fn dead_letters_where(
         &self,
         client: &mut Client,
         filter: &Filter,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        self.dead_letters(client, filter.clone().limit(limit))
+    }
+
+    /// The dead letters that match `filter`, grouped by their last error, most common
+    /// first: what broke, how often, since when, and one key to look at.
+    pub fn dead_letter_errors(
+        &self,
+        client: &mut Client,
+        filter: impl Into<Filter>,
     ) -> Result<Vec<ErrorGroup>> {
-        filter.check()?;
+        let filter = filter.into();
+        filter.check_unlimited("grouping by error")?;
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
         let rows = client
             .query(
@@ -355,64 +531,77 @@ impl Outbox {
             .collect())
     }
 
-    /// Makes dead letters pending again, due now with a fresh attempt budget; returns how
-    /// many. A redriven row keeps its place in its aggregate: it goes before the messages
-    /// still pending behind it (a parked one first of all), but after those that went out
-    /// while it was dead, unless it was parked.
-    pub fn redrive(&self, client: &mut Client, which: Redrive<'_>) -> Result<u64> {
-        let filter = match which {
-            Redrive::All => Filter::new(),
-            Redrive::Keys([]) => return Ok(0),
-            Redrive::Keys(keys) => keys.iter().fold(Filter::new(), |f, k| f.key(*k)),
-        };
-        self.redrive_where(client, &filter, false)
-    }
-
-    /// Makes the dead letters that match `filter` pending again, as [`Outbox::redrive`]
-    /// does, and returns how many; with `dry_run`, only counts them and changes nothing.
+    /// Makes the dead letters that match `filter` pending again, due now with a fresh
+    /// attempt budget, and returns how many (`count(client, Rows::Dead.matching(filter))` is
+    /// its dry run). A redriven row keeps its place in its aggregate: it goes before the
+    /// messages still pending behind it (a parked one first of all), but after those that
+    /// went out while it was dead, unless it was parked.
     ///
     /// ```no_run
-    /// # use postgres_outbox::{Filter, Outbox};
+    /// # use postgres_outbox::{Filter, Outbox, Rows};
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
     /// let outbox = Outbox::new("orders_outbox")?;
-    /// let filter = Filter::new().error_contains("connection refused");
-    /// let n = outbox.redrive_where(&mut client, &filter, true)?;
-    /// println!("would redrive {n}");
+    /// let refused = Filter::new().error_contains("connection refused");
+    /// println!("would redrive {}", outbox.count(&mut client, Rows::Dead.matching(&refused))?);
+    /// outbox.redrive(&mut client, &refused)?;
     /// # Ok(())
     /// # }
     /// ```
+    pub fn redrive(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
+        let filter = filter.into();
+        filter.check_unlimited("redrive")?;
+        let n = self.update_where(client, &filter, &self.statements().redrive_where)?;
+        if n > 0 {
+            log::info!("outbox {}: redrove {n} dead letters", self.table());
+        }
+        Ok(n)
+    }
+
+    /// Makes the dead letters that match `filter` pending again, or with `dry_run` counts
+    /// them.
+    #[deprecated(
+        since = "0.2.0",
+        note = "use `redrive(client, filter)`, and `count(client, Rows::Dead.matching(filter))` for a dry run"
+    )]
     pub fn redrive_where(
         &self,
         client: &mut Client,
         filter: &Filter,
         dry_run: bool,
     ) -> Result<u64> {
-        let n = self.update_where(client, filter, dry_run, &self.statements().redrive_where)?;
-        if n > 0 && !dry_run {
-            log::info!("outbox {}: redrove {n} dead letters", self.table());
+        if dry_run {
+            self.count(client, Rows::Dead.matching(filter))
+        } else {
+            self.redrive(client, filter)
         }
-        Ok(n)
     }
 
     /// Lets the aggregates of the parked dead letters that match `filter` go on without
     /// them: each stays a dead letter (it can still be redriven, but no longer goes first),
-    /// and the messages it held back are published in order. Returns how many; with
-    /// `dry_run`, only counts them.
+    /// and the messages it held back are published in order. Returns how many;
+    /// `count(client, Rows::Dead.matching(filter.parked()))` is its dry run.
     ///
     /// ```no_run
     /// # use postgres_outbox::{Filter, Outbox};
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
     /// let outbox = Outbox::new("orders_outbox")?;
-    /// outbox.skip(&mut client, &Filter::new().key("0190-poison"), false)?;
+    /// outbox.skip(&mut client, Filter::new().key("0190-poison"))?;
     /// # Ok(())
     /// # }
     /// ```
-    pub fn skip(&self, client: &mut Client, filter: &Filter, dry_run: bool) -> Result<u64> {
-        let filter = filter.clone().parked();
-        let n = self.update_where(client, &filter, dry_run, &self.statements().skip_where)?;
-        if n > 0 && !dry_run {
+    pub fn skip(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
+        let filter = filter.into();
+        filter.check_unlimited("skip")?;
+        if filter.parked == Some(false) {
+            return Err(Error::invalid(
+                "filter",
+                "skip applies to parked dead letters only",
+            ));
+        }
+        let n = self.update_where(client, &filter.parked(), &self.statements().skip_where)?;
+        if n > 0 {
             log::info!("outbox {}: skipped {n} parked dead letters", self.table());
         }
         Ok(n)
@@ -420,80 +609,96 @@ impl Outbox {
 
     /// Redrive or skip: one statement over the dead letters that match, then a wake-up for
     /// a waiting relay, as their aggregates may move now.
-    fn update_where(
-        &self,
-        client: &mut Client,
-        filter: &Filter,
-        dry_run: bool,
-        update: &str,
-    ) -> Result<u64> {
-        filter.check()?;
-        if dry_run {
-            return self.count_matching(client, filter, DEAD_LETTERS);
-        }
+    fn update_where(&self, client: &mut Client, filter: &Filter, update: &str) -> Result<u64> {
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
-        let sql = self.statements();
         let n = client
             .execute(update, &[&keys, &topic, &error, &age, &states])
             .map_err(|e| self.db_error(e))?;
         if n > 0 {
             client
-                .execute(&sql.notify_if_waiting, &[])
+                .execute(&self.statements().notify_if_waiting, &[])
                 .map_err(|e| self.db_error(e))?;
         }
         Ok(n)
     }
 
-    /// Deletes the finished rows of `target` that match `filter`, in batches of 1,000 rows
-    /// each committed on its own, and returns how many; with `dry_run`, only counts them.
-    /// Pending rows are never touched, nor are parked dead letters: they hold their
-    /// aggregates, so redrive or skip them first. For [`PurgeTarget::Inbox`] only keys and
-    /// age apply; a topic or error filter is an error.
-    pub fn purge_where(
-        &self,
-        client: &mut Client,
-        target: PurgeTarget,
-        filter: &Filter,
-        dry_run: bool,
-    ) -> Result<u64> {
-        filter.check()?;
-        if filter.parked {
-            return Err(Error::invalid(
-                "filter",
-                "parked dead letters are never purged: redrive or skip them first",
-            ));
-        }
+    /// How many rows `rows` selects: the dry run of any operation on them. Dead letters
+    /// count parked and unparked ones unless the filter narrows them (a purge deletes only
+    /// unparked ones: its dry run counts `Rows::Dead.matching(filter.unparked())`).
+    pub fn count(&self, client: &mut Client, rows: impl Into<Selection>) -> Result<u64> {
+        let Selection { rows, filter } = rows.into();
+        filter.check_unlimited("count")?;
+        check_parking(rows, &filter)?;
         let sql = self.statements();
-        let states: &'static [&'static str] = match target {
-            PurgeTarget::Sent => &["sent"],
-            PurgeTarget::Dead => &["dead"],
-            PurgeTarget::Inbox => {
-                let (keys, topic, error, age, _) = filter.params(&[]);
-                if topic.is_some() || error.is_some() {
-                    return Err(Error::invalid(
-                        "filter",
-                        "dedupe records have no topic or error: filter them by key or age",
-                    ));
+        let n: i64 = match rows {
+            Rows::Sent | Rows::Dead => {
+                let states = if rows == Rows::Sent {
+                    SENT
+                } else {
+                    DEAD_LETTERS
+                };
+                let (keys, topic, error, age, states) = filter.params(states);
+                client.query_one(&sql.count_where, &[&keys, &topic, &error, &age, &states])
+            }
+            Rows::Inbox => {
+                let (keys, age) = inbox_params(&filter)?;
+                match keys {
+                    Some(keys) => client.query_one(&sql.count_inbox_keys, &[&keys, &age]),
+                    None => client.query_one(&sql.count_inbox_older, &[&age.unwrap_or(0)]),
                 }
-                return self.purge_inbox_where(client, keys, age, filter, dry_run);
+            }
+        }
+        .map_err(|e| self.db_error(e))?
+        .get(0);
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// Deletes the finished rows `rows` selects, in batches of 1,000 rows each committed on
+    /// its own (so no statement holds locks for long), and returns how many. Pending rows
+    /// are never touched, nor are parked dead letters: they hold their aggregates, so
+    /// redrive or skip them first. Dedupe records ([`Rows::Inbox`]) filter by key and age
+    /// only: keep them longer than any message can take to be delivered again (the relay's
+    /// retry horizon, the broker's retention, the longest a consumer may be down), as a
+    /// redelivery after its record is gone is processed again; their purge also deletes
+    /// consumers' failure counts not updated since the cutoff (a crash can leave one).
+    pub fn purge(&self, client: &mut Client, rows: impl Into<Selection>) -> Result<u64> {
+        let Selection { rows, filter } = rows.into();
+        filter.check_unlimited("purge")?;
+        check_parking(rows, &filter)?;
+        let states = match rows {
+            Rows::Sent => SENT,
+            Rows::Dead if filter.parked == Some(true) => {
+                return Err(Error::invalid(
+                    "filter",
+                    "parked dead letters are never purged: redrive or skip them first",
+                ));
+            }
+            Rows::Dead => &["dead"],
+            Rows::Inbox => {
+                let sql = self.statements();
+                return match inbox_params(&filter)? {
+                    (Some(keys), age) => client
+                        .execute(&sql.purge_inbox_keys, &[&keys, &age])
+                        .map_err(|e| self.db_error(e)),
+                    (None, _) => {
+                        let older_than = filter.older_than.unwrap_or(Duration::ZERO);
+                        self.purge_inbox(client, older_than)
+                    }
+                };
             }
         };
-        let count = |n: i64| u64::try_from(n).unwrap_or(0);
-        if dry_run {
-            return self.count_matching(client, filter, states);
-        }
         let (keys, topic, error, age, states) = filter.params(states);
         let mut total = 0;
         loop {
             let slot: i16 = rand::thread_rng().gen_range(0..16);
             let n: i64 = client
                 .query_one(
-                    &sql.purge_where,
+                    &self.statements().purge_where,
                     &[&keys, &topic, &error, &age, &states, &slot],
                 )
                 .map_err(|e| self.db_error(e))?
                 .get(0);
-            total += count(n);
+            total += u64::try_from(n).unwrap_or(0);
             if n < PURGE_BATCH {
                 break;
             }
@@ -504,62 +709,31 @@ impl Outbox {
         Ok(total)
     }
 
-    /// What a dry run reports: the rows in `states` that match `filter`.
-    fn count_matching(
+    /// Deletes the finished rows of `target` that match `filter`, or with `dry_run` counts
+    /// them.
+    #[deprecated(
+        since = "0.2.0",
+        note = "use `purge(client, target.matching(filter))`, and `count` of the same for a dry run"
+    )]
+    pub fn purge_where(
         &self,
         client: &mut Client,
-        filter: &Filter,
-        states: &'static [&'static str],
-    ) -> Result<u64> {
-        let (keys, topic, error, age, states) = filter.params(states);
-        let n: i64 = client
-            .query_one(
-                &self.statements().count_where,
-                &[&keys, &topic, &error, &age, &states],
-            )
-            .map_err(|e| self.db_error(e))?
-            .get(0);
-        Ok(u64::try_from(n).unwrap_or(0))
-    }
-
-    fn purge_inbox_where(
-        &self,
-        client: &mut Client,
-        keys: Option<&[String]>,
-        age: Option<i64>,
+        target: Rows,
         filter: &Filter,
         dry_run: bool,
     ) -> Result<u64> {
-        let sql = self.statements();
-        let n: i64 = match (keys, age) {
-            (Some(keys), age) if dry_run => client
-                .query_one(&sql.count_inbox_keys, &[&keys, &age])
-                .map(|row| row.get(0)),
-            (Some(keys), age) => client
-                .execute(&sql.purge_inbox_keys, &[&keys, &age])
-                .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
-            (None, age) if dry_run => client
-                .query_one(&sql.count_inbox_older, &[&age.unwrap_or(0)])
-                .map(|row| row.get(0)),
-            (None, _) => {
-                let older_than = filter.older_than.unwrap_or(Duration::ZERO);
-                return self.purge_inbox(client, older_than);
-            }
+        if !dry_run {
+            return self.purge(client, target.matching(filter));
         }
-        .map_err(|e| self.db_error(e))?;
-        Ok(u64::try_from(n).unwrap_or(0))
-    }
-
-    /// Deletes finished rows (or dedupe records) older than a cutoff, in batches of 1,000
-    /// rows each committed on its own so no statement holds locks for long; returns how
-    /// many. Pending rows are never touched.
-    pub fn purge(&self, client: &mut Client, which: Purge) -> Result<u64> {
-        let (target, older_than) = match which {
-            Purge::Sent { older_than } => (PurgeTarget::Sent, older_than),
-            Purge::Dead { older_than } => (PurgeTarget::Dead, older_than),
-            Purge::Inbox { older_than } => return self.purge_inbox(client, older_than),
+        if filter.parked == Some(true) {
+            // What the purge itself would say.
+            return self.purge(client, target.matching(filter));
+        }
+        let filter = match target {
+            Rows::Dead => filter.clone().unparked(),
+            _ => filter.clone(),
         };
-        self.purge_where(client, target, &Filter::new().older_than(older_than), false)
+        self.count(client, target.matching(filter))
     }
 
     /// The inbox has no index on processed_at (every dedupe would pay for one): walk the

@@ -11,7 +11,7 @@ use postgres::{Client, GenericClient, Transaction};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-use crate::retry::RetryPolicy;
+use crate::retry::Retry;
 use crate::sql::{Statements, MIGRATIONS};
 use crate::table::{quote, TableName};
 
@@ -41,7 +41,7 @@ struct Inner {
     table: TableName,
     notify: bool,
     lease: Duration,
-    retry: RetryPolicy,
+    retry: Retry,
     park: bool,
     sql: Statements,
 }
@@ -74,7 +74,7 @@ pub struct OutboxBuilder {
     table: String,
     notify: bool,
     lease: Duration,
-    retry: RetryPolicy,
+    retry: Retry,
     park: bool,
 }
 
@@ -84,7 +84,7 @@ impl Default for OutboxBuilder {
             table: "outbox".to_owned(),
             notify: true,
             lease: Duration::from_secs(30),
-            retry: RetryPolicy::default(),
+            retry: Retry::default(),
             park: false,
         }
     }
@@ -112,16 +112,25 @@ impl OutboxBuilder {
         self
     }
 
-    /// Attempts before a row is dead-lettered, unless the message sets its own (default 10).
+    /// Attempts and backoff for [`Outbox::process`], and the start of every relay's
+    /// (default [`Retry::default`]: 10 attempts, 500 ms up to 300 s); a message may set its
+    /// own attempt limit.
+    pub fn retry(mut self, retry: Retry) -> OutboxBuilder {
+        self.retry = retry;
+        self
+    }
+
+    /// Attempts before a row is dead-lettered, unless the message sets its own (default
+    /// 10): the attempt part of [`retry`](OutboxBuilder::retry).
     pub fn max_attempts(mut self, max_attempts: u32) -> OutboxBuilder {
         self.retry.max_attempts = max_attempts;
         self
     }
 
-    /// The first retry delay and the cap of the exponential backoff (default 500 ms, 300 s).
+    /// The first retry delay and the cap of the exponential backoff (default 500 ms, 300 s):
+    /// the backoff part of [`retry`](OutboxBuilder::retry).
     pub fn backoff(mut self, min: Duration, max: Duration) -> OutboxBuilder {
-        self.retry.backoff_min = min;
-        self.retry.backoff_max = max;
+        self.retry = self.retry.backoff(min, max);
         self
     }
 
@@ -167,7 +176,7 @@ pub(crate) fn check_lease(lease: Duration) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn check_retry(retry: &RetryPolicy) -> Result<()> {
+pub(crate) fn check_retry(retry: &Retry) -> Result<()> {
     if retry.max_attempts == 0 || retry.max_attempts > i32::MAX as u32 {
         return Err(Error::InvalidConfig(format!(
             "max_attempts must be at least 1, got {}",
@@ -246,7 +255,7 @@ impl Outbox {
         self.inner.lease
     }
 
-    pub(crate) fn retry(&self) -> RetryPolicy {
+    pub(crate) fn retry(&self) -> Retry {
         self.inner.retry
     }
 

@@ -21,6 +21,8 @@ pub(crate) type Connect = dyn Fn() -> Result<Client, postgres::Error> + Send + S
 /// A pool of PostgreSQL connections, whatever its TLS connector.
 pub(crate) trait Pool: Send + Sync {
     fn get(&self) -> Result<Pooled>;
+    /// A connection within `timeout`, rather than the pool's own connection timeout.
+    fn get_timeout(&self, timeout: Duration) -> Result<Pooled>;
     fn max_size(&self) -> u32;
 }
 
@@ -33,6 +35,10 @@ where
 {
     fn get(&self) -> Result<Pooled> {
         Ok(Box::new(r2d2::Pool::get(self)?))
+    }
+
+    fn get_timeout(&self, timeout: Duration) -> Result<Pooled> {
+        Ok(Box::new(r2d2::Pool::get_timeout(self, timeout)?))
     }
 
     fn max_size(&self) -> u32 {
@@ -97,6 +103,85 @@ impl DerefMut for Dedicated {
     }
 }
 
+/// Where a [`Relay`](crate::Relay) or a `rabbitmq::Consumer` gets its database connections:
+/// an r2d2 pool, or connections of its own. Either is handed over the same way, to
+/// [`RelayConfig::new`](crate::RelayConfig::new) or `rabbitmq::Consumer::spawn`; a pool
+/// converts by itself.
+///
+/// [`Connections::open`] is what production wants: each thread keeps a connection of its
+/// own, opened with TCP keepalives (probes after 10 s idle, every 5 s, three of them),
+/// `tcp_user_timeout` 30 s and a 10 s connect timeout unless the `Config` is stricter, so a
+/// dead or half-open database connection is noticed within about 30 s and replaced. From
+/// a pool, those TCP settings are whatever the pool's `Config` has, and the pool must hold
+/// a connection for each thread that keeps one.
+///
+/// ```no_run
+/// use postgres::NoTls;
+/// use postgres_outbox::{publisher_fn, Connections, Outbox, RelayConfig};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let connections = Connections::open("postgres://app@db/app".parse()?, NoTls);
+/// let config = RelayConfig::new(Outbox::new("orders_outbox")?, connections, || {
+///     Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())))
+/// });
+/// # let _ = config;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Connections {
+    pub(crate) source: Source,
+}
+
+impl Connections {
+    /// Connections checked out of `pool` (and returned with their session settings reset).
+    pub fn pool<T>(pool: r2d2::Pool<PostgresConnectionManager<T>>) -> Connections
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        Connections {
+            source: Source::Pool(Arc::new(pool)),
+        }
+    }
+
+    /// Connections opened from `config` with `tls`, one per thread that needs one, outside
+    /// any pool, with the liveness settings above.
+    pub fn open<T>(config: postgres::Config, tls: T) -> Connections
+    where
+        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+        T::Stream: Send,
+        T::TlsConnect: Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+        Connections {
+            source: Source::Own(connector(config, tls)),
+        }
+    }
+}
+
+impl<T> From<r2d2::Pool<PostgresConnectionManager<T>>> for Connections
+where
+    T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
+    T::Stream: Send,
+    T::TlsConnect: Send,
+    <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+{
+    fn from(pool: r2d2::Pool<PostgresConnectionManager<T>>) -> Connections {
+        Connections::pool(pool)
+    }
+}
+
+impl std::fmt::Debug for Connections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.source {
+            Source::Pool(pool) => write!(f, "Connections::pool(max_size {})", pool.max_size()),
+            Source::Own(_) => f.write_str("Connections::open(..)"),
+        }
+    }
+}
+
 /// Where a session's connections come from.
 #[derive(Clone)]
 pub(crate) enum Source {
@@ -112,8 +197,24 @@ impl Source {
         }
     }
 
+    /// A connection within `timeout` at most, for a check at start-up.
+    pub(crate) fn connect_within(&self, timeout: Duration) -> Result<Pooled> {
+        match self {
+            Source::Pool(pool) => pool.get_timeout(timeout),
+            Source::Own(_) => self.connect(),
+        }
+    }
+
     pub(crate) fn is_pool(&self) -> bool {
         matches!(self, Source::Pool(_))
+    }
+
+    /// The pool's size, if the connections come from a pool.
+    pub(crate) fn pool_size(&self) -> Option<u32> {
+        match self {
+            Source::Pool(pool) => Some(pool.max_size()),
+            Source::Own(_) => None,
+        }
     }
 }
 

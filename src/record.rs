@@ -35,15 +35,27 @@ pub struct Record {
 }
 
 impl Record {
-    /// A first-attempt record with an empty payload, keyed by its id.
-    #[cfg(test)]
-    pub(crate) fn for_tests(id: i64, topic: &str, aggregate: Option<&str>) -> Record {
+    /// A record as the relay would hand it over on the first attempt, for a unit test of
+    /// your own [`Publisher`](crate::Publisher) or handler: id 1, no aggregate key, content
+    /// type or headers, attempt 1, enqueued now. Its fields are public, so a test sets
+    /// what it needs:
+    ///
+    /// ```
+    /// use postgres_outbox::Record;
+    /// let mut record = Record::new("order-7-paid", "order.paid", b"{}".to_vec());
+    /// record.aggregate_key = Some("order-7".into());
+    /// record.attempt = 3;
+    /// assert_eq!(record.topic, "order.paid");
+    /// ```
+    ///
+    /// The relay only hands over records it claimed; one made here was never in a table.
+    pub fn new(key: impl Into<String>, topic: impl Into<String>, payload: Vec<u8>) -> Record {
         Record {
-            id,
-            key: id.to_string(),
+            id: 1,
+            key: key.into(),
             topic: topic.into(),
-            aggregate_key: aggregate.map(str::to_owned),
-            payload: Vec::new(),
+            aggregate_key: None,
+            payload,
             content_type: None,
             headers: Vec::new(),
             attempt: 1,
@@ -51,6 +63,16 @@ impl Record {
             created_at: SystemTime::now(),
             lease: None,
             park: None,
+        }
+    }
+
+    /// A first-attempt record with an empty payload, keyed by its id.
+    #[cfg(test)]
+    pub(crate) fn for_tests(id: i64, topic: &str, aggregate: Option<&str>) -> Record {
+        Record {
+            id,
+            aggregate_key: aggregate.map(str::to_owned),
+            ..Record::new(id.to_string(), topic, Vec::new())
         }
     }
 

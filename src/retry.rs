@@ -34,17 +34,34 @@ impl Outcome {
     }
 }
 
-/// Attempt limit and capped exponential backoff with jitter.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RetryPolicy {
+/// How often a message is tried, and how long to wait between tries: one value for the
+/// three ways to consume an outbox, [`RelayConfig::retry`](crate::RelayConfig::retry),
+/// [`OutboxBuilder::retry`](crate::OutboxBuilder::retry) (which [`Outbox::process`](crate::Outbox::process)
+/// uses) and, with the `rabbitmq` feature, `rabbitmq::ConsumerConfig::retry`.
+///
+/// A message that fails its last attempt is dead (a dead letter); before that, each failure
+/// waits a capped exponential backoff with jitter: the `n`th retry waits between half and
+/// all of `min x 2^(n-1)`, at most `max`. Failures that are the world's (an outage of the
+/// broker or the database) are never counted, however long they last.
+///
+/// ```
+/// use std::time::Duration;
+/// use postgres_outbox::Retry;
+/// let retry = Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60));
+/// assert_eq!(retry.max_attempts(), 5);
+/// assert_eq!(Retry::default().max_attempts(), 10);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retry {
     pub(crate) max_attempts: u32,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
 }
 
-impl Default for RetryPolicy {
-    fn default() -> RetryPolicy {
-        RetryPolicy {
+/// 10 attempts, backing off from 500 ms up to 300 s: the relay's and `process`'s defaults.
+impl Default for Retry {
+    fn default() -> Retry {
+        Retry {
             max_attempts: 10,
             backoff_min: Duration::from_millis(500),
             backoff_max: Duration::from_secs(300),
@@ -52,7 +69,35 @@ impl Default for RetryPolicy {
     }
 }
 
-impl RetryPolicy {
+impl Retry {
+    /// At most `max_attempts` tries (1 to `i32::MAX`), with the default backoff (500 ms up to
+    /// 300 s). Checked when the relay, outbox or consumer using it is built.
+    pub fn new(max_attempts: u32) -> Retry {
+        Retry {
+            max_attempts,
+            ..Retry::default()
+        }
+    }
+
+    /// The first retry's delay and the cap of the exponential backoff (`0 < min <= max`).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> Retry {
+        self.backoff_min = min;
+        self.backoff_max = max;
+        self
+    }
+
+    /// The most tries a message gets.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The first retry's delay and the backoff's cap.
+    pub fn backoff_range(&self) -> (Duration, Duration) {
+        (self.backoff_min, self.backoff_max)
+    }
+}
+
+impl Retry {
     /// Dead when the error is permanent or the record used its last attempt; otherwise a
     /// retry after a backoff. The delay is relative: the database adds it to its own `now()`.
     /// Logs the failure: a dead letter at error level (saying whether it parks its aggregate,
@@ -79,7 +124,7 @@ impl RetryPolicy {
         } else {
             log::warn!("outbox {table}: {key} failed (attempt {attempt}): {error}");
             Outcome::Retry {
-                delay: self.backoff(attempt),
+                delay: self.delay(attempt),
                 error,
             }
         }
@@ -87,7 +132,7 @@ impl RetryPolicy {
 
     /// "Equal jitter": half the capped exponential delay, plus a random part of the other
     /// half, so retries of a burst spread out but never come sooner than half the schedule.
-    pub(crate) fn backoff(&self, attempt: u32) -> Duration {
+    pub(crate) fn delay(&self, attempt: u32) -> Duration {
         let exp = attempt.saturating_sub(1).min(31);
         let full = self
             .backoff_min
@@ -122,17 +167,17 @@ mod tests {
 
     #[test]
     fn backoff_grows_and_is_capped() {
-        let p = RetryPolicy {
+        let p = Retry {
             max_attempts: 5,
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(1),
         };
         for _ in 0..100 {
-            let first = p.backoff(1);
+            let first = p.delay(1);
             assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
-            let third = p.backoff(3);
+            let third = p.delay(3);
             assert!(third >= Duration::from_millis(200) && third <= Duration::from_millis(400));
-            let late = p.backoff(40);
+            let late = p.delay(40);
             assert!(late >= Duration::from_millis(500) && late <= Duration::from_secs(1));
         }
     }

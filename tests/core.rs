@@ -12,8 +12,8 @@ use postgres::error::SqlState;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Transaction};
 use postgres_outbox::{
-    Error, Filter, HandlerError, Message, Outbox, ProcessReport, Purge, PurgeTarget, Redrive,
-    MAX_INDEXED_KEY, MAX_SHORT_STRING,
+    Error, Filter, HandlerError, Message, Outbox, ProcessReport, Rows, MAX_INDEXED_KEY,
+    MAX_SHORT_STRING,
 };
 
 type TestResult = Result<(), Box<dyn StdError>>;
@@ -1116,14 +1116,20 @@ fn purge_sent_leaves_pending_and_dead_rows() -> TestResult {
 
     let hour = Duration::from_secs(3600);
     assert_eq!(
-        outbox.purge(&mut client, Purge::Sent { older_than: hour })?,
+        outbox.purge(
+            &mut client,
+            Rows::Sent.matching(Filter::new().older_than(hour))
+        )?,
         0
     );
     assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 3);
 
     let zero = Duration::ZERO;
     assert_eq!(
-        outbox.purge(&mut client, Purge::Sent { older_than: zero })?,
+        outbox.purge(
+            &mut client,
+            Rows::Sent.matching(Filter::new().older_than(zero))
+        )?,
         3
     );
     assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 0);
@@ -1144,12 +1150,18 @@ fn purge_dead_leaves_pending_and_sent_rows() -> TestResult {
 
     let hour = Duration::from_secs(3600);
     assert_eq!(
-        outbox.purge(&mut client, Purge::Dead { older_than: hour })?,
+        outbox.purge(
+            &mut client,
+            Rows::Dead.matching(Filter::new().older_than(hour))
+        )?,
         0
     );
     let zero = Duration::ZERO;
     assert_eq!(
-        outbox.purge(&mut client, Purge::Dead { older_than: zero })?,
+        outbox.purge(
+            &mut client,
+            Rows::Dead.matching(Filter::new().older_than(zero))
+        )?,
         2
     );
     assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 0);
@@ -1176,7 +1188,10 @@ fn purge_deletes_more_than_one_batch() -> TestResult {
 
     let zero = Duration::ZERO;
     assert_eq!(
-        outbox.purge(&mut client, Purge::Sent { older_than: zero })?,
+        outbox.purge(
+            &mut client,
+            Rows::Sent.matching(Filter::new().older_than(zero))
+        )?,
         N as u64
     );
     assert_eq!(count(&mut client, &outbox, "true"), 1);
@@ -1310,7 +1325,7 @@ fn dead_letters_come_oldest_first_with_their_error() -> TestResult {
     enqueue_keys(&outbox, &mut client, SEND, &["ok"])?;
     assert_eq!(settle(&outbox, &mut client)?, (1, 3));
     // "a" dies again, last: now it is the newest dead letter although its id is the oldest.
-    assert_eq!(outbox.redrive(&mut client, Redrive::Keys(&["a"]))?, 1);
+    assert_eq!(outbox.redrive(&mut client, Filter::new().key("a"))?, 1);
     assert_eq!(settle(&outbox, &mut client)?, (0, 1));
 
     let keys = |letters: &[postgres_outbox::DeadLetter]| -> Vec<String> {
@@ -1343,7 +1358,10 @@ fn redrive_revives_the_chosen_keys_then_all() -> TestResult {
     assert_eq!(settle(&outbox, &mut client)?, (1, 3));
 
     // "ok" is sent, not dead: a redrive by key leaves it alone.
-    assert_eq!(outbox.redrive(&mut client, Redrive::Keys(&["b", "ok"]))?, 1);
+    assert_eq!(
+        outbox.redrive(&mut client, Filter::new().keys(["b", "ok"]))?,
+        1
+    );
     assert_eq!(row_state(&mut client, &outbox, "b"), ("pending".into(), 0));
     assert_eq!(row_state(&mut client, &outbox, "a"), ("dead".into(), 1));
     assert_eq!(row_state(&mut client, &outbox, "c"), ("dead".into(), 1));
@@ -1351,12 +1369,12 @@ fn redrive_revives_the_chosen_keys_then_all() -> TestResult {
     let stats = outbox.stats(&mut client)?;
     assert_eq!((stats.pending, stats.due, stats.dead), (1, 1, 2));
 
-    assert_eq!(outbox.redrive(&mut client, Redrive::All)?, 2);
+    assert_eq!(outbox.redrive(&mut client, Filter::new())?, 2);
     for key in ["a", "b", "c"] {
         assert_eq!(row_state(&mut client, &outbox, key), ("pending".into(), 0));
     }
     assert_eq!(row_state(&mut client, &outbox, "ok"), ("sent".into(), 1));
-    assert_eq!(outbox.redrive(&mut client, Redrive::All)?, 0);
+    assert_eq!(outbox.redrive(&mut client, Filter::new())?, 0);
     let stats = outbox.stats(&mut client)?;
     assert_eq!((stats.pending, stats.due, stats.dead), (3, 3, 0));
 
@@ -1403,11 +1421,14 @@ fn never_migrated(outbox: &Outbox) {
     drop(tx);
     assert_not_migrated(outbox, outbox.stats(&mut client));
     assert_not_migrated(outbox, outbox.dead_letters(&mut client, 10));
-    assert_not_migrated(outbox, outbox.redrive(&mut client, Redrive::All));
+    assert_not_migrated(outbox, outbox.redrive(&mut client, Filter::new()));
     let older_than = Duration::ZERO;
     assert_not_migrated(
         outbox,
-        outbox.purge(&mut client, Purge::Sent { older_than }),
+        outbox.purge(
+            &mut client,
+            Rows::Sent.matching(Filter::new().older_than(older_than)),
+        ),
     );
     assert_not_migrated(outbox, outbox.process(&mut client, 1, |_, _| Ok(())));
 }
@@ -1437,7 +1458,7 @@ fn database_errors_show_their_sqlstate() -> TestResult {
     let e = outbox.enqueue(&mut tx, Message::new("t", "p")).unwrap_err();
     assert!(e.is_not_migrated(), "{e}");
     drop(tx);
-    let e = outbox.redrive(&mut client, Redrive::All).unwrap_err();
+    let e = outbox.redrive(&mut client, Filter::new()).unwrap_err();
     let e2 = outbox.dead_letters(&mut client, 10).unwrap_err();
     for e in [e, e2] {
         assert!(!e.is_not_migrated(), "{e}");
@@ -1667,11 +1688,14 @@ fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() 
     // A dry run counts what the purge then deletes.
     let old = Filter::new().older_than(day);
     assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Inbox, &old, true)?,
+        outbox.count(&mut client, Rows::Inbox.matching(&old))?,
         1_251
     );
     assert_eq!(
-        outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
+        outbox.purge(
+            &mut client,
+            Rows::Inbox.matching(Filter::new().older_than(day))
+        )?,
         1_251
     );
     let kept: Vec<String> = client
@@ -1692,7 +1716,10 @@ fn purge_inbox_deletes_old_dedupe_records_across_batches_and_keeps_fresh_ones() 
         .get(0);
     assert_eq!(old_left, 0);
     assert_eq!(
-        outbox.purge(&mut client, Purge::Inbox { older_than: day })?,
+        outbox.purge(
+            &mut client,
+            Rows::Inbox.matching(Filter::new().older_than(day))
+        )?,
         0
     );
     // A fresh record is still a duplicate; the outbox itself was not touched.
@@ -1737,15 +1764,15 @@ fn filters_select_exactly_the_dead_letters_they_name() -> TestResult {
         ),
     ];
     for (filter, want) in &cases {
-        let got = outbox.dead_letters_where(&mut client, filter, 100)?;
+        let got = outbox.dead_letters(&mut client, filter.clone().limit(100))?;
         assert_eq!(keys_of(&got), *want, "{filter:?}");
         // A dry run counts the same rows and changes nothing.
-        let n = outbox.redrive_where(&mut client, filter, true)?;
+        let n = outbox.count(&mut client, Rows::Dead.matching(filter))?;
         assert_eq!(n, want.len() as u64, "{filter:?}");
         assert_eq!(outbox.stats(&mut client)?.dead, 5);
     }
 
-    let groups = outbox.dead_letter_errors(&mut client, &Filter::new())?;
+    let groups = outbox.dead_letter_errors(&mut client, Filter::new())?;
     let summary: Vec<(Option<&str>, u64)> = groups
         .iter()
         .map(|g| (g.error.as_deref(), g.count))
@@ -1773,9 +1800,58 @@ fn filters_select_exactly_the_dead_letters_they_name() -> TestResult {
         .topic("orders")
         .error_contains("timeout")
         .older_than(week);
-    assert_eq!(outbox.redrive_where(&mut client, &filter, false)?, 1);
+    assert_eq!(outbox.redrive(&mut client, &filter)?, 1);
     assert_eq!(row_state(&mut client, &outbox, "d1"), ("pending".into(), 0));
     assert_eq!(outbox.stats(&mut client)?.dead, 4);
+    Ok(())
+}
+
+#[test]
+fn a_limit_only_lists_and_parking_only_narrows_dead_letters() -> TestResult {
+    let (outbox, mut client) = common::outbox("ops_limits");
+    common::operator_rows(&mut client, &outbox);
+    let before = count(&mut client, &outbox, "true");
+    let one = Filter::new().limit(1);
+    assert_eq!(outbox.dead_letters(&mut client, one.clone())?.len(), 1);
+    assert_eq!(
+        outbox.dead_letters(&mut client, 2)?.len(),
+        2,
+        "a number alone is a limit"
+    );
+    let refused = [
+        outbox.redrive(&mut client, one.clone()).unwrap_err(),
+        outbox.skip(&mut client, one.clone()).unwrap_err(),
+        outbox
+            .count(&mut client, Rows::Dead.matching(one.clone()))
+            .unwrap_err(),
+        outbox
+            .purge(&mut client, Rows::Sent.matching(one))
+            .unwrap_err(),
+        outbox
+            .purge(&mut client, Rows::Sent.matching(Filter::new().parked()))
+            .unwrap_err(),
+        outbox
+            .count(&mut client, Rows::Inbox.matching(Filter::new().unparked()))
+            .unwrap_err(),
+        outbox
+            .purge(&mut client, Rows::Dead.matching(Filter::new().parked()))
+            .unwrap_err(),
+        outbox
+            .skip(&mut client, Filter::new().unparked())
+            .unwrap_err(),
+    ];
+    for e in refused {
+        assert!(e.is_invalid_input(), "{e}");
+    }
+    assert_eq!(
+        count(&mut client, &outbox, "true"),
+        before,
+        "nothing changed"
+    );
+    // A purge of dead letters and the count that is its dry run agree.
+    let dead = Rows::Dead.matching(Filter::new().unparked());
+    let would = outbox.count(&mut client, dead.clone())?;
+    assert_eq!(outbox.purge(&mut client, dead)?, would);
     Ok(())
 }
 
@@ -1785,14 +1861,8 @@ fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
     common::operator_rows(&mut client, &outbox);
     let week = Duration::from_secs(7 * 24 * 3600);
     let old = Filter::new().older_than(week);
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Dead, &old, true)?,
-        2
-    );
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Sent, &old, true)?,
-        1
-    );
+    assert_eq!(outbox.count(&mut client, Rows::Dead.matching(&old))?, 2);
+    assert_eq!(outbox.count(&mut client, Rows::Sent.matching(&old))?, 1);
     assert_eq!(
         count(&mut client, &outbox, "true"),
         7,
@@ -1800,14 +1870,8 @@ fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
     );
 
     let bad = Filter::new().error_contains("bad");
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Dead, &bad, false)?,
-        1
-    );
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Sent, &old, false)?,
-        1
-    );
+    assert_eq!(outbox.purge(&mut client, Rows::Dead.matching(&bad))?, 1);
+    assert_eq!(outbox.purge(&mut client, Rows::Sent.matching(&old))?, 1);
     assert_eq!(
         outbox.stats(&mut client)?.sent,
         0,
@@ -1831,14 +1895,8 @@ fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
     }
     tx.commit()?;
     let two = Filter::new().key("m1").key("m3");
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Inbox, &two, true)?,
-        2
-    );
-    assert_eq!(
-        outbox.purge_where(&mut client, PurgeTarget::Inbox, &two, false)?,
-        2
-    );
+    assert_eq!(outbox.count(&mut client, Rows::Inbox.matching(&two))?, 2);
+    assert_eq!(outbox.purge(&mut client, Rows::Inbox.matching(&two))?, 2);
     let mut tx = client.transaction()?;
     assert!(
         outbox.dedupe(&mut tx, "billing", "m1")?,
@@ -1849,12 +1907,12 @@ fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
 
     // What cannot apply, or cannot be stored, is refused before any SQL.
     for (target, filter) in [
-        (PurgeTarget::Inbox, Filter::new().topic("orders")),
-        (PurgeTarget::Dead, Filter::new().key("")),
-        (PurgeTarget::Dead, Filter::new().error_contains("")),
+        (Rows::Inbox, Filter::new().topic("orders")),
+        (Rows::Dead, Filter::new().key("")),
+        (Rows::Dead, Filter::new().error_contains("")),
     ] {
         let e = outbox
-            .purge_where(&mut client, target, &filter, false)
+            .purge(&mut client, target.matching(&filter))
             .unwrap_err();
         assert!(e.is_invalid_input(), "{e}");
     }

@@ -328,8 +328,8 @@ fn the_consumer_reads_a_quorum_queue_and_dead_letters_into_a_quorum_queue() {
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "quorum")
             .dead_letter_queue_type(QueueType::Quorum)
-            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20))
-            .max_failures(2),
+            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .max_attempts(2),
         outbox,
         pool(1),
         move |_tx, delivery| {

@@ -134,8 +134,8 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
     let handler_table = table.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "logs")
-            .max_failures(2)
-            .retry_backoff(Duration::from_millis(5), Duration::from_millis(10)),
+            .max_attempts(2)
+            .backoff(Duration::from_millis(5), Duration::from_millis(10)),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {

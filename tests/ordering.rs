@@ -18,7 +18,7 @@ use common::{count, relay_config, row_state, wait_until, Sink};
 use postgres::error::SqlState;
 use postgres::Client;
 use postgres_outbox::{
-    Filter, HandlerError, Message, Outbox, PublishError, Record, Relay, RelayConfig,
+    Filter, HandlerError, Message, Outbox, PublishError, Record, Relay, RelayConfig, Rows,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -493,7 +493,7 @@ fn a_dead_message_parks_its_aggregate_and_a_redrive_sends_it_first() -> TestResu
         "{stats:?}"
     );
     assert!(stats.oldest_blocked_age.is_some());
-    let parked = outbox.dead_letters_where(&mut client, &Filter::new().parked(), 10)?;
+    let parked = outbox.dead_letters(&mut client, Filter::new().parked().limit(10))?;
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].record.key, "a-0");
     // Nothing moves however often the relay looks.
@@ -501,13 +501,10 @@ fn a_dead_message_parks_its_aggregate_and_a_redrive_sends_it_first() -> TestResu
 
     cured.store(true, Ordering::SeqCst);
     assert_eq!(
-        outbox.redrive_where(&mut client, &Filter::new().parked(), true)?,
+        outbox.count(&mut client, Rows::Dead.matching(Filter::new().parked()))?,
         1
     );
-    assert_eq!(
-        outbox.redrive_where(&mut client, &Filter::new().key("a-0"), false)?,
-        1
-    );
+    assert_eq!(outbox.redrive(&mut client, Filter::new().key("a-0"))?, 1);
     Relay::run_until_idle(&config)?;
     assert_eq!(sink.keys(), ["b-0", "a-0", "a-1", "a-2"]);
     let stats = outbox.stats(&mut client)?;
@@ -527,15 +524,12 @@ fn skipping_a_parked_message_lets_the_rest_go_and_leaves_it_dead() -> TestResult
     // A relay waiting for work is woken by the skip, not by its hourly poll.
     let relay = Relay::spawn(config.clone().poll_interval(Duration::from_secs(3600)))?;
     wait_until("the relay listens", || relay.is_listening());
+    assert_eq!(outbox.skip(&mut client, Filter::new().key("b-0"))?, 0);
     assert_eq!(
-        outbox.skip(&mut client, &Filter::new().key("b-0"), false)?,
-        0
-    );
-    assert_eq!(outbox.skip(&mut client, &Filter::new(), true)?, 1);
-    assert_eq!(
-        outbox.skip(&mut client, &Filter::new().key("a-0"), false)?,
+        outbox.count(&mut client, Rows::Dead.matching(Filter::new().parked()))?,
         1
     );
+    assert_eq!(outbox.skip(&mut client, Filter::new().key("a-0"))?, 1);
     wait_until("the rest is published", || sink.len() == 3);
     relay.shutdown(Duration::from_secs(10))?;
     assert_eq!(sink.keys(), ["b-0", "a-1", "a-2"]);
@@ -545,7 +539,7 @@ fn skipping_a_parked_message_lets_the_rest_go_and_leaves_it_dead() -> TestResult
     // Skipped, it is an ordinary dead letter: purged like one, redriven like one.
     assert_eq!(
         outbox
-            .dead_letters_where(&mut client, &Filter::new().parked(), 10)?
+            .dead_letters(&mut client, Filter::new().parked().limit(10))?
             .len(),
         0
     );
@@ -644,13 +638,10 @@ fn process_parks_too_and_purge_leaves_parked_letters_alone() -> TestResult {
     assert_eq!(handled, ["b-0"]);
     assert_eq!(row_state(&mut client, &outbox, "a-0").0, "parked");
 
-    let purge = postgres_outbox::PurgeTarget::Dead;
-    assert_eq!(
-        outbox.purge_where(&mut client, purge, &Filter::new(), false)?,
-        0
-    );
+    let purge = postgres_outbox::Rows::Dead;
+    assert_eq!(outbox.purge(&mut client, purge.matching(Filter::new()))?, 0);
     let e = outbox
-        .purge_where(&mut client, purge, &Filter::new().parked(), false)
+        .purge(&mut client, purge.matching(Filter::new().parked()))
         .unwrap_err();
     assert!(e.is_invalid_input(), "{e}");
     assert_eq!(row_state(&mut client, &outbox, "a-0").0, "parked");

@@ -423,8 +423,8 @@ fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "fails")
-            .max_failures(3)
-            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .max_attempts(3)
+            .backoff(Duration::from_millis(10), Duration::from_millis(20))
             .dead_letter_exchange(),
         outbox.clone(),
         pool(2),
@@ -569,7 +569,7 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
     let calls = Arc::new(AtomicUsize::new(0));
     let (handler_table, handler_calls) = (table.clone(), calls.clone());
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "outage").max_failures(2),
+        ConsumerConfig::new(&amqp_url(), &queue, "outage").max_attempts(2),
         outbox,
         pool,
         move |tx, delivery| {
@@ -746,8 +746,8 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
     let counts = ConsumerCounts::default();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "metered")
-            .max_failures(2)
-            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .max_attempts(2)
+            .backoff(Duration::from_millis(10), Duration::from_millis(20))
             .metrics(counts.clone()),
         outbox,
         pool(2),
@@ -806,8 +806,8 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
         let calls = calls.clone();
         Consumer::spawn(
             ConsumerConfig::new(&amqp_url(), &queue, "poisoned")
-                .max_failures(3)
-                .retry_backoff(backoff, backoff * 2),
+                .max_attempts(3)
+                .backoff(backoff, backoff * 2),
             outbox.clone(),
             pool(1),
             move |_tx, _delivery| {
@@ -867,8 +867,8 @@ fn retries_back_off_exponentially() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "backoff")
-            .max_failures(10)
-            .retry_backoff(Duration::from_millis(200), Duration::from_secs(10)),
+            .max_attempts(10)
+            .backoff(Duration::from_millis(200), Duration::from_secs(10)),
         outbox,
         pool(1),
         move |_tx, _delivery| {
@@ -940,7 +940,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
         ConsumerConfig::new(&amqp_url(), &queue, "ordered")
             .prefetch(16)
             .concurrency(concurrency)
-            .retry_backoff(Duration::from_millis(20), Duration::from_millis(50)),
+            .backoff(Duration::from_millis(20), Duration::from_millis(50)),
         outbox,
         pool(concurrency as u32),
         move |tx, delivery| {
@@ -1005,8 +1005,8 @@ fn a_failing_aggregate_holds_only_itself() {
     let (handler_release, handler_handled) = (release.clone(), handled.clone());
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "holds")
-            .max_failures(u32::MAX)
-            .retry_backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .max_attempts(i32::MAX as u32)
+            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
         outbox,
         pool(1),
         move |_tx, delivery| {
@@ -1050,7 +1050,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         // One failure would dead-letter it.
-        ConsumerConfig::new(&amqp_url(), &queue, "cut").max_failures(1),
+        ConsumerConfig::new(&amqp_url(), &queue, "cut").max_attempts(1),
         outbox,
         pool(2),
         move |tx, _delivery| {
@@ -1115,11 +1115,11 @@ fn consumer_settings_that_cannot_work_are_refused_before_connecting() {
         (config().prefetch(0), 1, "prefetch"),
         (config().concurrency(0), 1, "concurrency"),
         (config().concurrency(3), 2, "pool"),
-        (config().max_failures(0), 1, "max_failures"),
+        (config().max_attempts(0), 1, "max_attempts"),
         (
-            config().retry_backoff(Duration::from_secs(2), Duration::from_secs(1)),
+            config().backoff(Duration::from_secs(2), Duration::from_secs(1)),
             1,
-            "retry_backoff",
+            "backoff",
         ),
         (config().dead_letter_queue("q"), 1, "dead-letter"),
         (config().dead_letter_queue(""), 1, "dead-letter"),

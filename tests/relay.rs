@@ -20,8 +20,8 @@ use common::{
 };
 use postgres::Client;
 use postgres_outbox::{
-    publisher_fn, HandlerError, Message, Metrics, Outbox, PublishError, Publisher, Record, Redrive,
-    Relay, RelayConfig,
+    publisher_fn, Connections, Filter, HandlerError, Message, Metrics, Outbox, PublishError,
+    Publisher, Record, Relay, RelayConfig, Retry,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
     assert_eq!(dead[0].record.attempt, 3);
     assert_eq!(dead[0].last_error.as_deref(), Some("broker says no"));
 
-    assert_eq!(outbox.redrive(&mut client, Redrive::All).unwrap(), 1);
+    assert_eq!(outbox.redrive(&mut client, Filter::new()).unwrap(), 1);
     assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 0));
     assert!(outbox.dead_letters(&mut client, 10).unwrap().is_empty());
 
@@ -1258,9 +1258,12 @@ fn spawn_rejects_a_small_pool_and_an_unmigrated_table() {
     let err =
         Relay::spawn(relay_config_with_pool(&outbox, 3, sink.collect()).notify(false)).unwrap_err();
     assert!(err.to_string().contains("pool"), "{err}");
-    // Connections of its own need none from the pool.
-    let own = relay_config_with_pool(&outbox, 1, sink.collect())
-        .connections(common::database_url().parse().unwrap(), postgres::NoTls);
+    // Connections of its own need none from a pool.
+    let own = common::relay_config_with(
+        &outbox,
+        Connections::open(common::database_url().parse().unwrap(), postgres::NoTls),
+        sink.collect(),
+    );
     Relay::spawn(own)
         .unwrap()
         .shutdown(Duration::from_secs(10))
@@ -2099,4 +2102,33 @@ fn transient_failures_of_a_publisher_that_then_breaks_cost_no_attempt() {
         5
     );
     assert_eq!(fails.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn one_retry_value_sets_attempts_and_backoff_for_the_outbox_and_the_relay() {
+    let refused = Outbox::builder()
+        .table(common::unique_name("rl_retry_bad"))
+        .retry(Retry::new(0))
+        .build()
+        .unwrap_err();
+    assert!(refused.to_string().contains("max_attempts"), "{refused}");
+
+    let (outbox, mut client) = common::outbox("rl_retry");
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", "x").key("r1"))
+        .unwrap();
+    tx.commit().unwrap();
+    let config = relay_config(&outbox, |_| Err(PublishError::transient("injected: no")))
+        .retry(Retry::new(2).backoff(Duration::from_millis(1), Duration::from_millis(2)));
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    assert_eq!(row_state(&mut client, &outbox, "r1"), ("pending".into(), 1));
+    wait_until("the retry is due", || {
+        Relay::run_once(&config).unwrap() == 1
+    });
+    assert_eq!(row_state(&mut client, &outbox, "r1"), ("dead".into(), 2));
+
+    let refused = Relay::spawn(config.retry(Retry::new(3).backoff(Duration::ZERO, Duration::ZERO)))
+        .unwrap_err();
+    assert!(refused.to_string().contains("backoff"), "{refused}");
 }

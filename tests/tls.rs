@@ -21,7 +21,7 @@ use native_tls::{Certificate, TlsConnector};
 use postgres::config::{Host, SslMode};
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
-use postgres_outbox::{publisher_fn, Message, Outbox, Record, Relay, RelayConfig};
+use postgres_outbox::{publisher_fn, Connections, Message, Outbox, Record, Relay, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 const CA_VAR: &str = "OUTBOX_TEST_PG_TLS_CA";
@@ -144,15 +144,17 @@ fn relay_over_tls(prefix: &str, own: bool) {
 
     let sink = Sink::default();
     let publish = Arc::new(sink.collect());
-    let mut config = RelayConfig::new(outbox.clone(), pool.clone(), move || {
+    let connections = if own {
+        Connections::open(tls_config(), tls())
+    } else {
+        Connections::pool(pool.clone())
+    };
+    let config = RelayConfig::new(outbox.clone(), connections, move || {
         let publish = publish.clone();
         Ok::<_, Infallible>(publisher_fn(move |record: &Record| publish(record)))
     })
     .concurrency(WORKERS)
     .poll_interval(Duration::from_millis(100));
-    if own {
-        config = config.connections(tls_config(), tls());
-    }
     let relay = Relay::spawn(config).expect("spawn the relay over TLS");
 
     let mut observer = common::client();

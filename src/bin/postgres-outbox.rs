@@ -17,8 +17,7 @@ use postgres::config::SslMode;
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, RabbitPublisher};
-use postgres_outbox::{Filter, Outbox, PurgeTarget, Relay, RelayConfig};
-use r2d2_postgres::PostgresConnectionManager;
+use postgres_outbox::{Connections, Filter, Outbox, Relay, RelayConfig, Rows};
 use serde_json::{json, Value};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
@@ -301,14 +300,24 @@ fn run(cli: Cli) -> Result<()> {
         Command::Redrive {
             filter, dry_run, ..
         } => {
-            let n = outbox.redrive_where(&mut client, &filter.build(), dry_run)?;
+            let filter = filter.build();
+            let n = if dry_run {
+                outbox.count(&mut client, Rows::Dead.matching(filter))?
+            } else {
+                outbox.redrive(&mut client, filter)?
+            };
             let verb = if dry_run { "would redrive" } else { "redrove" };
             println!("{verb} {n} dead letters");
         }
         Command::Skip {
             filter, dry_run, ..
         } => {
-            let n = outbox.skip(&mut client, &filter.build(), dry_run)?;
+            let filter = filter.build();
+            let n = if dry_run {
+                outbox.count(&mut client, Rows::Dead.matching(filter.parked()))?
+            } else {
+                outbox.skip(&mut client, filter)?
+            };
             let verb = if dry_run { "would skip" } else { "skipped" };
             println!("{verb} {n} parked dead letters");
         }
@@ -322,12 +331,20 @@ fn run(cli: Cli) -> Result<()> {
             if let What::Inbox = what {
                 check_inbox_window(&filter, force);
             }
-            let (target, noun) = match what {
-                What::Sent => (PurgeTarget::Sent, "sent rows"),
-                What::Dead => (PurgeTarget::Dead, "dead letters"),
-                What::Inbox => (PurgeTarget::Inbox, "dedupe records"),
+            let (rows, noun) = match what {
+                What::Sent => (Rows::Sent, "sent rows"),
+                What::Dead => (Rows::Dead, "dead letters"),
+                What::Inbox => (Rows::Inbox, "dedupe records"),
             };
-            let n = outbox.purge_where(&mut client, target, &filter.build(), dry_run)?;
+            // --parked: the purge refuses it, dry run or not, before touching a row.
+            let refused = filter.parked;
+            let filter = filter.build();
+            let n = match rows {
+                _ if !dry_run || refused => outbox.purge(&mut client, rows.matching(filter))?,
+                // A purge leaves parked dead letters alone, so its dry run does too.
+                Rows::Dead => outbox.count(&mut client, rows.matching(filter.unparked()))?,
+                _ => outbox.count(&mut client, rows.matching(filter))?,
+            };
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
         }
@@ -518,7 +535,7 @@ fn dead(
     limit: usize,
     as_json: bool,
 ) -> Result<()> {
-    let letters = outbox.dead_letters_where(client, filter, limit)?;
+    let letters = outbox.dead_letters(client, filter.clone().limit(limit))?;
     if as_json {
         let rows: Vec<Value> = letters
             .iter()
@@ -594,21 +611,15 @@ fn relay(
     args: RelayArgs,
 ) -> Result<()> {
     let drain = duration("--drain-timeout", &args.drain_timeout)?;
-    // Connections of the relay's own, with keepalives; the pool only serves the start-up
-    // check.
-    let manager = PostgresConnectionManager::new(database.clone(), tls.clone());
-    let pool = r2d2::Pool::builder()
-        .max_size(1)
-        .min_idle(Some(0))
-        .build(manager)?;
     let endpoints = Endpoints::parse(&args.amqp_url)?.shuffle(args.amqp_shuffle);
     let exchange = args.exchange;
     // Fail fast on a wrong broker or exchange, before taking rows.
     RabbitPublisher::connect_to(&endpoints, &exchange)?.close();
-    let mut config = RelayConfig::new(outbox.clone(), pool, move || {
+    // Connections of the relay's own, with keepalives.
+    let connections = Connections::open(database, tls);
+    let mut config = RelayConfig::new(outbox.clone(), connections, move || {
         RabbitPublisher::connect_to(&endpoints, &exchange)
     })
-    .connections(database, tls)
     .drain_timeout(drain);
     if let Some(n) = args.batch_size {
         config = config.batch_size(n);

@@ -33,6 +33,9 @@ pub enum Error {
     InvalidUrl(String),
     /// A name or setting the broker cannot carry, or that cannot work.
     InvalidName(String),
+    /// A setting that cannot work (a prefetch, a concurrency the pool cannot serve, a retry
+    /// policy); the text names the setting.
+    InvalidConfig(String),
     /// No connection could be made.
     Connect {
         /// What was being done, and with which host (never the password).
@@ -76,6 +79,7 @@ impl fmt::Display for Error {
         match self {
             Error::InvalidUrl(why) => write!(f, "invalid AMQP URL: {why}"),
             Error::InvalidName(why) => write!(f, "invalid name: {why}"),
+            Error::InvalidConfig(why) => write!(f, "invalid configuration: {why}"),
             Error::Connect { what, source } => {
                 write!(f, "cannot connect to RabbitMQ: {what}")?;
                 cause(f, source)

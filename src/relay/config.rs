@@ -7,14 +7,13 @@ use std::time::Duration;
 
 use postgres::tls::{MakeTlsConnect, TlsConnect};
 use postgres::Socket;
-use r2d2_postgres::PostgresConnectionManager;
 
 use crate::error::{Error, Result};
 use crate::metrics::{Guarded, Metrics, NoMetrics};
 use crate::outbox::{check_lease, check_retry, Outbox};
-use crate::pool::{connector, Connect, Pool, Source};
+use crate::pool::{connector, Connect, Connections, Source};
 use crate::publish::Publisher;
-use crate::retry::RetryPolicy;
+use crate::retry::Retry;
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;
@@ -22,8 +21,9 @@ pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Sen
 /// The default [`RelayConfig::max_in_flight_bytes`]: 64 MiB.
 pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 
-/// How a [`Relay`](crate::Relay) runs: which outbox, which pool, how to build publishers, and
-/// its batching, leasing and retry settings. Consuming setters, like `r2d2::Builder`.
+/// How a [`Relay`](crate::Relay) runs: which outbox, where its connections come from, how to
+/// build publishers, and its batching, leasing and retry settings. Consuming setters, like
+/// `r2d2::Builder`.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -47,7 +47,8 @@ pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
 #[derive(Clone)]
 pub struct RelayConfig {
     pub(crate) outbox: Outbox,
-    pub(crate) pool: Arc<dyn Pool>,
+    /// Where the workers' connections (and the listener's, unless `listener`) come from.
+    pub(crate) source: Source,
     pub(crate) factory: Arc<Factory>,
     pub(crate) batch_size: usize,
     pub(crate) concurrency: usize,
@@ -55,14 +56,12 @@ pub struct RelayConfig {
     pub(crate) lease: Duration,
     pub(crate) poll_interval: Duration,
     pub(crate) drain_timeout: Duration,
-    pub(crate) retry: RetryPolicy,
+    pub(crate) retry: Retry,
     pub(crate) park: bool,
     pub(crate) notify: bool,
     pub(crate) metrics: Arc<dyn Metrics>,
-    /// Where the listener's connection comes from, when not from `connections` or the pool.
+    /// Where the listener's connection comes from, when not from `source`.
     pub(crate) listener: Option<Arc<Connect>>,
-    /// Where every relay connection comes from, when not from the pool.
-    pub(crate) own: Option<Arc<Connect>>,
 }
 
 impl fmt::Debug for RelayConfig {
@@ -83,20 +82,16 @@ impl fmt::Debug for RelayConfig {
 }
 
 impl RelayConfig {
-    /// A relay for `outbox`, taking connections from `pool` and publishers from `factory`.
+    /// A relay for `outbox`, taking its database connections from `connections` (an r2d2
+    /// pool, or [`Connections::open`], recommended for production) and publishers from
+    /// `factory`.
     ///
-    /// Each worker calls `factory` for its own publisher, and again (with backoff) after its
-    /// publisher breaks. Lease and retry settings start from the outbox's.
-    pub fn new<T, F, P, E>(
-        outbox: Outbox,
-        pool: r2d2::Pool<PostgresConnectionManager<T>>,
-        factory: F,
-    ) -> RelayConfig
+    /// Each worker keeps one connection, and so does the listener; from a pool, it must hold
+    /// that many. Each worker calls `factory` for its own publisher, and again (with backoff)
+    /// after its publisher breaks. Lease and retry settings start from the outbox's.
+    pub fn new<C, F, P, E>(outbox: Outbox, connections: C, factory: F) -> RelayConfig
     where
-        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
-        T::Stream: Send,
-        T::TlsConnect: Send,
-        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+        C: Into<Connections>,
         F: Fn() -> Result<P, E> + Send + Sync + 'static,
         P: Publisher + 'static,
         E: StdError + Send + Sync + 'static,
@@ -111,7 +106,7 @@ impl RelayConfig {
             retry: outbox.retry(),
             park: outbox.parks(),
             outbox,
-            pool: Arc::new(pool),
+            source: connections.into().source,
             factory: Arc::new(factory),
             batch_size: 100,
             concurrency: 4,
@@ -121,7 +116,6 @@ impl RelayConfig {
             notify: true,
             metrics: Arc::new(Guarded(NoMetrics)),
             listener: None,
-            own: None,
         }
     }
 
@@ -173,16 +167,25 @@ impl RelayConfig {
         self
     }
 
-    /// Attempts before a row is dead-lettered, unless the message sets its own.
+    /// Attempts and backoff (default: the outbox's, see
+    /// [`OutboxBuilder::retry`](crate::OutboxBuilder::retry)); a message may set its own
+    /// attempt limit.
+    pub fn retry(mut self, retry: Retry) -> RelayConfig {
+        self.retry = retry;
+        self
+    }
+
+    /// Attempts before a row is dead-lettered, unless the message sets its own: the
+    /// attempt part of [`retry`](RelayConfig::retry).
     pub fn max_attempts(mut self, max_attempts: u32) -> RelayConfig {
         self.retry.max_attempts = max_attempts;
         self
     }
 
-    /// The first retry delay and the cap of the exponential backoff.
+    /// The first retry delay and the cap of the exponential backoff: the backoff part of
+    /// [`retry`](RelayConfig::retry).
     pub fn backoff(mut self, min: Duration, max: Duration) -> RelayConfig {
-        self.retry.backoff_min = min;
-        self.retry.backoff_max = max;
+        self.retry = self.retry.backoff(min, max);
         self
     }
 
@@ -226,6 +229,10 @@ impl RelayConfig {
     /// # Ok(())
     /// # }
     /// ```
+    #[deprecated(
+        since = "0.2.0",
+        note = "hand `Connections::open(config, tls)` to `RelayConfig::new` instead of a pool"
+    )]
     pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> RelayConfig
     where
         T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
@@ -233,7 +240,7 @@ impl RelayConfig {
         T::TlsConnect: Send,
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
-        self.own = Some(connector(config, tls));
+        self.source = Connections::open(config, tls).source;
         self
     }
 
@@ -277,27 +284,24 @@ impl RelayConfig {
 
     /// Where the workers' connections come from.
     pub(crate) fn worker_source(&self) -> Source {
-        match &self.own {
-            Some(connect) => Source::Own(connect.clone()),
-            None => Source::Pool(self.pool.clone()),
-        }
+        self.source.clone()
     }
 
     /// Where the listener's connection comes from.
     pub(crate) fn listener_source(&self) -> Source {
-        match self.listener.as_ref().or(self.own.as_ref()) {
+        match &self.listener {
             Some(connect) => Source::Own(connect.clone()),
-            None => Source::Pool(self.pool.clone()),
+            None => self.source.clone(),
         }
     }
 
     /// The pooled connections a running relay keeps: one per worker, and the listener's,
     /// unless they are opened outside the pool.
     pub(crate) fn connections_needed(&self) -> u32 {
-        let workers = if self.own.is_some() {
-            0
-        } else {
+        let workers = if self.source.is_pool() {
             u32::try_from(self.concurrency).unwrap_or(u32::MAX)
+        } else {
+            0
         };
         let listener = self.notify && self.listener_source().is_pool();
         workers.saturating_add(u32::from(listener))

@@ -211,11 +211,11 @@ impl Relay {
     pub fn spawn(config: RelayConfig) -> Result<Relay> {
         config.validate()?;
         let needed = config.connections_needed();
-        if config.pool.max_size() < needed {
+        if let Some(size) = config.source.pool_size().filter(|size| *size < needed) {
             return Err(Error::InvalidConfig(format!(
-                "the pool holds {} connections; the relay keeps {needed} checked out (one per \
-                 worker and the listener's), or open them outside it with connections()",
-                config.pool.max_size()
+                "the pool holds {size} connections; the relay keeps {needed} checked out (one \
+                 per worker and the listener's), or open them outside it with \
+                 Connections::open"
             )));
         }
         Session::new(config.worker_source(), String::new(), "")

@@ -15,7 +15,9 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use postgres::{Client, NoTls};
-use postgres_outbox::{publisher_fn, Metrics, Outbox, PublishError, Record, RelayConfig};
+use postgres_outbox::{
+    publisher_fn, Connections, Metrics, Outbox, PublishError, Record, RelayConfig,
+};
 use r2d2_postgres::PostgresConnectionManager;
 
 pub type Pool = r2d2::Pool<PostgresConnectionManager<NoTls>>;
@@ -390,8 +392,17 @@ pub fn relay_config_with_pool(
     pool_size: u32,
     publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
 ) -> RelayConfig {
+    relay_config_with(outbox, pool(pool_size), publish)
+}
+
+/// A relay config for `outbox` on `connections`, publishing through `publish`.
+pub fn relay_config_with(
+    outbox: &Outbox,
+    connections: impl Into<Connections>,
+    publish: impl Fn(&Record) -> Result<(), PublishError> + Send + Sync + 'static,
+) -> RelayConfig {
     let publish = Arc::new(publish);
-    RelayConfig::new(outbox.clone(), pool(pool_size), move || {
+    RelayConfig::new(outbox.clone(), connections, move || {
         let publish = publish.clone();
         Ok::<_, Infallible>(publisher_fn(move |record: &Record| publish(record)))
     })

@@ -16,7 +16,7 @@ use super::worker::{Done, Job, Outcome, Task};
 use super::{view, Delivery, Shared};
 use crate::error::describe;
 use crate::rabbitmq::connect::{close_within, Endpoints};
-use crate::retry::{reconnect_delay, RetryPolicy};
+use crate::retry::reconnect_delay;
 
 /// The longest a committed delivery's ack is held back to go out with others.
 const ACK_DELAY: Duration = Duration::from_millis(5);
@@ -417,18 +417,13 @@ impl Dispatcher {
                 error, failures, ..
             } => {
                 shared.counters.retried.fetch_add(1, Ordering::SeqCst);
-                let policy = RetryPolicy {
-                    max_attempts: config.max_failures,
-                    backoff_min: config.backoff_min,
-                    backoff_max: config.backoff_max,
-                };
-                let delay = policy.backoff(failures);
+                let delay = config.retry.delay(failures);
                 log::warn!(
                     "rabbitmq consumer {}: handler failed on {} (failure {failures} of {}); \
                      retrying in {delay:?}: {}",
                     config.name,
                     view.key,
-                    config.max_failures,
+                    config.retry.max_attempts,
                     describe(&error)
                 );
                 if !link.stopping {

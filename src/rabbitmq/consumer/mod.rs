@@ -19,7 +19,6 @@ use amiquip::{AmqpValue, FieldTable};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use postgres::tls::{MakeTlsConnect, TlsConnect};
 use postgres::{Socket, Transaction};
-use r2d2_postgres::PostgresConnectionManager;
 
 pub use dead_letter::{
     QueueType, DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER,
@@ -30,9 +29,10 @@ use super::connect::{close_within, Endpoints};
 use super::publisher::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 use super::Error;
 use crate::message::MAX_SHORT_STRING;
-use crate::outbox::Outbox;
-use crate::pool::{connector, Connect, Source};
+use crate::outbox::{check_retry, Outbox};
+use crate::pool::{connector, Connect, Connections, Source};
 use crate::publish::HandlerError;
+use crate::retry::Retry;
 use dispatch::Dispatcher;
 use worker::Worker;
 
@@ -59,6 +59,34 @@ pub struct Delivery {
     pub attempt: Option<u32>,
     /// True if the broker delivered it before.
     pub redelivered: bool,
+}
+
+impl Delivery {
+    /// A delivery as the consumer would hand it to a handler, for a unit test of your own
+    /// handler: a first delivery of `body` with message id `key`, routed by `routing_key`,
+    /// with no exchange, content type, headers, aggregate key or attempt. Its fields are
+    /// public, so a test sets what it needs:
+    ///
+    /// ```
+    /// use postgres_outbox::rabbitmq::Delivery;
+    /// let mut delivery = Delivery::new("order-7-paid", "order.paid", b"{}".to_vec());
+    /// delivery.aggregate_key = Some("order-7".into());
+    /// delivery.redelivered = true;
+    /// # assert_eq!(delivery.key, "order-7-paid");
+    /// ```
+    pub fn new(key: impl Into<String>, routing_key: impl Into<String>, body: Vec<u8>) -> Delivery {
+        Delivery {
+            key: key.into(),
+            exchange: String::new(),
+            routing_key: routing_key.into(),
+            body,
+            content_type: None,
+            headers: Vec::new(),
+            aggregate_key: None,
+            attempt: None,
+            redelivered: false,
+        }
+    }
 }
 
 /// Observes a [`Consumer`]. Every method has a no-op default, so implement only what you
@@ -105,8 +133,8 @@ impl ConsumerMetrics for NoConsumerMetrics {}
 /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
 ///     .concurrency(4)
 ///     .prefetch(32)
-///     .max_failures(5)
-///     .retry_backoff(Duration::from_secs(1), Duration::from_secs(60));
+///     .max_attempts(5)
+///     .backoff(Duration::from_secs(1), Duration::from_secs(60));
 /// # let _ = config;
 /// ```
 #[derive(Clone)]
@@ -118,9 +146,7 @@ pub struct ConsumerConfig {
     name: String,
     prefetch: u16,
     concurrency: usize,
-    max_failures: u32,
-    backoff_min: Duration,
-    backoff_max: Duration,
+    retry: Retry,
     /// `None`: reject to the queue's own dead-letter exchange.
     dead_letter_queue: Option<String>,
     dead_letter_queue_type: QueueType,
@@ -137,8 +163,7 @@ impl fmt::Debug for ConsumerConfig {
             .field("name", &self.name)
             .field("prefetch", &self.prefetch)
             .field("concurrency", &self.concurrency)
-            .field("max_failures", &self.max_failures)
-            .field("backoff", &(self.backoff_min, self.backoff_max))
+            .field("retry", &self.retry)
             .field("endpoints", &self.endpoints)
             .field("dead_letter_queue", &self.dead_letter_queue)
             .field("dead_letter_queue_type", &self.dead_letter_queue_type)
@@ -162,9 +187,7 @@ impl ConsumerConfig {
             name: name.to_owned(),
             prefetch: 16,
             concurrency: 1,
-            max_failures: 5,
-            backoff_min: Duration::from_secs(1),
-            backoff_max: Duration::from_secs(60),
+            retry: Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60)),
             dead_letter_queue: Some(format!("{queue}.dead")),
             dead_letter_queue_type: QueueType::Classic,
             metrics: Arc::new(NoConsumerMetrics),
@@ -182,11 +205,11 @@ impl ConsumerConfig {
     }
 
     /// Opens the handlers' connections (one per handler thread) from `config` with `tls`,
-    /// outside the pool, with the relay's liveness settings (see
-    /// [`RelayConfig::connections`](crate::RelayConfig::connections)): TCP keepalives and
-    /// `tcp_user_timeout`, so a dead or half-open database connection is noticed within
-    /// about 30 s and the deliveries it held are handled on a new one. The pool given to
-    /// [`Consumer::spawn`] then serves only the start-up check.
+    /// outside the pool, whatever [`Consumer::spawn`] is given.
+    #[deprecated(
+        since = "0.2.0",
+        note = "hand `Connections::open(config, tls)` to `Consumer::spawn` instead of a pool"
+    )]
     pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> ConsumerConfig
     where
         T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
@@ -230,22 +253,45 @@ impl ConsumerConfig {
         self
     }
 
-    /// Handler failures after which a message is dead-lettered (default 5). A permanent
-    /// handler error dead-letters at once. The count is kept in the database, in
-    /// `<table>_failures`, so it survives restarts and is shared by every consumer with
-    /// this name.
-    pub fn max_failures(mut self, max_failures: u32) -> ConsumerConfig {
-        self.max_failures = max_failures;
+    /// Attempts and backoff (default 5 attempts, 1 s doubling to 60 s), as the relay and
+    /// `process` take them: after its last failed attempt, or at once on a permanent handler
+    /// error, a message is dead-lettered. Failures are counted in the database, in
+    /// `<table>_failures`, so the count survives restarts and is shared by every consumer
+    /// with this name. While a message waits out its backoff, the later messages of its
+    /// aggregate wait too; other messages go on.
+    pub fn retry(mut self, retry: Retry) -> ConsumerConfig {
+        self.retry = retry;
         self
     }
 
-    /// The wait before a failed message is handled again (default 1 s doubling to 60 s):
-    /// capped exponential, with jitter over its upper half. Later messages of its
-    /// aggregate wait too; other messages go on.
-    pub fn retry_backoff(mut self, min: Duration, max: Duration) -> ConsumerConfig {
-        self.backoff_min = min;
-        self.backoff_max = max;
+    /// Attempts before a message is dead-lettered (default 5): the attempt part of
+    /// [`retry`](ConsumerConfig::retry).
+    pub fn max_attempts(mut self, max_attempts: u32) -> ConsumerConfig {
+        self.retry.max_attempts = max_attempts;
         self
+    }
+
+    /// The first retry's delay and the backoff's cap (default 1 s, 60 s): the backoff part
+    /// of [`retry`](ConsumerConfig::retry).
+    pub fn backoff(mut self, min: Duration, max: Duration) -> ConsumerConfig {
+        self.retry = self.retry.backoff(min, max);
+        self
+    }
+
+    /// Handler failures after which a message is dead-lettered (above `i32::MAX`, as good
+    /// as never, as in 0.1).
+    #[deprecated(
+        since = "0.2.0",
+        note = "use `max_attempts` (or `retry`): the same number"
+    )]
+    pub fn max_failures(self, max_failures: u32) -> ConsumerConfig {
+        self.max_attempts(max_failures.min(i32::MAX as u32))
+    }
+
+    /// The wait before a failed message is handled again.
+    #[deprecated(since = "0.2.0", note = "use `backoff` (or `retry`)")]
+    pub fn retry_backoff(self, min: Duration, max: Duration) -> ConsumerConfig {
+        self.backoff(min, max)
     }
 
     /// The queue dead letters are published to (default `<queue>.dead`), declared durable
@@ -300,23 +346,18 @@ impl ConsumerConfig {
                 ));
             }
         }
-        if self.max_failures == 0 {
-            return invalid("max_failures must be at least 1".into());
-        }
+        let invalid = |why: &str| Err(Error::InvalidConfig(why.to_owned()));
         if self.prefetch == 0 {
             // 0 means "unlimited" to the broker: unbounded memory here.
-            return invalid("prefetch must be at least 1".into());
+            return invalid("prefetch must be at least 1");
         }
         if self.concurrency == 0 {
-            return invalid("concurrency must be at least 1".into());
+            return invalid("concurrency must be at least 1");
         }
-        if self.backoff_min < Duration::from_millis(1) || self.backoff_min > self.backoff_max {
-            return invalid(format!(
-                "retry_backoff needs 1 ms <= min <= max, got {:?} and {:?}",
-                self.backoff_min, self.backoff_max
-            ));
+        match check_retry(&self.retry) {
+            Err(crate::Error::InvalidConfig(why)) => invalid(&why),
+            other => other.map_err(Error::from),
         }
-        Ok(())
     }
 }
 
@@ -395,7 +436,7 @@ impl Shared {
 /// **Failures.** A handler error rolls back; the message's failure count goes up (in the
 /// database, so restarts and other consumers of the queue see it) and it is handled again
 /// after a capped, jittered backoff, held unacked meanwhile. After
-/// [`max_failures`](ConsumerConfig::max_failures), or at once for a permanent error, it is
+/// [`max_attempts`](ConsumerConfig::max_attempts), or at once for a permanent error, it is
 /// dead-lettered: published to the [dead-letter queue](ConsumerConfig::dead_letter_queue)
 /// and confirmed before it is acked, or rejected to the queue's dead-letter exchange. A
 /// message without a message id is dead-lettered unhandled.
@@ -456,29 +497,36 @@ impl fmt::Debug for Consumer {
 
 impl Consumer {
     /// Checks the settings, connects, declares the dead-letter queue if needed, starts
-    /// consuming and returns. Fails at once on bad settings, a wrong URL, broker or queue,
-    /// a pool smaller than `concurrency`, or an outbox not migrated to this version (when
-    /// the database answers; if it does not, the consumer starts and waits for it).
-    pub fn spawn<T, F>(
+    /// consuming and returns. Each handler thread keeps a database connection from
+    /// `connections`: an r2d2 pool (holding at least `concurrency`), or
+    /// [`Connections::open`], as the relay takes them: with TCP keepalives and
+    /// `tcp_user_timeout`, a dead or half-open connection is noticed within about 30 s and
+    /// the deliveries it held are handled on a new one. Fails at once on bad settings, a
+    /// wrong URL, broker or queue, a pool smaller than `concurrency`, or an outbox not
+    /// migrated to this version (when the database answers; if it does not, the consumer
+    /// starts and waits for it).
+    pub fn spawn<C, F>(
         config: ConsumerConfig,
         outbox: Outbox,
-        pool: r2d2::Pool<PostgresConnectionManager<T>>,
+        connections: C,
         handler: F,
     ) -> Result<Consumer, Error>
     where
-        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
-        T::Stream: Send,
-        T::TlsConnect: Send,
-        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+        C: Into<Connections>,
         F: Fn(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + Sync + 'static,
     {
         config.check()?;
-        if config.own.is_none() && (pool.max_size() as usize) < config.concurrency {
-            return Err(Error::InvalidName(format!(
-                "concurrency {} needs a pool of at least as many connections; it has {}",
-                config.concurrency,
-                pool.max_size()
-            )));
+        let source = match &config.own {
+            Some(connect) => Source::Own(connect.clone()),
+            None => connections.into().source,
+        };
+        if let Some(size) = source.pool_size() {
+            if (size as usize) < config.concurrency {
+                return Err(Error::InvalidConfig(format!(
+                    "concurrency {} needs a pool of at least as many connections; it has {size}",
+                    config.concurrency,
+                )));
+            }
         }
         let endpoints = match &config.endpoints {
             Some(endpoints) => endpoints.clone(),
@@ -487,14 +535,15 @@ impl Consumer {
         // Fail fast on a wrong broker or queue; the dispatcher opens its own connection.
         check_broker(endpoints.open()?.0, &config)?;
         // A database that is down now must not hold the start up for the pool's timeout.
-        let mut probe = pool.get_timeout(Duration::from_secs(5));
-        check_tables(probe.as_deref_mut().map_err(|e| e.to_string()), &outbox)?;
+        let mut probe = source.connect_within(Duration::from_secs(5));
+        check_tables(
+            probe
+                .as_deref_mut()
+                .map(|c| &mut **c)
+                .map_err(|e| e.to_string()),
+            &outbox,
+        )?;
         drop(probe);
-
-        let source = match &config.own {
-            Some(connect) => Source::Own(connect.clone()),
-            None => Source::Pool(Arc::new(pool)),
-        };
         let shared = Arc::new(Shared {
             config,
             outbox,

@@ -286,7 +286,7 @@ impl Worker {
             None => self.open()?,
         };
         let conn = self.conn.insert(conn);
-        let max_failures = i32::try_from(shared.config.max_failures).unwrap_or(i32::MAX);
+        let max_failures = i32::try_from(shared.config.retry.max_attempts).unwrap_or(i32::MAX);
         let row = conn
             .query_one(
                 &shared.outbox.statements().count_failure,
