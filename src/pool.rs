@@ -22,6 +22,7 @@ pub(crate) type Connect = dyn Fn() -> Result<Client, postgres::Error> + Send + S
 pub(crate) trait Pool: Send + Sync {
     fn get(&self) -> Result<Pooled>;
     /// A connection within `timeout`, rather than the pool's own connection timeout.
+    #[cfg(feature = "rabbitmq")]
     fn get_timeout(&self, timeout: Duration) -> Result<Pooled>;
     fn max_size(&self) -> u32;
 }
@@ -37,6 +38,7 @@ where
         Ok(Box::new(r2d2::Pool::get(self)?))
     }
 
+    #[cfg(feature = "rabbitmq")]
     fn get_timeout(&self, timeout: Duration) -> Result<Pooled> {
         Ok(Box::new(r2d2::Pool::get_timeout(self, timeout)?))
     }
@@ -197,7 +199,8 @@ impl Source {
         }
     }
 
-    /// A connection within `timeout` at most, for a check at start-up.
+    /// A connection within `timeout` at most, for the consumer's check at start-up.
+    #[cfg(feature = "rabbitmq")]
     pub(crate) fn connect_within(&self, timeout: Duration) -> Result<Pooled> {
         match self {
             Source::Pool(pool) => pool.get_timeout(timeout),
