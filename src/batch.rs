@@ -1,5 +1,8 @@
 //! `enqueue_all`'s batches: validated messages as columns, written by the batch enqueue
 //! function, or by a binary `COPY` when the batch is large and due at once.
+//!
+//! `Outbox::enqueue_all` hands a batch the outbox's statements and its notify setting, so
+//! this module depends on `sql.rs`, not on `outbox.rs`.
 
 use postgres::binary_copy::BinaryCopyInWriter;
 use postgres::error::SqlState;
@@ -8,7 +11,7 @@ use postgres::Transaction;
 
 use crate::error::{Error, Result};
 use crate::message::Message;
-use crate::outbox::Outbox;
+use crate::sql::Statements;
 
 /// From this many messages a batch due at once goes by `COPY`: its extra round trips
 /// (savepoint, copy start, release, notify) cost about what `COPY` saves on some fifty rows.
@@ -84,26 +87,31 @@ impl Batch {
 
 impl Batch {
     /// Writes the batch, all or nothing, and returns its keys in order; an existing key
-    /// leaves nothing written and the transaction usable.
-    pub(crate) fn write(self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<Vec<String>> {
+    /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
+    /// woken at commit.
+    pub(crate) fn write(
+        self,
+        sql: &Statements,
+        notify: bool,
+        tx: &mut Transaction<'_>,
+    ) -> Result<Vec<String>> {
         let due_now =
             self.available_at.iter().all(Option::is_none) && self.delays.iter().all(|d| *d == 0);
         if due_now && self.keys.len() >= COPY_FROM {
-            self.copy(outbox, tx)?;
+            self.copy(sql, notify, tx)?;
         } else {
-            self.insert(outbox, tx)?;
+            self.insert(sql, notify, tx)?;
         }
         log::trace!(
             "outbox {}: enqueued {} messages",
-            outbox.table(),
+            sql.table().as_str(),
             self.keys.len()
         );
         Ok(self.keys)
     }
 
     /// One round trip: the batch enqueue function.
-    fn insert(&self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<()> {
-        let notify = outbox.notifies();
+    fn insert(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
         let params: [(&(dyn ToSql + Sync), Type); 13] = [
             (&self.keys, Type::TEXT_ARRAY),
             (&self.topics, Type::TEXT_ARRAY),
@@ -121,8 +129,8 @@ impl Batch {
         ];
         // NULL when all went in; otherwise the keys that exist, with nothing written.
         let existing: Option<Vec<String>> = tx
-            .query_typed_one(&outbox.statements().enqueue_all, &params)
-            .map_err(|e| outbox.db_error(e))?
+            .query_typed_one(&sql.enqueue_all, &params)
+            .map_err(|e| sql.db_error(e))?
             .get(0);
         match existing {
             None => Ok(()),
@@ -133,8 +141,7 @@ impl Batch {
     /// A binary `COPY` inside a savepoint, so an existing key (which fails the whole copy)
     /// rolls back only the copy (and the aggregate locks taken for it); then the
     /// notification, if a relay waits.
-    fn copy(&self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<()> {
-        let sql = outbox.statements();
+    fn copy(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
         let types = [
             Type::TEXT,
             Type::TEXT,
@@ -182,7 +189,7 @@ impl Batch {
                 savepoint.rollback()?;
                 let mut existing: Vec<String> = tx
                     .query_typed(&sql.existing_keys, &[(&self.keys, Type::TEXT_ARRAY)])
-                    .map_err(|e| outbox.db_error(e))?
+                    .map_err(|e| sql.db_error(e))?
                     .iter()
                     .map(|row| row.get(0))
                     .collect();
@@ -196,12 +203,12 @@ impl Batch {
             }
             Err(e) => {
                 let _ = savepoint.rollback();
-                return Err(outbox.db_error(e));
+                return Err(sql.db_error(e));
             }
         }
-        if outbox.notifies() {
+        if notify {
             tx.execute(&sql.notify_if_waiting, &[])
-                .map_err(|e| outbox.db_error(e))?;
+                .map_err(|e| sql.db_error(e))?;
         }
         Ok(())
     }

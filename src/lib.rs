@@ -58,6 +58,7 @@ mod error;
 #[cfg(feature = "metrics")]
 pub mod facade;
 mod fault;
+mod lifecycle;
 mod message;
 mod metrics;
 mod operate;
@@ -67,6 +68,7 @@ mod process;
 mod publish;
 mod record;
 mod relay;
+mod render;
 mod retry;
 mod sql;
 mod store;

@@ -12,8 +12,8 @@ use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 use crate::retry::Retry;
-use crate::sql::{Statements, MIGRATIONS};
-use crate::table::{quote, TableName};
+use crate::sql::{migrations, Statements, MIGRATIONS};
+use crate::table::TableName;
 
 /// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
 ///
@@ -164,9 +164,6 @@ impl OutboxBuilder {
     }
 }
 
-/// How long a migration waits for its locks on the outbox's tables.
-const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
-
 pub(crate) fn check_lease(lease: Duration) -> Result<()> {
     if lease < Duration::from_millis(100) || lease > Duration::from_secs(24 * 3600) {
         return Err(Error::InvalidConfig(format!(
@@ -267,19 +264,7 @@ impl Outbox {
     /// Maps "relation does not exist" on our own statements (or "function" or "schema does
     /// not exist": enqueue calls functions the migrations create) to [`Error::NotMigrated`].
     pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
-        let missing = [
-            SqlState::UNDEFINED_TABLE,
-            SqlState::UNDEFINED_FUNCTION,
-            SqlState::INVALID_SCHEMA_NAME,
-        ];
-        if e.code().is_some_and(|code| missing.contains(code)) {
-            Error::NotMigrated {
-                table: self.table().to_owned(),
-                source: e,
-            }
-        } else {
-            Error::Db(e)
-        }
+        self.statements().db_error(e)
     }
 
     /// Creates or upgrades the outbox's tables and indexes.
@@ -320,12 +305,9 @@ impl Outbox {
         // Once it is this process's turn: a migration that waited behind a long transaction
         // for its lock on the table would block every producer and relay queued behind it.
         // Better to give up and be run again.
-        tx.batch_execute(&format!(
-            "SET LOCAL lock_timeout = {}",
-            MIGRATION_LOCK_TIMEOUT.as_millis()
-        ))?;
-        if let Some(schema) = self.inner.table.schema() {
-            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", quote(schema)))?;
+        tx.batch_execute(&sql.migration_lock_timeout)?;
+        if let Some(create_schema) = &sql.create_schema {
+            tx.batch_execute(create_schema)?;
         }
         tx.batch_execute(&sql.migrations_table)?;
         let applied: Vec<i32> = tx
@@ -333,13 +315,16 @@ impl Outbox {
             .iter()
             .map(|row| row.get(0))
             .collect();
-        for migration in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+        for (migration, ddl) in MIGRATIONS.iter().zip(migrations(&table)) {
+            if applied.contains(&migration.version) {
+                continue;
+            }
             log::info!(
                 "outbox {}: applying migration {}",
                 self.table(),
                 migration.name
             );
-            tx.batch_execute(&migration.render(&table))?;
+            tx.batch_execute(&ddl)?;
             tx.execute(
                 &sql.record_migration,
                 &[&migration.version, &migration.name],
@@ -354,37 +339,7 @@ impl Outbox {
     /// record it yet, and records it, so a later `migrate` finds nothing to do either. Use
     /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
-        let mut ddl = String::new();
-        if let Some(schema) = self.inner.table.schema() {
-            ddl.push_str(&format!(
-                "CREATE SCHEMA IF NOT EXISTS {};\n\n",
-                quote(schema)
-            ));
-        }
-        let sql = self.statements();
-        ddl.push_str(&sql.migrations_table);
-        ddl.push_str(";\n\n");
-        for migration in MIGRATIONS {
-            let (version, name) = (migration.version, migration.name);
-            let record = sql
-                .record_migration
-                .replace("$1", &version.to_string())
-                .replace("$2", &format!("'{name}'"));
-            ddl.push_str(&format!(
-                "-- {name}\n\
-                 DO $outbox_migration$\n\
-                 BEGIN\n\
-                 IF NOT EXISTS ({applied} WHERE version = {version}) THEN\n\
-                 EXECUTE $outbox_ddl$\n{body}\n$outbox_ddl$;\n\
-                 {record};\n\
-                 END IF;\n\
-                 END\n\
-                 $outbox_migration$;\n\n",
-                applied = sql.applied_versions,
-                body = migration.render(&self.inner.table),
-            ));
-        }
-        ddl
+        self.statements().script()
     }
 
     /// Enqueues a message in the caller's transaction and returns its key; it is published
@@ -454,7 +409,7 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        Batch::new(messages)?.write(self, tx)
+        Batch::new(messages)?.write(self.statements(), self.notifies(), tx)
     }
 
     /// Records that `consumer` has processed the message `key`, in the consumer's own

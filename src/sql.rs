@@ -1,9 +1,18 @@
-//! Every SQL statement the crate runs, rendered once per table.
+//! Every SQL statement the crate runs, rendered once per table, and the migrations.
 //!
 //! Table names are validated identifiers and always quoted (see `table.rs`), so splicing them
-//! into statement text cannot inject SQL; every value travels as a bind parameter.
+//! into statement text cannot inject SQL; every value travels as a bind parameter. Statements
+//! and migrations alike are templates with `{name}` placeholders, rendered by `render.rs`,
+//! which fails on a placeholder without a value and on a value no template uses; the
+//! companion objects have the same placeholder names in both.
 
-use crate::table::TableName;
+use std::time::Duration;
+
+use postgres::error::SqlState;
+
+use crate::error::Error;
+use crate::render::{render, RenderError, Values};
+use crate::table::{quote, TableName};
 
 /// A migration file, embedded in the binary.
 pub(crate) struct Migration {
@@ -12,8 +21,9 @@ pub(crate) struct Migration {
     template: &'static str,
 }
 
-/// The versioned schema files in `sql/`, oldest first. Never edit one that has shipped: add a
-/// new file instead.
+/// The versioned schema files in `sql/`, oldest first. Never edit one that has shipped, nor
+/// what it renders to (the test `shipped_migrations_render_exactly_as_they_shipped` holds
+/// each to its text): add a new file instead.
 pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
@@ -71,6 +81,11 @@ pub(crate) const PURGE_BATCH: i64 = 1000;
 /// The statements for one outbox table.
 #[derive(Debug)]
 pub(crate) struct Statements {
+    table: TableName,
+    /// Creates the table's schema, if its name has one.
+    pub(crate) create_schema: Option<String>,
+    /// Bounds the wait of a migration for its locks, see `MIGRATION_LOCK_TIMEOUT`.
+    pub(crate) migration_lock_timeout: String,
     /// Calls the enqueue function of migration 0005: $1..$10 the message, $11 notify.
     pub(crate) enqueue: String,
     /// Calls the batch enqueue function of migration 0005: $1..$12 the columns, $13 notify.
@@ -130,7 +145,18 @@ pub(crate) struct Statements {
 }
 
 impl Statements {
+    /// Every statement for `table`.
+    ///
+    /// # Panics
+    ///
+    /// If a template does not match its values: a fault of this crate, the same for every
+    /// table (see `render.rs`), which the test `every_template_renders_for_every_table`
+    /// would show.
     pub(crate) fn new(table: &TableName) -> Statements {
+        checked(Statements::render(table))
+    }
+
+    fn render(table: &TableName) -> Result<Statements, RenderError> {
         let t = table.quoted();
         let inbox = table.companion("_inbox");
         let failures = table.companion("_failures");
@@ -139,42 +165,73 @@ impl Statements {
         let migrations = table.companion("_migrations");
         let enqueue_fn = table.companion("_enqueue");
         let enqueue_n_fn = table.companion("_enqueue_n");
-        Statements {
-            copy_in: format!(
-                "COPY {t} (key, topic, aggregate_key, payload, content_type, headers, \
+        let lock_n_fn = table.companion("_lock_n");
+        let notify_fn = table.companion("_notify");
+        let channel_fn = table.companion("_channel");
+        let purge_batch = PURGE_BATCH.to_string();
+        let mut values = Values::new(&[
+            ("table", &t),
+            ("inbox", &inbox),
+            ("failures", &failures),
+            ("waiting", &waiting),
+            ("counts", &counts),
+            ("migrations", &migrations),
+            ("enqueue_fn", &enqueue_fn),
+            ("enqueue_n_fn", &enqueue_n_fn),
+            ("lock_n_fn", &lock_n_fn),
+            ("notify_fn", &notify_fn),
+            ("channel_fn", &channel_fn),
+            ("record_columns", RECORD_COLUMNS),
+            ("filter", FILTER),
+            ("parks", PARKS),
+            ("purge_batch", &purge_batch),
+        ])?;
+        let statements = Statements {
+            table: table.clone(),
+            create_schema: match table.schema() {
+                Some(schema) => Some(render(CREATE_SCHEMA, &[("schema", &quote(schema))])?),
+                None => None,
+            },
+            migration_lock_timeout: render(
+                "SET LOCAL lock_timeout = {ms}",
+                &[("ms", &MIGRATION_LOCK_TIMEOUT.as_millis().to_string())],
+            )?,
+            copy_in: values.render(
+                "COPY {table} (key, topic, aggregate_key, payload, content_type, headers, \
                  max_attempts, park) FROM STDIN (FORMAT binary)"
-            ),
-            lock_aggregates: format!("SELECT {}($1)", table.companion("_lock_n")),
-            existing_keys: format!("SELECT key FROM {t} WHERE key = ANY($1) ORDER BY key"),
-            notify_if_waiting: format!("SELECT {}()", table.companion("_notify")),
-            enqueue: format!(
+            )?,
+            lock_aggregates: values.render("SELECT {lock_n_fn}($1)")?,
+            existing_keys: values
+                .render("SELECT key FROM {table} WHERE key = ANY($1) ORDER BY key")?,
+            notify_if_waiting: values.render("SELECT {notify_fn}()")?,
+            enqueue: values.render(
                 "SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
-            ),
-            enqueue_all: format!(
+            )?,
+            enqueue_all: values.render(
                 "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
-            ),
-            dedupe: format!(
+            )?,
+            dedupe: values.render(
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING"
-            ),
+            )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
             // index in its order, so telling heads (oldest pending or parked row of their
             // aggregate) from the rows behind them needs no sort: every waiting row but a
             // head is blocked, so behind a parked head all are.
-            stats: format!(
+            stats: values.render(
                 "WITH u AS (
                    SELECT count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
                           count(*) FILTER (WHERE lease_until > now()) AS in_flight,
                           count(*) FILTER (WHERE available_at <= now()) AS due,
                           min(created_at) AS oldest
-                   FROM {t} WHERE status = 'pending' AND aggregate_key IS NULL),
+                   FROM {table} WHERE status = 'pending' AND aggregate_key IS NULL),
                  r AS (
                    SELECT status, available_at, created_at,
                           status = 'pending' AND (lease_until IS NULL OR lease_until <= now()) AS waiting,
                           status = 'pending' AND lease_until > now() AS leased,
                           aggregate_key IS DISTINCT FROM lag(aggregate_key) OVER w AS head,
                           first_value(created_at) OVER w AS head_created
-                   FROM {t} WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
+                   FROM {table} WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
                    WINDOW w AS (PARTITION BY aggregate_key ORDER BY id)),
                  o AS (
                    SELECT count(*) FILTER (WHERE waiting) AS waiting,
@@ -188,39 +245,39 @@ impl Statements {
                    FROM r)
                  SELECT u.waiting + o.waiting, u.in_flight + o.in_flight, u.due + o.due,
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
-                        (SELECT count(*) FROM {t} WHERE status IN ('dead', 'parked')),
+                        (SELECT count(*) FROM {table} WHERE status IN ('dead', 'parked')),
                         extract(epoch FROM now() - least(u.oldest, o.oldest))::float8,
                         o.blocked,
                         extract(epoch FROM now() - o.blocked_head)::float8,
                         o.parked
                  FROM u, o"
-            ),
-            dead_where: format!(
-                "SELECT {RECORD_COLUMNS}, t.last_error, t.done_at
-                 FROM {t} t WHERE {FILTER}
+            )?,
+            dead_where: values.render(
+                "SELECT {record_columns}, t.last_error, t.done_at
+                 FROM {table} t WHERE {filter}
                  ORDER BY t.done_at, t.id LIMIT $6"
-            ),
-            dead_errors: format!(
+            )?,
+            dead_errors: values.render(
                 "SELECT t.last_error, count(*), min(t.done_at), max(t.done_at), min(t.key)
-                 FROM {t} t WHERE {FILTER}
+                 FROM {table} t WHERE {filter}
                  GROUP BY t.last_error ORDER BY count(*) DESC, t.last_error"
-            ),
-            count_where: format!("SELECT count(*) FROM {t} t WHERE {FILTER}"),
+            )?,
+            count_where: values.render("SELECT count(*) FROM {table} t WHERE {filter}")?,
             // A redriven row keeps its id, so it is again the head of its aggregate (a parked
             // one goes first, then the rows it held back, in order).
-            redrive_where: format!(
-                "UPDATE {t} t SET status = 'pending', attempts = 0, available_at = now(),
+            redrive_where: values.render(
+                "UPDATE {table} t SET status = 'pending', attempts = 0, available_at = now(),
                                   lease_until = NULL, done_at = NULL
-                 WHERE {FILTER}"
-            ),
-            skip_where: format!("UPDATE {t} t SET status = 'dead' WHERE {FILTER}"),
+                 WHERE {filter}"
+            )?,
+            skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
             // counter (slot $6) goes down by the sent rows deleted.
-            purge_where: format!(
+            purge_where: values.render(
                 "WITH gone AS (
-                   DELETE FROM {t} WHERE id IN (
-                     SELECT t.id FROM {t} t WHERE {FILTER}
-                     ORDER BY t.status, t.done_at LIMIT {PURGE_BATCH}
+                   DELETE FROM {table} WHERE id IN (
+                     SELECT t.id FROM {table} t WHERE {filter}
+                     ORDER BY t.status, t.done_at LIMIT {purge_batch}
                      FOR UPDATE SKIP LOCKED)
                    RETURNING status),
                  c AS (SELECT count(*) FILTER (WHERE status = 'sent') AS gone_sent,
@@ -229,46 +286,46 @@ impl Statements {
                  bump AS (UPDATE {counts} SET sent = sent - c.gone_sent FROM c
                           WHERE slot = $6 AND c.gone_sent > 0)
                  SELECT n FROM c"
-            ),
+            )?,
             // Pending rows through their two partial indexes, dead ones through the done
             // index: sent rows, however many, are never read.
-            topic_stats: format!(
+            topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
-                   SELECT topic, count(*) AS pending, 0 AS dead FROM {t}
+                   SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
                    WHERE status = 'pending' AND aggregate_key IS NULL GROUP BY topic
                    UNION ALL
-                   SELECT topic, count(*), 0 FROM {t}
+                   SELECT topic, count(*), 0 FROM {table}
                    WHERE status = 'pending' AND aggregate_key IS NOT NULL GROUP BY topic
                    UNION ALL
-                   SELECT topic, 0, count(*) FROM {t} WHERE status IN ('dead', 'parked')
+                   SELECT topic, 0, count(*) FROM {table} WHERE status IN ('dead', 'parked')
                    GROUP BY topic
                  ) per GROUP BY topic ORDER BY topic"
-            ),
+            )?,
             // Dedupe records by message key ($1), older than $2 microseconds if given.
-            purge_inbox_keys: format!(
+            purge_inbox_keys: values.render(
                 "DELETE FROM {inbox} WHERE key = ANY($1)
                    AND ($2::bigint IS NULL OR processed_at < now() - $2 * interval '1 microsecond')"
-            ),
-            count_inbox_keys: format!(
+            )?,
+            count_inbox_keys: values.render(
                 "SELECT count(*) FROM {inbox} WHERE key = ANY($1)
                    AND ($2::bigint IS NULL OR processed_at < now() - $2 * interval '1 microsecond')"
-            ),
+            )?,
             // What `purge_inbox` would delete: dedupe records and stray failure counts.
-            count_inbox_older: format!(
+            count_inbox_older: values.render(
                 "SELECT (SELECT count(*) FROM {inbox}
                          WHERE processed_at < now() - $1::bigint * interval '1 microsecond')
                       + (SELECT count(*) FROM {failures}
                          WHERE updated_at < now() - $1::bigint * interval '1 microsecond')"
-            ),
+            )?,
             // The inbox has no index on processed_at (every dedupe would pay for one), so
             // purging walks the primary key once, a bounded batch per statement from the
             // cursor ($2, $3), deleting the old rows of each batch by their tuple ids.
             // $1 age in microseconds; returns rows deleted, rows read and the new cursor.
-            purge_inbox: format!(
+            purge_inbox: values.render(
                 "WITH batch AS (
                    SELECT ctid, consumer, key, processed_at FROM {inbox}
                    WHERE (consumer, key) > ($2, $3)
-                   ORDER BY consumer, key LIMIT {PURGE_BATCH}),
+                   ORDER BY consumer, key LIMIT {purge_batch}),
                  gone AS (
                    DELETE FROM {inbox} WHERE ctid = ANY (ARRAY(
                      SELECT ctid FROM batch
@@ -277,42 +334,43 @@ impl Statements {
                  last AS (SELECT consumer, key FROM batch ORDER BY consumer DESC, key DESC LIMIT 1)
                  SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM batch),
                         (SELECT consumer FROM last), (SELECT key FROM last)"
-            ),
+            )?,
             // Failure counts are deleted as their messages finish, so only strays of a crash
             // grow old here; the table is small and a scan of it is cheap.
-            purge_failures: format!(
+            purge_failures: values.render(
                 "WITH gone AS (
                    DELETE FROM {failures} WHERE ctid = ANY (ARRAY(
                      SELECT ctid FROM {failures}
                      WHERE updated_at < now() - $1::bigint * interval '1 microsecond'
-                     LIMIT {PURGE_BATCH}))
+                     LIMIT {purge_batch}))
                    RETURNING 1)
                  SELECT count(*) FROM gone"
-            ),
+            )?,
             // $1 consumer, $2 key, $3 the error, already made storable, $4 whether it is
             // permanent, $5 the failures after which the consumer gives up.
             #[cfg(feature = "rabbitmq")]
-            count_failure: format!(
+            count_failure: values.render(
                 "INSERT INTO {failures} AS f (consumer, key, failures, last_error, dead)
                  VALUES ($1, $2, 1, $3, $4 OR 1 >= $5)
                  ON CONFLICT (consumer, key) DO UPDATE
                    SET failures = f.failures + 1, last_error = EXCLUDED.last_error,
                        updated_at = now(), dead = f.dead OR $4 OR f.failures + 1 >= $5
                  RETURNING failures, dead"
-            ),
+            )?,
             #[cfg(feature = "rabbitmq")]
-            failure_state: format!(
+            failure_state: values.render(
                 "SELECT failures, last_error FROM {failures}
                  WHERE consumer = $1 AND key = $2 AND dead"
-            ),
+            )?,
             #[cfg(feature = "rabbitmq")]
-            forget_failures: format!("DELETE FROM {failures} WHERE consumer = $1 AND key = $2"),
+            forget_failures: values
+                .render("DELETE FROM {failures} WHERE consumer = $1 AND key = $2")?,
             #[cfg(feature = "rabbitmq")]
-            probe_consumer: format!(
+            probe_consumer: values.render(
                 "SELECT 1 FROM {inbox} LIMIT 0; SELECT 1 FROM {failures} LIMIT 0"
-            ),
-            claim: claim(&t, ""),
-            claim_after: claim(&t, "AND aggregate_key > $4"),
+            )?,
+            claim: claim(&t, "")?,
+            claim_after: claim(&t, "AND aggregate_key > $4")?,
             // Every outcome of a batch in one statement, each row fenced on id + the attempt it
             // was claimed at + still pending + the lease its claim stamped, so a relay whose
             // lease was lost changes nothing. The lease stamp matters when a row was reclaimed
@@ -320,15 +378,15 @@ impl Statements {
             // $1 ids, $2 claimed attempts, $3 outcome ('sent' | 'retry' | 'dead' | 'release'),
             // $4 retry delay in microseconds, $5 error text, $6 counter slot, $7 lease stamps,
             // $8 whether a dead row parks its aggregate, unless the row says.
-            record_outcomes: format!(
+            record_outcomes: values.render(
                 "WITH o AS (
                    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::bigint[],
                                         $5::text[], $7::timestamptz[])
                      AS o(id, attempts, outcome, delay_us, error, lease)),
                  upd AS (
-                   UPDATE {t} t SET
+                   UPDATE {table} t SET
                      status = CASE o.outcome WHEN 'sent' THEN 'sent'
-                                             WHEN 'dead' THEN CASE WHEN {PARKS} THEN 'parked'
+                                             WHEN 'dead' THEN CASE WHEN {parks} THEN 'parked'
                                                                    ELSE 'dead' END
                                              ELSE 'pending' END,
                      attempts = CASE o.outcome WHEN 'release' THEN t.attempts - 1
@@ -349,33 +407,120 @@ impl Statements {
                  bump AS (UPDATE {counts} SET sent = {counts}.sent + c.sent FROM c
                           WHERE slot = $6 AND c.sent > 0)
                  SELECT n, sent FROM c"
-            ),
-            migrations_table: format!(
+            )?,
+            migrations_table: values.render(
                 "CREATE TABLE IF NOT EXISTS {migrations} (
                    version    integer     PRIMARY KEY,
                    name       text        NOT NULL,
                    applied_at timestamptz NOT NULL DEFAULT now())"
-            ),
-            applied_versions: format!("SELECT version FROM {migrations}"),
-            record_migration: format!(
-                "INSERT INTO {migrations} (version, name) VALUES ($1, $2) ON CONFLICT DO NOTHING"
-            ),
-            channel: format!("SELECT {}()", table.companion("_channel")),
-            schema_of: "SELECT coalesce(
+            )?,
+            applied_versions: values.render("SELECT version FROM {migrations}")?,
+            record_migration: render(
+                RECORD_MIGRATION,
+                &[("migrations", &migrations), ("version", "$1"), ("name", "$2")],
+            )?,
+            channel: values.render("SELECT {channel_fn}()")?,
+            schema_of: values.render(
+                "SELECT coalesce(
                  (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass($1)),
-                 current_schema())::text"
-                .to_owned(),
-            register_waiting: format!(
+                 current_schema())::text",
+            )?,
+            register_waiting: values.render(
                 "WITH expired AS (DELETE FROM {waiting} WHERE seen < now() - interval '1 hour')
                  INSERT INTO {waiting} (relay) VALUES ($1)
                  ON CONFLICT (relay) DO UPDATE SET seen = now()"
-            ),
-            unregister_waiting: format!("DELETE FROM {waiting} WHERE relay = $1"),
-            probe: format!("SELECT 1 FROM {t} LIMIT 0"),
+            )?,
+            unregister_waiting: values.render("DELETE FROM {waiting} WHERE relay = $1")?,
+            probe: values.render("SELECT 1 FROM {table} LIMIT 0")?,
+        };
+        values.finish()?;
+        Ok(statements)
+    }
+
+    /// The table these statements were rendered for.
+    pub(crate) fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Maps "relation does not exist" on these statements (or "function" or "schema does
+    /// not exist": enqueue calls functions the migrations create) to [`Error::NotMigrated`].
+    pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
+        let missing = [
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNDEFINED_FUNCTION,
+            SqlState::INVALID_SCHEMA_NAME,
+        ];
+        if e.code().is_some_and(|code| missing.contains(code)) {
+            Error::NotMigrated {
+                table: self.table.as_str().to_owned(),
+                source: e,
+            }
+        } else {
+            Error::Db(e)
         }
     }
+
+    /// The DDL script of `Outbox::sql`: the migrations for the table these statements were
+    /// rendered for, each run, and recorded, only if `<table>_migrations` does not record it.
+    pub(crate) fn script(&self) -> String {
+        checked(self.render_script())
+    }
+
+    fn render_script(&self) -> Result<String, RenderError> {
+        let mut ddl = String::new();
+        if let Some(create_schema) = &self.create_schema {
+            ddl.push_str(create_schema);
+            ddl.push_str(";\n\n");
+        }
+        ddl.push_str(&self.migrations_table);
+        ddl.push_str(";\n\n");
+        let migrations_table = self.table.companion("_migrations");
+        for (migration, body) in MIGRATIONS.iter().zip(render_migrations(&self.table)?) {
+            let version = migration.version.to_string();
+            let record = render(
+                RECORD_MIGRATION,
+                &[
+                    ("migrations", &migrations_table),
+                    ("version", &version),
+                    ("name", &format!("'{}'", migration.name)),
+                ],
+            )?;
+            ddl.push_str(&render(
+                SCRIPT_STEP,
+                &[
+                    ("name", migration.name),
+                    ("applied", &self.applied_versions),
+                    ("version", &version),
+                    ("body", &body),
+                    ("record", &record),
+                ],
+            )?);
+        }
+        Ok(ddl)
+    }
 }
+
+/// Records a migration as applied: `{version}` and `{name}` are `$1` and `$2` in the
+/// statement, SQL literals in the script of `Outbox::sql`.
+const RECORD_MIGRATION: &str =
+    "INSERT INTO {migrations} (version, name) VALUES ({version}, {name}) ON CONFLICT DO NOTHING";
+
+/// One migration in the script of `Outbox::sql`.
+const SCRIPT_STEP: &str = "-- {name}\n\
+     DO $outbox_migration$\n\
+     BEGIN\n\
+     IF NOT EXISTS ({applied} WHERE version = {version}) THEN\n\
+     EXECUTE $outbox_ddl$\n{body}\n$outbox_ddl$;\n\
+     {record};\n\
+     END IF;\n\
+     END\n\
+     $outbox_migration$;\n\n";
+
+const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
+
+/// How long a migration waits for its locks on the outbox's tables.
+pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The claim: one statement that leases up to `$1` rows and `$3` payload bytes.
 ///
@@ -409,23 +554,23 @@ impl Statements {
 /// row of an empty claim) carries where the next claim's scan should start: after the last
 /// aggregate this claim took, else after the last one it visited, or at the first (NULL)
 /// once the scan has passed the last aggregate.
-fn claim(t: &str, after: &str) -> String {
+fn claim(t: &str, after: &str) -> Result<String, RenderError> {
     let over = "t.attempts + 1 > coalesce(t.max_attempts, $7)";
     // A parked head is never due: its aggregate waits for an operator.
     let due = "status = 'pending' AND available_at <= now()";
     let o_due = "o.status = 'pending' AND o.available_at <= now()";
     // What a row weighs against the byte budget: its payload and its headers.
     let bytes = "octet_length(o.payload) + pg_column_size(o.headers)";
-    format!(
+    render(
         "WITH RECURSIVE heads(aggregate_key, id, due, n, d) AS (
            (SELECT aggregate_key, id, {due}, 1, ({due})::int
-            FROM {t}
+            FROM {table}
             WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL {after}
             ORDER BY aggregate_key, id LIMIT 1)
            UNION ALL
            SELECT nx.aggregate_key, nx.id, nx.due, h.n + 1, h.d + nx.due::int
            FROM heads h CROSS JOIN LATERAL (
-             SELECT o.aggregate_key, o.id, {o_due} AS due FROM {t} o
+             SELECT o.aggregate_key, o.id, {o_due} AS due FROM {table} o
              WHERE o.status IN ('pending', 'parked') AND o.aggregate_key IS NOT NULL
                AND o.aggregate_key > h.aggregate_key
              ORDER BY o.aggregate_key, o.id LIMIT 1) nx
@@ -451,7 +596,7 @@ fn claim(t: &str, after: &str) -> String {
               SELECT s.id, s.rn FROM (
                 SELECT o.id, row_number() OVER w AS rn,
                        bool_and(o.available_at <= now()) OVER w AS due
-                FROM (SELECT o.id, o.available_at FROM {t} o
+                FROM (SELECT o.id, o.available_at FROM {table} o
                       WHERE o.status = 'pending' AND o.aggregate_key = h.aggregate_key
                         AND o.id >= h.id
                       ORDER BY o.id LIMIT (SELECT r FROM run_len)) o
@@ -463,7 +608,7 @@ fn claim(t: &str, after: &str) -> String {
          -- Ordered rows get at least half the batch when they have candidates; a batch of
          -- one goes to either kind at random, so neither can starve the other.
          ulock AS (
-           SELECT o.id, o.available_at, {bytes} AS bytes FROM {t} o
+           SELECT o.id, o.available_at, {bytes} AS bytes FROM {table} o
            WHERE o.status = 'pending' AND o.aggregate_key IS NULL AND o.available_at <= now()
            ORDER BY o.available_at, o.id
            LIMIT $1 - least((SELECT count(*) FROM ocand),
@@ -471,7 +616,7 @@ fn claim(t: &str, after: &str) -> String {
            FOR UPDATE SKIP LOCKED),
          olock AS (
            SELECT o.id, c.aggregate_key, c.hpos, c.rn, {bytes} AS bytes
-           FROM ocand c JOIN {t} o ON o.id = c.id
+           FROM ocand c JOIN {table} o ON o.id = c.id
            WHERE o.status = 'pending' AND o.available_at <= now()
            ORDER BY c.hpos, c.rn
            LIMIT $1 - (SELECT count(*) FROM ulock)
@@ -494,10 +639,10 @@ fn claim(t: &str, after: &str) -> String {
              FROM picked WINDOW k AS (ORDER BY rank, src, id)) p
            WHERE k = 1 OR total <= $3),
          upd AS (
-           UPDATE {t} t SET
+           UPDATE {table} t SET
              attempts = t.attempts + 1,
              status = CASE WHEN NOT {over} THEN 'pending'
-                           WHEN {PARKS} THEN 'parked' ELSE 'dead' END,
+                           WHEN {parks} THEN 'parked' ELSE 'dead' END,
              available_at = CASE WHEN {over} THEN t.available_at
                                  ELSE now() + $2::bigint * interval '1 microsecond' END,
              lease_until = CASE WHEN {over} THEN NULL
@@ -512,7 +657,7 @@ fn claim(t: &str, after: &str) -> String {
            -- An id list, not a join: a join may be planned as a merge along the primary key
            -- from its first id, through every sent row.
            WHERE t.id = ANY (ARRAY(SELECT id FROM take))
-           RETURNING {RECORD_COLUMNS}, t.status),
+           RETURNING {record_columns}, t.status),
          scan AS (
            SELECT coalesce(
              (SELECT aggregate_key FROM take WHERE aggregate_key IS NOT NULL
@@ -521,7 +666,17 @@ fn claim(t: &str, after: &str) -> String {
                        OR (SELECT count(*) FROM due_heads) >= 2 * $1
                   THEN (SELECT aggregate_key FROM heads ORDER BY n DESC LIMIT 1) END)
              AS next_cursor)
-         SELECT upd.*, scan.next_cursor FROM scan LEFT JOIN upd ON true"
+         SELECT upd.*, scan.next_cursor FROM scan LEFT JOIN upd ON true",
+        &[
+            ("table", t),
+            ("after", after),
+            ("due", due),
+            ("o_due", o_due),
+            ("bytes", bytes),
+            ("over", over),
+            ("parks", PARKS),
+            ("record_columns", RECORD_COLUMNS),
+        ],
     )
 }
 
@@ -530,31 +685,220 @@ fn bigint(value: i64) -> String {
     format!("({value})::bigint")
 }
 
-impl Migration {
-    /// The migration's DDL for one table.
-    pub(crate) fn render(&self, table: &TableName) -> String {
-        self.template
-            .replace("{table}", &table.quoted())
-            .replace("{inbox}", &table.companion("_inbox"))
-            .replace("{failures}", &table.companion("_failures"))
-            .replace("{waiting}", &table.companion("_waiting"))
-            .replace("{notify_fn}", &table.companion("_notify"))
-            .replace("{enqueue_fn}", &table.companion("_enqueue"))
-            .replace("{enqueue_n_fn}", &table.companion("_enqueue_n"))
-            .replace("{lock_n_fn}", &table.companion("_lock_n"))
-            .replace("{channel_fn}", &table.companion("_channel"))
-            .replace("{table_lock_text}", &table.ordered_lock_key().to_string())
-            .replace("{table_lock}", &bigint(table.ordered_lock_key()))
-            .replace("{lock_seed}", &bigint(table.aggregate_lock_seed()))
-            .replace("{status_constraint}", &table.derived("_status"))
-            .replace("{channel}", &table.channel())
-            .replace("{counts}", &table.companion("_counts"))
-            .replace("{key_constraint}", &table.derived("_key"))
-            .replace("{due_idx_qualified}", &table.companion("_due"))
-            .replace("{due_idx}", &table.derived("_due"))
-            .replace("{unordered_idx}", &table.derived("_unordered"))
-            .replace("{agg_idx_qualified}", &table.companion("_agg"))
-            .replace("{agg_idx}", &table.derived("_agg"))
-            .replace("{done_idx}", &table.derived("_done"))
+/// Every migration's DDL for `table`, in the order of `MIGRATIONS`.
+///
+/// # Panics
+///
+/// As [`Statements::new`]: if a template does not match its values.
+pub(crate) fn migrations(table: &TableName) -> Vec<String> {
+    checked(render_migrations(table))
+}
+
+/// Renders the migrations together: each must find a value for every placeholder, and each
+/// value must be used by one of them.
+fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
+    let vars = [
+        ("table", table.quoted()),
+        ("inbox", table.companion("_inbox")),
+        ("failures", table.companion("_failures")),
+        ("waiting", table.companion("_waiting")),
+        ("counts", table.companion("_counts")),
+        ("notify_fn", table.companion("_notify")),
+        ("enqueue_fn", table.companion("_enqueue")),
+        ("enqueue_n_fn", table.companion("_enqueue_n")),
+        ("lock_n_fn", table.companion("_lock_n")),
+        ("channel_fn", table.companion("_channel")),
+        ("channel", table.channel()),
+        ("table_lock_text", table.ordered_lock_key().to_string()),
+        ("table_lock", bigint(table.ordered_lock_key())),
+        ("lock_seed", bigint(table.aggregate_lock_seed())),
+        ("key_constraint", table.derived("_key")),
+        ("status_constraint", table.derived("_status")),
+        ("due_idx", table.derived("_due")),
+        ("due_idx_qualified", table.companion("_due")),
+        ("unordered_idx", table.derived("_unordered")),
+        ("agg_idx", table.derived("_agg")),
+        ("agg_idx_qualified", table.companion("_agg")),
+        ("done_idx", table.derived("_done")),
+    ];
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let mut values = Values::new(&vars)?;
+    let rendered = MIGRATIONS
+        .iter()
+        .map(|migration| values.render(migration.template))
+        .collect::<Result<Vec<String>, RenderError>>()?;
+    values.finish()?;
+    Ok(rendered)
+}
+
+/// Session settings of a relay worker's connection (see `relay/worker.rs` for why each).
+/// The table name is a validated identifier: nothing in it can end the literal.
+pub(crate) fn relay_session(table: &TableName, statement_timeout: Duration) -> String {
+    checked(render(
+        "SET application_name = 'outbox relay {table}'; \
+         SET statement_timeout = {ms}; \
+         SET idle_in_transaction_session_timeout = {ms}; \
+         SET jit = off",
+        &[
+            ("table", table.as_str()),
+            ("ms", &statement_timeout.as_millis().to_string()),
+        ],
+    ))
+}
+
+/// Undoes [`relay_session`] before a pooled connection goes back.
+pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
+     RESET idle_in_transaction_session_timeout; RESET jit";
+
+/// Listens on a channel, as the migrations named it (quoted here: it may be a hash).
+pub(crate) fn listen(channel: &str) -> String {
+    checked(render("LISTEN {channel}", &[("channel", &quote(channel))]))
+}
+
+/// The statement timeout of a consumer's handler sessions.
+pub(crate) fn consumer_session(statement_timeout: Duration) -> String {
+    checked(render(
+        "SET statement_timeout = {ms}",
+        &[("ms", &statement_timeout.as_millis().to_string())],
+    ))
+}
+
+/// The SQL text, or a panic naming the template fault (a bug of this crate, see `render.rs`).
+fn checked<T>(rendered: Result<T, RenderError>) -> T {
+    rendered.unwrap_or_else(|e| panic!("postgres-outbox renders its SQL wrongly: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::render::placeholders;
+
+    /// A name of every kind the crate accepts: plain, schema-qualified, mixed case, the
+    /// longest table part, and one too long for its channel (which becomes a hash).
+    fn tables() -> Vec<TableName> {
+        let long = format!("{}.{}", "s".repeat(40), "t".repeat(40));
+        let longest = "a".repeat(52);
+        ["orders_outbox", "app.events", "Orders_1", &long, &longest]
+            .iter()
+            .map(|name| TableName::parse(name).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn every_template_renders_for_every_table() {
+        for table in tables() {
+            let statements = Statements::render(&table).unwrap();
+            // Debug shows every statement, whatever fields are added later.
+            let every_statement = format!("{statements:?}");
+            assert!(
+                placeholders(&every_statement).is_empty(),
+                "{}: {:?}",
+                table.as_str(),
+                placeholders(&every_statement)
+            );
+            let migrations = render_migrations(&table).unwrap();
+            assert_eq!(migrations.len(), MIGRATIONS.len());
+            for (migration, ddl) in MIGRATIONS.iter().zip(&migrations) {
+                assert!(
+                    placeholders(ddl).is_empty(),
+                    "{} for {}: {:?}",
+                    migration.name,
+                    table.as_str(),
+                    placeholders(ddl)
+                );
+            }
+            let script = statements.render_script().unwrap();
+            assert!(placeholders(&script).is_empty(), "{}", table.as_str());
+            for ddl in &migrations {
+                assert!(script.contains(ddl.as_str()));
+            }
+        }
+    }
+
+    #[test]
+    fn session_settings_render_for_every_table() {
+        for table in tables() {
+            let setup = relay_session(&table, Duration::from_millis(2500));
+            assert!(placeholders(&setup).is_empty(), "{setup}");
+            assert!(setup.contains(&format!("'outbox relay {}'", table.as_str())));
+            assert!(setup.contains("statement_timeout = 2500;"), "{setup}");
+            assert!(setup.contains("idle_in_transaction_session_timeout = 2500;"));
+            let channel = Statements::new(&table).table().channel();
+            assert_eq!(listen(&channel), format!("LISTEN {}", quote(&channel)));
+        }
+        assert_eq!(
+            consumer_session(Duration::from_secs(30)),
+            "SET statement_timeout = 30000"
+        );
+    }
+
+    #[test]
+    fn statements_a_migration_runs_render_as_they_always_did() {
+        let qualified = Statements::new(&TableName::parse("app.events").unwrap());
+        assert_eq!(
+            qualified.create_schema.as_deref(),
+            Some("CREATE SCHEMA IF NOT EXISTS \"app\"")
+        );
+        assert_eq!(
+            qualified.migration_lock_timeout,
+            "SET LOCAL lock_timeout = 5000"
+        );
+        assert_eq!(
+            qualified.record_migration,
+            "INSERT INTO \"app\".\"events_migrations\" (version, name) VALUES ($1, $2) \
+             ON CONFLICT DO NOTHING"
+        );
+        let plain = Statements::new(&TableName::parse("orders").unwrap());
+        assert_eq!(plain.create_schema, None);
+    }
+
+    /// A migration that has shipped runs again nowhere (`<table>_migrations` records it by
+    /// version), so what it renders to must never change: these are FNV-1a hashes of each
+    /// one's text for two tables. A new migration gets its line here once it ships.
+    #[test]
+    fn shipped_migrations_render_exactly_as_they_shipped() {
+        const SHIPPED: &[(&str, u64, u64)] = &[
+            ("0001_create_outbox", 0x6bd898957c61a736, 0x23f0358641f8e4c9),
+            ("0002_claim_heads", 0x345024989bee64e2, 0x733aa623f6ca2b84),
+            (
+                "0003_consumer_failures",
+                0xfb4b85027f0482eb,
+                0xa320c35870137bd0,
+            ),
+            (
+                "0004_enqueue_functions",
+                0x37ab89ac2a884a5b,
+                0xa34721122649e59a,
+            ),
+            (
+                "0005_aggregate_locks_and_parking",
+                0xb34fc8f12b5af881,
+                0x2ce43565f7f3b0c2,
+            ),
+            (
+                "0006_dead_decisions_and_channel",
+                0xf26b6bfb40e6866a,
+                0xddbd10632dac8a0c,
+            ),
+        ];
+        let fnv = |text: &str| {
+            text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+                (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+            })
+        };
+        let plain = render_migrations(&TableName::parse("orders_outbox").unwrap()).unwrap();
+        let qualified = render_migrations(&TableName::parse("app.events").unwrap()).unwrap();
+        assert!(
+            MIGRATIONS.len() >= SHIPPED.len(),
+            "a shipped migration is gone"
+        );
+        for (i, shipped) in SHIPPED.iter().enumerate() {
+            let rendered = (MIGRATIONS[i].name, fnv(&plain[i]), fnv(&qualified[i]));
+            assert_eq!(
+                &rendered, shipped,
+                "{} renders differently from what shipped: add a new migration instead",
+                shipped.0
+            );
+        }
     }
 }

@@ -12,7 +12,8 @@ use std::time::Duration;
 use amiquip::{Auth, Connection, ConnectionOptions, ConnectionTuning};
 use rand::seq::SliceRandom;
 
-use super::Error;
+use super::error::Error;
+use crate::lifecycle;
 
 /// The brokers to connect to: one URL, or several (the nodes of a cluster, say), tried in
 /// turn until one answers.
@@ -391,12 +392,10 @@ fn percent_encoding_decode(s: &str) -> Option<String> {
 /// can hang on a dead peer. Past the bound the close finishes on its own thread.
 pub(crate) fn close_within(connection: Connection, bound: Duration) {
     let (done_tx, done_rx) = mpsc::channel();
-    let spawned = std::thread::Builder::new()
-        .name("outbox-amqp-close".into())
-        .spawn(move || {
-            let _ = connection.close();
-            let _ = done_tx.send(());
-        });
+    let spawned = lifecycle::spawn("amqp-close", move || {
+        let _ = connection.close();
+        let _ = done_tx.send(());
+    });
     if spawned.is_ok() {
         let _ = done_rx.recv_timeout(bound);
     }

@@ -11,7 +11,7 @@ use amiquip::{
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::connect::{close_within, Endpoint, Endpoints};
-use super::Error;
+use super::error::Error;
 use crate::message::MAX_SHORT_STRING;
 use crate::publish::{PublishError, Publisher};
 use crate::record::Record;

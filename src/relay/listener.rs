@@ -8,10 +8,10 @@ use crossbeam_channel::{at, select};
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
-use super::Shared;
+use super::shared::Shared;
 use crate::clock;
 use crate::retry::reconnect_delay;
-use crate::table::quote;
+use crate::sql;
 
 /// How often the wait is cut short to see whether the relay is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(200);
@@ -41,7 +41,7 @@ pub(crate) fn run(shared: &Shared) {
         }
         failures += 1;
         select! {
-            recv(shared.stop) -> _ => {},
+            recv(shared.stop.receiver()) -> _ => {},
             recv(at(clock::deadline(reconnect_delay(failures)))) -> _ => {},
         }
     }
@@ -80,7 +80,7 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
         .query_one(&config.outbox.statements().channel, &[])
         .map_err(db)?
         .get(0);
-    let listen = &format!("LISTEN {}", quote(&channel));
+    let listen = &sql::listen(&channel);
     client
         .batch_execute("SET application_name = 'postgres-outbox listener'")
         .map_err(db)?;

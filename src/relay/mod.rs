@@ -17,130 +17,32 @@ mod config;
 mod health;
 mod listener;
 mod rounds;
+mod shared;
 mod waiting;
 mod worker;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
-use crossbeam_channel::{at, bounded, select, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam_channel::{at, select};
 use rand::Rng;
 
 pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 
 use crate::clock;
 use crate::error::{Error, Result};
+use crate::lifecycle::Threads;
 use crate::pool::Session;
 use crate::retry::reconnect_delay;
 use crate::store;
-use health::Health;
-use waiting::Waiting;
-use worker::{Alone, Control, Cycle, Worker};
+use shared::Shared;
+use worker::{Alone, Cycle, Worker};
 
 /// Panics in a row, with no cycle finishing in between, after which a worker gives up and
 /// stops the relay with an error rather than spin.
 const MAX_PANICS_IN_A_ROW: u32 = 5;
-
-/// State every relay thread shares.
-pub(crate) struct Shared {
-    config: RelayConfig,
-    /// The one stop signal: dropped by shutdown or by a worker that cannot go on, after which
-    /// every thread's `stop` receiver reports disconnection.
-    stop_tx: Mutex<Option<Sender<()>>>,
-    stop: Receiver<()>,
-    /// Set by shutdown: when the threads must be done.
-    deadline: Mutex<Option<Instant>>,
-    /// Why the relay stopped on its own, if it did.
-    fatal: Mutex<Option<Error>>,
-    wake_tx: Sender<()>,
-    wake: Receiver<()>,
-    listening: AtomicBool,
-    /// This relay's row in `<table>_waiting`, while a worker waits.
-    waiting: Waiting,
-    published: AtomicU64,
-    released: AtomicU64,
-    /// Claimed rows whose outcomes are not recorded yet.
-    holding: AtomicU64,
-    /// Whether the publishers reach their destination.
-    health: Health,
-}
-
-impl Shared {
-    fn stopping(&self) -> bool {
-        matches!(self.stop.try_recv(), Err(TryRecvError::Disconnected))
-    }
-
-    /// Stops the relay; `fatal` is kept for `join` and `shutdown` (the first one wins).
-    fn stop_relay(&self, fatal: Option<Error>) {
-        if let Some(error) = fatal {
-            if let Ok(mut slot) = self.fatal.lock() {
-                slot.get_or_insert(error);
-            }
-        }
-        if let Ok(mut stop) = self.stop_tx.lock() {
-            stop.take();
-        }
-    }
-
-    fn take_fatal(&self) -> Option<Error> {
-        self.fatal.lock().ok().and_then(|mut slot| slot.take())
-    }
-
-    /// Wakes one idle worker (if none is idle, a busy one claims again anyway).
-    fn wake_one(&self) {
-        let _ = self.wake_tx.try_send(());
-    }
-}
-
-impl Control for Shared {
-    fn stopping(&self) -> bool {
-        Shared::stopping(self)
-    }
-
-    fn out_of_time(&self) -> bool {
-        self.stopping()
-            && self
-                .deadline
-                .lock()
-                .map(|d| d.is_some_and(|d| Instant::now() >= d))
-                .unwrap_or(true)
-    }
-
-    fn holding(&self, n: usize, more: bool) {
-        if more {
-            self.holding.fetch_add(n as u64, Ordering::SeqCst);
-        } else {
-            self.holding.fetch_sub(n as u64, Ordering::SeqCst);
-        }
-    }
-
-    fn recorded(&self, sent: u64) {
-        self.published.fetch_add(sent, Ordering::SeqCst);
-    }
-
-    fn released(&self, n: usize) {
-        self.released.fetch_add(n as u64, Ordering::SeqCst);
-    }
-
-    fn more_due(&self) {
-        self.wake_one();
-    }
-
-    fn publisher_down(&self, cause: &(dyn std::error::Error + 'static)) {
-        let config = &self.config;
-        self.health
-            .down(config.outbox.table(), cause, config.metrics.as_ref());
-    }
-
-    fn publisher_up(&self) {
-        let config = &self.config;
-        self.health
-            .up(config.outbox.table(), config.metrics.as_ref());
-    }
-}
 
 /// What [`Relay::shutdown`] saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -178,11 +80,8 @@ pub struct ShutdownReport {
 /// ```
 pub struct Relay {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
-    /// Disconnected once every worker has ended.
-    workers_done: Receiver<()>,
-    listener_done: Receiver<()>,
-    stopped: bool,
+    workers: Threads,
+    listener: Threads,
 }
 
 impl std::fmt::Debug for Relay {
@@ -192,13 +91,6 @@ impl std::fmt::Debug for Relay {
             .field("listening", &self.is_listening())
             .finish_non_exhaustive()
     }
-}
-
-fn spawn_named(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
-    thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .map_err(|e| Error::RelayDied(format!("could not start a thread: {e}")))
 }
 
 impl Relay {
@@ -221,51 +113,28 @@ impl Relay {
         Session::new(config.worker_source(), String::new(), "")
             .run(|conn| store::probe(conn, &config.outbox))?;
 
-        let (stop_tx, stop) = bounded::<()>(0);
-        let (wake_tx, wake) = bounded::<()>(config.concurrency);
-        let shared = Arc::new(Shared {
-            config,
-            stop_tx: Mutex::new(Some(stop_tx)),
-            stop,
-            deadline: Mutex::new(None),
-            fatal: Mutex::new(None),
-            wake_tx,
-            wake,
-            listening: AtomicBool::new(false),
-            waiting: Waiting::new(),
-            published: AtomicU64::new(0),
-            released: AtomicU64::new(0),
-            holding: AtomicU64::new(0),
-            health: Health::new(),
-        });
+        let shared = Arc::new(Shared::new(config));
         let config = &shared.config;
-        let (workers_alive, workers_done) = bounded::<()>(0);
-        let (listener_alive, listener_done) = bounded::<()>(0);
-        let mut relay = Relay {
+        // Dropping `relay` stops the threads already started.
+        let relay = Relay {
             shared: shared.clone(),
-            threads: Vec::new(),
-            workers_done,
-            listener_done,
-            stopped: false,
+            workers: Threads::new(),
+            listener: Threads::new(),
         };
+        let failed = |e| Error::RelayDied(format!("could not start a thread: {e}"));
         if config.notify {
             let shared = shared.clone();
             relay
-                .threads
-                .push(spawn_named("outbox-listener".into(), move || {
-                    let _alive = listener_alive;
-                    listener::run(&shared);
-                })?);
+                .listener
+                .spawn("listener", move || listener::run(&shared))
+                .map_err(failed)?;
         }
         for i in 0..config.concurrency {
             let shared = shared.clone();
-            let alive = workers_alive.clone();
             relay
-                .threads
-                .push(spawn_named(format!("outbox-worker-{i}"), move || {
-                    let _alive = alive;
-                    run_worker(&shared);
-                })?);
+                .workers
+                .spawn(&format!("worker-{i}"), move || run_worker(&shared))
+                .map_err(failed)?;
         }
         log::info!(
             "outbox {}: relay started (batch {}, concurrency {}, notify {})",
@@ -313,8 +182,7 @@ impl Relay {
     /// table was dropped, or a worker kept panicking), then shuts the rest down and returns
     /// that error.
     pub fn join(mut self) -> Result<()> {
-        // Nothing is ever sent: this returns once the stop signal is dropped.
-        let _ = self.shared.stop.recv();
+        self.shared.stop.wait();
         let timeout = self.shared.config.drain_timeout;
         self.stop(timeout);
         match self.shared.take_fatal() {
@@ -324,27 +192,17 @@ impl Relay {
     }
 
     fn stop(&mut self, timeout: Duration) -> ShutdownReport {
-        if std::mem::replace(&mut self.stopped, true) {
-            return self.report(0);
-        }
         let deadline = clock::deadline(timeout);
         let shared = &self.shared;
-        if let Ok(mut d) = shared.deadline.lock() {
-            *d = Some(deadline);
+        // Stopped before: `shutdown` or `join`, then `Drop`.
+        if !shared.stop.send_by(deadline) {
+            return self.report(0);
         }
-        shared.stop_relay(None);
         log::info!("outbox {}: relay stopping", shared.config.outbox.table());
-        wait(&self.workers_done, deadline);
+        self.workers.wait(deadline);
         let abandoned = shared.holding.load(Ordering::SeqCst);
-        wait(
-            &self.listener_done,
-            deadline.max(clock::deadline(Duration::from_secs(1))),
-        );
-        for handle in std::mem::take(&mut self.threads) {
-            if handle.is_finished() {
-                let _ = handle.join();
-            }
-        }
+        self.listener
+            .wait(deadline.max(clock::deadline(Duration::from_secs(1))));
         let report = self.report(abandoned);
         log::info!(
             "outbox {}: relay stopped ({} published, {} released, {} abandoned)",
@@ -424,7 +282,7 @@ fn run_worker(shared: &Shared) {
             }
             Ok(Err(e)) => {
                 log::error!("outbox {table}: relay stopping: {e}");
-                shared.stop_relay(Some(e));
+                shared.stop_relay(e);
                 return;
             }
             Err(panic) => {
@@ -432,9 +290,9 @@ fn run_worker(shared: &Shared) {
                 let what = panic_message(panic.as_ref());
                 if panics >= MAX_PANICS_IN_A_ROW {
                     log::error!("outbox {table}: a worker panicked {panics} times in a row ({what}); relay stopping");
-                    shared.stop_relay(Some(Error::RelayDied(format!(
+                    shared.stop_relay(Error::RelayDied(format!(
                         "a worker panicked {panics} times in a row: {what}"
-                    ))));
+                    )));
                     return;
                 }
                 log::error!("outbox {table}: a worker panicked ({what}); starting it again");
@@ -465,7 +323,7 @@ fn run_worker(shared: &Shared) {
         };
         let _idle = shared.waiting.idle();
         select! {
-            recv(shared.stop) -> _ => {},
+            recv(shared.stop.receiver()) -> _ => {},
             recv(shared.wake) -> _ => {},
             recv(at(clock::deadline(wait))) -> _ => {},
         }
@@ -478,14 +336,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "no message".to_owned())
-}
-
-/// Waits until every holder of the channel's sender has gone, or the deadline passes.
-fn wait(done: &Receiver<()>, deadline: Instant) {
-    loop {
-        match done.recv_deadline(deadline) {
-            Ok(()) => continue,
-            Err(RecvTimeoutError::Disconnected) | Err(RecvTimeoutError::Timeout) => return,
-        }
-    }
 }

@@ -18,6 +18,7 @@ use crate::pool::Session;
 use crate::publish::{PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
+use crate::sql;
 use crate::store::{self, ClaimRequest, Claimed};
 
 /// What the worker reports to whoever runs it; a lone caller (`Relay::run_once`) ignores it.
@@ -83,14 +84,9 @@ pub(crate) struct Worker<'a> {
 /// the claim's recursive scan is estimated above `jit_above_cost`, and compiling it took
 /// 35 ms of every 6 ms claim.
 fn session_setup(config: &RelayConfig) -> String {
-    let timeout = statement_timeout(config.lease).as_millis();
-    // The table name is a validated identifier: nothing in it can end the literal.
-    format!(
-        "SET application_name = 'outbox relay {}'; \
-         SET statement_timeout = {timeout}; \
-         SET idle_in_transaction_session_timeout = {timeout}; \
-         SET jit = off",
-        config.outbox.table()
+    sql::relay_session(
+        config.outbox.statements().table(),
+        statement_timeout(config.lease),
     )
 }
 
@@ -99,14 +95,15 @@ pub(crate) fn statement_timeout(lease: Duration) -> Duration {
     (lease / 4).clamp(Duration::from_secs(1), Duration::from_secs(30))
 }
 
-const SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
-     RESET idle_in_transaction_session_timeout; RESET jit";
-
 impl<'a> Worker<'a> {
     pub(crate) fn new(config: &'a RelayConfig, publisher: Option<Box<dyn Publisher>>) -> Self {
         Worker {
             config,
-            session: Session::new(config.worker_source(), session_setup(config), SESSION_RESET),
+            session: Session::new(
+                config.worker_source(),
+                session_setup(config),
+                sql::RELAY_SESSION_RESET,
+            ),
             publisher,
             cursor: None,
             db_failures: 0,

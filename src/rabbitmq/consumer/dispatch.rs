@@ -11,9 +11,10 @@ use amiquip::{Channel, Connection, ConsumerMessage, ConsumerOptions};
 use crossbeam_channel::{after, at, never, select, Receiver, Sender};
 
 use super::dead_letter::{DeadLetterQueue, Death, Refused};
+use super::delivery::{view, Delivery};
 use super::lanes::{Lanes, Tag};
+use super::shared::Shared;
 use super::worker::{Done, Job, Outcome, Task};
-use super::{view, Delivery, Shared};
 use crate::error::describe;
 use crate::rabbitmq::connect::{close_within, Endpoints};
 use crate::retry::reconnect_delay;
@@ -66,8 +67,6 @@ pub(super) struct Dispatcher {
     endpoints: Endpoints,
     tasks: Sender<Task>,
     results: Receiver<Done>,
-    /// Disconnected when the consumer is told to stop.
-    stop: Receiver<()>,
     /// Counts channels, so a result from a lost one is known for what it is.
     generation: u64,
     /// Jobs handed to workers and not yet reported back, from any channel.
@@ -82,14 +81,12 @@ impl Dispatcher {
         endpoints: Endpoints,
         tasks: Sender<Task>,
         results: Receiver<Done>,
-        stop: Receiver<()>,
     ) -> Dispatcher {
         Dispatcher {
             shared,
             endpoints,
             tasks,
             results,
-            stop,
             generation: 0,
             in_flight: 0,
             consuming: false,
@@ -121,7 +118,7 @@ impl Dispatcher {
                     let mut results = self.results.clone();
                     let stopped = loop {
                         select! {
-                            recv(self.stop) -> _ => break true,
+                            recv(self.shared.stop.receiver()) -> _ => break true,
                             recv(resume) -> _ => break false,
                             recv(results) -> done => match done {
                                 Ok(done) => self.stale(done),
@@ -222,7 +219,7 @@ impl Dispatcher {
                 None => never(),
             };
             let step = select! {
-                recv(self.stop) -> _ => {
+                recv(self.shared.stop.receiver()) -> _ => {
                     let _ = consumer.cancel();
                     break self.drain(&mut link);
                 }

@@ -6,16 +6,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{after, select, Receiver, Sender, TryRecvError};
+use crossbeam_channel::{after, select, Receiver, Sender};
 use postgres::types::Type;
 
+use super::delivery::Delivery;
 use super::lanes::Tag;
-use super::{Delivery, Shared};
+use super::shared::Shared;
 use crate::error::describe;
 use crate::fault::Fault;
 use crate::pool::Pooled;
 use crate::publish::HandlerError;
 use crate::retry::reconnect_delay;
+use crate::sql;
 use crate::store::storable;
 
 /// What a worker is asked to do.
@@ -96,20 +98,14 @@ impl Failure {
 
 pub(super) struct Worker {
     shared: Arc<Shared>,
-    /// Disconnected when the consumer stops.
-    stop: Receiver<()>,
     /// The worker's connection, kept between deliveries and dropped after any error the
     /// server did not answer.
     conn: Option<Pooled>,
 }
 
 impl Worker {
-    pub(super) fn new(shared: Arc<Shared>, stop: Receiver<()>) -> Worker {
-        Worker {
-            shared,
-            stop,
-            conn: None,
-        }
+    pub(super) fn new(shared: Arc<Shared>) -> Worker {
+        Worker { shared, conn: None }
     }
 
     /// Works until the dispatcher hangs up.
@@ -140,8 +136,7 @@ impl Worker {
     /// message one of its attempts, let alone a dead letter.
     fn handle(&mut self, job: &Job) -> Outcome {
         // Queued before a stop or a lost channel and not started: hand it back unrun.
-        let stopping = matches!(self.stop.try_recv(), Err(TryRecvError::Disconnected));
-        if stopping || job.cancelled.load(Ordering::SeqCst) {
+        if self.shared.stop.is_sent() || job.cancelled.load(Ordering::SeqCst) {
             return Outcome::Abandoned;
         }
         let mut outages = 0u32;
@@ -200,7 +195,7 @@ impl Worker {
                 }
             }
             select! {
-                recv(self.stop) -> _ => return Outcome::Abandoned,
+                recv(self.shared.stop.receiver()) -> _ => return Outcome::Abandoned,
                 recv(after(pause)) -> _ => {}
             }
             if job.cancelled.load(Ordering::SeqCst) {
@@ -337,8 +332,7 @@ impl Worker {
     fn open(&self) -> Result<Pooled, crate::Error> {
         let config = &self.shared.config;
         let mut conn = self.shared.source.connect()?;
-        let timeout = config.statement_timeout.as_millis();
-        conn.batch_execute(&format!("SET statement_timeout = {timeout}"))?;
+        conn.batch_execute(&sql::consumer_session(config.statement_timeout))?;
         conn.execute(
             "SELECT set_config('application_name', $1, false)",
             &[&format!("outbox consumer {}", config.name)],

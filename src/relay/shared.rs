@@ -1,0 +1,122 @@
+//! What the relay's threads and its handle share: the configuration, the stop signal, the
+//! wake-ups, and the counts the shutdown reports.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+
+use super::config::RelayConfig;
+use super::health::Health;
+use super::waiting::Waiting;
+use super::worker::Control;
+use crate::error::Error;
+use crate::lifecycle::StopSignal;
+
+/// State every relay thread shares.
+pub(crate) struct Shared {
+    pub(super) config: RelayConfig,
+    /// Sent by shutdown, with its deadline, or by a worker that cannot go on.
+    pub(super) stop: StopSignal,
+    /// Why the relay stopped on its own, if it did.
+    fatal: Mutex<Option<Error>>,
+    wake_tx: Sender<()>,
+    pub(super) wake: Receiver<()>,
+    pub(super) listening: AtomicBool,
+    /// This relay's row in `<table>_waiting`, while a worker waits.
+    pub(super) waiting: Waiting,
+    pub(super) published: AtomicU64,
+    pub(super) released: AtomicU64,
+    /// Claimed rows whose outcomes are not recorded yet.
+    pub(super) holding: AtomicU64,
+    /// Whether the publishers reach their destination.
+    health: Health,
+}
+
+impl Shared {
+    pub(super) fn new(config: RelayConfig) -> Shared {
+        let (wake_tx, wake) = bounded::<()>(config.concurrency);
+        Shared {
+            config,
+            stop: StopSignal::new(),
+            fatal: Mutex::new(None),
+            wake_tx,
+            wake,
+            listening: AtomicBool::new(false),
+            waiting: Waiting::new(),
+            published: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+            holding: AtomicU64::new(0),
+            health: Health::new(),
+        }
+    }
+
+    pub(super) fn stopping(&self) -> bool {
+        self.stop.is_sent()
+    }
+
+    /// Stops the relay on its own; `fatal` is kept for `join` and `shutdown` (the first one
+    /// wins).
+    pub(super) fn stop_relay(&self, fatal: Error) {
+        if let Ok(mut slot) = self.fatal.lock() {
+            slot.get_or_insert(fatal);
+        }
+        self.stop.send();
+    }
+
+    pub(super) fn take_fatal(&self) -> Option<Error> {
+        self.fatal.lock().ok().and_then(|mut slot| slot.take())
+    }
+
+    /// Wakes one idle worker (if none is idle, a busy one claims again anyway).
+    pub(super) fn wake_one(&self) {
+        let _ = self.wake_tx.try_send(());
+    }
+}
+
+impl Control for Shared {
+    fn stopping(&self) -> bool {
+        Shared::stopping(self)
+    }
+
+    fn out_of_time(&self) -> bool {
+        self.stopping()
+            && self
+                .stop
+                .deadline()
+                .is_some_and(|deadline| Instant::now() >= deadline)
+    }
+
+    fn holding(&self, n: usize, more: bool) {
+        if more {
+            self.holding.fetch_add(n as u64, Ordering::SeqCst);
+        } else {
+            self.holding.fetch_sub(n as u64, Ordering::SeqCst);
+        }
+    }
+
+    fn recorded(&self, sent: u64) {
+        self.published.fetch_add(sent, Ordering::SeqCst);
+    }
+
+    fn released(&self, n: usize) {
+        self.released.fetch_add(n as u64, Ordering::SeqCst);
+    }
+
+    fn more_due(&self) {
+        self.wake_one();
+    }
+
+    fn publisher_down(&self, cause: &(dyn std::error::Error + 'static)) {
+        let config = &self.config;
+        self.health
+            .down(config.outbox.table(), cause, config.metrics.as_ref());
+    }
+
+    fn publisher_up(&self) {
+        let config = &self.config;
+        self.health
+            .up(config.outbox.table(), config.metrics.as_ref());
+    }
+}
