@@ -756,6 +756,7 @@ pub(crate) fn listen(channel: &str) -> String {
 }
 
 /// The statement timeout of a consumer's handler sessions.
+#[cfg(feature = "rabbitmq")]
 pub(crate) fn consumer_session(statement_timeout: Duration) -> String {
     checked(render(
         "SET statement_timeout = {ms}",
@@ -826,6 +827,7 @@ mod tests {
             let channel = Statements::new(&table).table().channel();
             assert_eq!(listen(&channel), format!("LISTEN {}", quote(&channel)));
         }
+        #[cfg(feature = "rabbitmq")]
         assert_eq!(
             consumer_session(Duration::from_secs(30)),
             "SET statement_timeout = 30000"
