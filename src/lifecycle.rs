@@ -74,6 +74,12 @@ impl StopSignal {
         self.deadline.get().copied()
     }
 
+    /// Whether a shutdown's deadline has passed (a stop without one never runs out).
+    pub(crate) fn past_deadline(&self) -> bool {
+        self.deadline()
+            .is_some_and(|deadline| Instant::now() >= deadline)
+    }
+
     /// Ready (disconnected) once the signal is sent: for a `select!`.
     pub(crate) fn receiver(&self) -> &Receiver<()> {
         &self.receiver
@@ -157,11 +163,16 @@ mod tests {
         stop.send();
         assert!(stop.is_sent());
         assert_eq!(stop.deadline(), None, "a thread that gave up sets none");
+        assert!(!stop.past_deadline());
         let first = Instant::now() + Duration::from_secs(1);
         assert!(stop.send_by(first));
         assert!(!stop.send_by(first + Duration::from_secs(10)));
         assert_eq!(stop.deadline(), Some(first));
+        assert!(!stop.past_deadline());
         stop.wait();
+        let passed = StopSignal::new();
+        assert!(passed.send_by(Instant::now()));
+        assert!(passed.past_deadline());
     }
 
     #[test]

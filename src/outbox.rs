@@ -38,7 +38,6 @@ pub struct Outbox {
 }
 
 struct Inner {
-    table: TableName,
     notify: bool,
     lease: Duration,
     retry: Retry,
@@ -150,15 +149,13 @@ impl OutboxBuilder {
         let table = TableName::parse(&self.table)?;
         check_lease(self.lease)?;
         check_retry(&self.retry)?;
-        let sql = Statements::new(&table);
         Ok(Outbox {
             inner: Arc::new(Inner {
-                table,
                 notify: self.notify,
                 lease: self.lease,
                 retry: self.retry,
                 park: self.park,
-                sql,
+                sql: Statements::new(&table),
             }),
         })
     }
@@ -211,7 +208,7 @@ impl Outbox {
 
     /// The table name as configured.
     pub fn table(&self) -> &str {
-        self.inner.table.as_str()
+        self.statements().table().as_str()
     }
 
     /// The NOTIFY channel producers notify on and relays LISTEN on, as the migrations
@@ -227,7 +224,7 @@ impl Outbox {
     /// schema it is in, or would be created in), so that processes spelling it differently
     /// (`orders`, `public.orders`) take the same migration lock and render the same channel.
     fn resolved(&self, client: &mut impl GenericClient) -> Result<TableName> {
-        let table = &self.inner.table;
+        let table = self.statements().table();
         if table.schema().is_some() {
             return Ok(table.clone());
         }
@@ -261,8 +258,7 @@ impl Outbox {
         self.inner.park
     }
 
-    /// Maps "relation does not exist" on our own statements (or "function" or "schema does
-    /// not exist": enqueue calls functions the migrations create) to [`Error::NotMigrated`].
+    /// See [`Statements::db_error`].
     pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
         self.statements().db_error(e)
     }

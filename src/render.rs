@@ -76,25 +76,16 @@ impl<'a> Values<'a> {
     pub(crate) fn render(&mut self, template: &str) -> Result<String, RenderError> {
         let mut out = String::with_capacity(template.len() + template.len() / 4);
         let mut rest = template;
-        while let Some(open) = rest.find('{') {
-            out.push_str(&rest[..open]);
-            let after = &rest[open + 1..];
-            let len = name_len(after.as_bytes());
-            if len == 0 || after.as_bytes().get(len) != Some(&b'}') {
-                // Not a placeholder: the brace is text.
-                out.push('{');
-                rest = after;
-                continue;
-            }
-            let name = &after[..len];
+        while let Some((open, name)) = next_placeholder(rest) {
             let i = self
                 .vars
                 .iter()
                 .position(|(n, _)| *n == name)
                 .ok_or_else(|| RenderError::Missing(name.to_owned()))?;
             self.used[i] = true;
+            out.push_str(&rest[..open]);
             out.push_str(self.vars[i].1);
-            rest = &after[len + 1..];
+            rest = &rest[open + name.len() + 2..];
         }
         out.push_str(rest);
         Ok(out)
@@ -114,14 +105,27 @@ impl<'a> Values<'a> {
 pub(crate) fn placeholders(text: &str) -> Vec<&str> {
     let mut found = Vec::new();
     let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        rest = &rest[open + 1..];
-        let len = name_len(rest.as_bytes());
-        if len > 0 && rest.as_bytes().get(len) == Some(&b'}') {
-            found.push(&rest[..len]);
-        }
+    while let Some((open, name)) = next_placeholder(rest) {
+        found.push(name);
+        rest = &rest[open + name.len() + 2..];
     }
     found
+}
+
+/// Where the first placeholder of `text` opens, and its name. A brace that does not open
+/// one is text, so `{{d}}` holds the placeholder `d`.
+fn next_placeholder(text: &str) -> Option<(usize, &str)> {
+    let mut from = 0;
+    while let Some(at) = text[from..].find('{') {
+        let open = from + at;
+        let after = &text[open + 1..];
+        let len = name_len(after.as_bytes());
+        if len > 0 && after.as_bytes().get(len) == Some(&b'}') {
+            return Some((open, &after[..len]));
+        }
+        from = open + 1;
+    }
+    None
 }
 
 /// The length of the placeholder name `text` starts with, 0 if it starts with none.

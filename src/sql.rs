@@ -3,8 +3,8 @@
 //! Table names are validated identifiers and always quoted (see `table.rs`), so splicing them
 //! into statement text cannot inject SQL; every value travels as a bind parameter. Statements
 //! and migrations alike are templates with `{name}` placeholders, rendered by `render.rs`,
-//! which fails on a placeholder without a value and on a value no template uses; the
-//! companion objects have the same placeholder names in both.
+//! which fails on a placeholder without a value and on a value no template uses; the table's
+//! objects both name come from one list (`objects`), so they are spelled alike in both.
 
 use std::time::Duration;
 
@@ -158,34 +158,15 @@ impl Statements {
 
     fn render(table: &TableName) -> Result<Statements, RenderError> {
         let t = table.quoted();
-        let inbox = table.companion("_inbox");
-        let failures = table.companion("_failures");
-        let waiting = table.companion("_waiting");
-        let counts = table.companion("_counts");
-        let migrations = table.companion("_migrations");
-        let enqueue_fn = table.companion("_enqueue");
-        let enqueue_n_fn = table.companion("_enqueue_n");
-        let lock_n_fn = table.companion("_lock_n");
-        let notify_fn = table.companion("_notify");
-        let channel_fn = table.companion("_channel");
-        let purge_batch = PURGE_BATCH.to_string();
-        let mut values = Values::new(&[
-            ("table", &t),
-            ("inbox", &inbox),
-            ("failures", &failures),
-            ("waiting", &waiting),
-            ("counts", &counts),
-            ("migrations", &migrations),
-            ("enqueue_fn", &enqueue_fn),
-            ("enqueue_n_fn", &enqueue_n_fn),
-            ("lock_n_fn", &lock_n_fn),
-            ("notify_fn", &notify_fn),
-            ("channel_fn", &channel_fn),
-            ("record_columns", RECORD_COLUMNS),
-            ("filter", FILTER),
-            ("parks", PARKS),
-            ("purge_batch", &purge_batch),
-        ])?;
+        let mut vars = objects(table);
+        vars.extend([
+            ("migrations", table.companion("_migrations")),
+            ("record_columns", RECORD_COLUMNS.to_owned()),
+            ("filter", FILTER.to_owned()),
+            ("parks", PARKS.to_owned()),
+            ("purge_batch", PURGE_BATCH.to_string()),
+        ]);
+        let mut values = Values::new(&borrowed(&vars))?;
         let statements = Statements {
             table: table.clone(),
             create_schema: match table.schema() {
@@ -417,7 +398,11 @@ impl Statements {
             applied_versions: values.render("SELECT version FROM {migrations}")?,
             record_migration: render(
                 RECORD_MIGRATION,
-                &[("migrations", &migrations), ("version", "$1"), ("name", "$2")],
+                &[
+                    ("migrations", &table.companion("_migrations")),
+                    ("version", "$1"),
+                    ("name", "$2"),
+                ],
             )?,
             channel: values.render("SELECT {channel_fn}()")?,
             schema_of: values.render(
@@ -685,6 +670,30 @@ fn bigint(value: i64) -> String {
     format!("({value})::bigint")
 }
 
+/// The table's objects that statements and migrations both name, each under the one
+/// placeholder name both use.
+fn objects(table: &TableName) -> Vec<(&'static str, String)> {
+    vec![
+        ("table", table.quoted()),
+        ("inbox", table.companion("_inbox")),
+        ("failures", table.companion("_failures")),
+        ("waiting", table.companion("_waiting")),
+        ("counts", table.companion("_counts")),
+        ("enqueue_fn", table.companion("_enqueue")),
+        ("enqueue_n_fn", table.companion("_enqueue_n")),
+        ("lock_n_fn", table.companion("_lock_n")),
+        ("notify_fn", table.companion("_notify")),
+        ("channel_fn", table.companion("_channel")),
+    ]
+}
+
+/// Named values as `Values::new` borrows them.
+fn borrowed<'a>(vars: &'a [(&'static str, String)]) -> Vec<(&'a str, &'a str)> {
+    vars.iter()
+        .map(|(name, value)| (*name, value.as_str()))
+        .collect()
+}
+
 /// Every migration's DDL for `table`, in the order of `MIGRATIONS`.
 ///
 /// # Panics
@@ -697,17 +706,8 @@ pub(crate) fn migrations(table: &TableName) -> Vec<String> {
 /// Renders the migrations together: each must find a value for every placeholder, and each
 /// value must be used by one of them.
 fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
-    let vars = [
-        ("table", table.quoted()),
-        ("inbox", table.companion("_inbox")),
-        ("failures", table.companion("_failures")),
-        ("waiting", table.companion("_waiting")),
-        ("counts", table.companion("_counts")),
-        ("notify_fn", table.companion("_notify")),
-        ("enqueue_fn", table.companion("_enqueue")),
-        ("enqueue_n_fn", table.companion("_enqueue_n")),
-        ("lock_n_fn", table.companion("_lock_n")),
-        ("channel_fn", table.companion("_channel")),
+    let mut vars = objects(table);
+    vars.extend([
         ("channel", table.channel()),
         ("table_lock_text", table.ordered_lock_key().to_string()),
         ("table_lock", bigint(table.ordered_lock_key())),
@@ -720,9 +720,8 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("agg_idx", table.derived("_agg")),
         ("agg_idx_qualified", table.companion("_agg")),
         ("done_idx", table.derived("_done")),
-    ];
-    let vars: Vec<(&str, &str)> = vars.iter().map(|(n, v)| (*n, v.as_str())).collect();
-    let mut values = Values::new(&vars)?;
+    ]);
+    let mut values = Values::new(&borrowed(&vars))?;
     let rendered = MIGRATIONS
         .iter()
         .map(|migration| values.render(migration.template))

@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
@@ -81,11 +80,7 @@ impl Control for Shared {
     }
 
     fn out_of_time(&self) -> bool {
-        self.stopping()
-            && self
-                .stop
-                .deadline()
-                .is_some_and(|deadline| Instant::now() >= deadline)
+        self.stop.past_deadline()
     }
 
     fn holding(&self, n: usize, more: bool) {
