@@ -86,6 +86,16 @@ impl Batch {
 }
 
 impl Batch {
+    /// Whether each row is its aggregate's head: the first of its aggregate in the batch,
+    /// when the aggregate is not among the `busy` ones, which have rows pending already.
+    fn heads(&self, busy: Vec<String>) -> Vec<bool> {
+        let mut taken: std::collections::HashSet<&str> = busy.iter().map(String::as_str).collect();
+        self.aggregate_keys
+            .iter()
+            .map(|key| key.as_deref().is_some_and(|key| taken.insert(key)))
+            .collect()
+    }
+
     /// Writes the batch, all or nothing, and returns its keys in order; an existing key
     /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
     /// woken at commit.
@@ -151,38 +161,40 @@ impl Batch {
             Type::TEXT_ARRAY,
             Type::INT4,
             Type::BOOL,
+            Type::BOOL,
         ];
         let mut savepoint = tx.savepoint("outbox_enqueue_all")?;
-        let locked = if self.aggregate_keys.iter().any(Option::is_some) {
-            savepoint
-                .query_typed(
-                    &sql.lock_aggregates,
-                    &[(&self.aggregate_keys, Type::TEXT_ARRAY)],
-                )
-                .map(drop)
-        } else {
-            Ok(())
-        };
-        let copied = locked
-            .and_then(|()| savepoint.copy_in(&sql.copy_in))
-            .and_then(|sink| {
-                let mut writer = BinaryCopyInWriter::new(sink, &types);
-                for i in 0..self.keys.len() {
-                    let start = self.header_offsets[i] as usize;
-                    let headers = &self.headers[start..start + self.header_lens[i] as usize];
-                    writer.write(&[
-                        &self.keys[i],
-                        &self.topics[i],
-                        &self.aggregate_keys[i],
-                        &self.payloads[i],
-                        &self.content_types[i],
-                        &headers,
-                        &self.max_attempts[i],
-                        &self.parks[i],
-                    ])?;
-                }
-                writer.finish()
-            });
+        // Locking the aggregates tells which of them have rows pending: the first row of
+        // each other one is its head (see migration 0007).
+        let busy: std::result::Result<Vec<String>, postgres::Error> =
+            if self.aggregate_keys.iter().any(Option::is_some) {
+                savepoint
+                    .query_typed_one(&sql.lock_heads, &[(&self.aggregate_keys, Type::TEXT_ARRAY)])
+                    .and_then(|row| row.try_get(0))
+            } else {
+                Ok(Vec::new())
+            };
+        let copied = busy.and_then(|busy| {
+            let heads = self.heads(busy);
+            let sink = savepoint.copy_in(&sql.copy_in)?;
+            let mut writer = BinaryCopyInWriter::new(sink, &types);
+            for (i, head) in heads.iter().enumerate() {
+                let start = self.header_offsets[i] as usize;
+                let headers = &self.headers[start..start + self.header_lens[i] as usize];
+                writer.write(&[
+                    &self.keys[i],
+                    &self.topics[i],
+                    &self.aggregate_keys[i],
+                    &self.payloads[i],
+                    &self.content_types[i],
+                    &headers,
+                    &self.max_attempts[i],
+                    &self.parks[i],
+                    head,
+                ])?;
+            }
+            writer.finish()
+        });
         match copied {
             Ok(_) => savepoint.commit()?,
             Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {

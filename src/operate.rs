@@ -7,6 +7,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use postgres::types::ToSql;
 use postgres::Client;
 use rand::Rng;
 
@@ -551,7 +552,13 @@ impl Outbox {
     pub fn redrive(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
         let filter = filter.into();
         filter.check_unlimited("redrive")?;
-        let n = self.update_where(client, &filter, &self.statements().redrive_where)?;
+        let sql = self.statements();
+        let n = self.update_where(
+            client,
+            &filter,
+            Some(&sql.lock_redriven),
+            &sql.redrive_where,
+        )?;
         if n > 0 {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
@@ -600,25 +607,36 @@ impl Outbox {
                 "skip applies to parked dead letters only",
             ));
         }
-        let n = self.update_where(client, &filter.parked(), &self.statements().skip_where)?;
+        let sql = self.statements();
+        let n = self.update_where(client, &filter.parked(), None, &sql.skip_where)?;
         if n > 0 {
             log::info!("outbox {}: skipped {n} parked dead letters", self.table());
         }
         Ok(n)
     }
 
-    /// Redrive or skip: one statement over the dead letters that match, then a wake-up for
-    /// a waiting relay, as their aggregates may move now.
-    fn update_where(&self, client: &mut Client, filter: &Filter, update: &str) -> Result<u64> {
+    /// Redrive or skip: one statement over the dead letters that match, after `lock` (given
+    /// the same parameters) in the same transaction, then a wake-up for a waiting relay, as
+    /// their aggregates may move now.
+    fn update_where(
+        &self,
+        client: &mut Client,
+        filter: &Filter,
+        lock: Option<&str>,
+        update: &str,
+    ) -> Result<u64> {
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
-        let n = client
-            .execute(update, &[&keys, &topic, &error, &age, &states])
-            .map_err(|e| self.db_error(e))?;
+        let params: [&(dyn ToSql + Sync); 5] = [&keys, &topic, &error, &age, &states];
+        let mut tx = client.transaction()?;
+        if let Some(lock) = lock {
+            tx.execute(lock, &params).map_err(|e| self.db_error(e))?;
+        }
+        let n = tx.execute(update, &params).map_err(|e| self.db_error(e))?;
         if n > 0 {
-            client
-                .execute(&self.statements().notify_if_waiting, &[])
+            tx.execute(&self.statements().notify_if_waiting, &[])
                 .map_err(|e| self.db_error(e))?;
         }
+        tx.commit()?;
         Ok(n)
     }
 

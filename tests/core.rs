@@ -936,7 +936,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 6);
+    assert_eq!(versions, 7);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
@@ -1583,9 +1583,11 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     let versions: i64 = client
         .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
         .get(0);
-    assert_eq!(versions, 6);
+    assert_eq!(versions, 7);
     assert!(!exists(&mut client, &format!("{name}_due")));
-    assert!(exists(&mut client, &format!("{name}_unordered")));
+    assert!(!exists(&mut client, &format!("{name}_unordered")));
+    assert!(exists(&mut client, &format!("{name}_ready")));
+    assert!(exists(&mut client, &format!("{name}_behind")));
     assert!(exists(&mut client, &format!("{name}_failures")));
     let stats = outbox.stats(&mut client)?;
     assert_eq!(
@@ -1654,6 +1656,11 @@ fn a_version_4_table_upgrades_keeping_rows_in_every_state() -> TestResult {
 #[test]
 fn a_version_5_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     upgrades_keeping_rows_in_every_state("0006_dead_decisions_and_channel")
+}
+
+#[test]
+fn a_version_6_table_upgrades_keeping_rows_in_every_state() -> TestResult {
+    upgrades_keeping_rows_in_every_state("0007_head_flags")
 }
 
 #[test]

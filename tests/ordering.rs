@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use common::{count, relay_config, row_state, wait_until, Sink};
+use common::{count, quoted, relay_config, row_state, wait_until, Sink};
 use postgres::error::SqlState;
 use postgres::Client;
 use postgres_outbox::{
@@ -645,5 +645,157 @@ fn process_parks_too_and_purge_leaves_parked_letters_alone() -> TestResult {
         .unwrap_err();
     assert!(e.is_invalid_input(), "{e}");
     assert_eq!(row_state(&mut client, &outbox, "a-0").0, "parked");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Heads marked at enqueue
+// ---------------------------------------------------------------------------------------------
+
+/// The keys of the pending or parked rows marked as their aggregate's head at enqueue, in
+/// key order.
+fn marked_heads(client: &mut Client, outbox: &Outbox) -> Vec<String> {
+    client
+        .query(
+            &format!(
+                "SELECT key FROM {} WHERE head AND status IN ('pending', 'parked') ORDER BY key",
+                quoted(outbox)
+            ),
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[test]
+fn an_enqueue_marks_a_head_only_when_its_aggregate_has_nothing_pending_or_parked() -> TestResult {
+    let (outbox, mut client) = common::outbox("heads_marked");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, message("a", "1"))?;
+    outbox.enqueue(&mut tx, message("a", "2"))?;
+    outbox.enqueue(&mut tx, Message::new(TOPIC, "loose").key("loose"))?;
+    // A batch: the first of a new aggregate is its head, the first of a pending one is not.
+    outbox.enqueue_all(
+        &mut tx,
+        [message("b", "1"), message("b", "2"), message("a", "3")],
+    )?;
+    // A batch large enough to be copied in marks its heads the same way.
+    let copied = (0..100).map(|i| message(if i == 0 { "a" } else { "c" }, &format!("x{i}")));
+    outbox.enqueue_all(&mut tx, copied)?;
+    tx.commit()?;
+    assert_eq!(marked_heads(&mut client, &outbox), ["a-1", "b-1", "c-x1"]);
+
+    // An aggregate whose rows are all finished takes a new head; one whose last row is in
+    // flight or parked does not.
+    client.batch_execute(&format!(
+        "UPDATE {t} SET status = 'sent', done_at = now() WHERE aggregate_key = 'a';
+         UPDATE {t} SET available_at = now() + interval '1 hour',
+                        lease_until = now() + interval '1 hour', attempts = 1
+         WHERE aggregate_key = 'b';
+         UPDATE {t} SET status = 'parked', done_at = now() WHERE aggregate_key = 'c';",
+        t = quoted(&outbox)
+    ))?;
+    let mut tx = client.transaction()?;
+    for m in [message("a", "4"), message("b", "3"), message("c", "y")] {
+        outbox.enqueue(&mut tx, m)?;
+    }
+    tx.commit()?;
+    assert_eq!(marked_heads(&mut client, &outbox), ["a-4", "b-1", "c-x1"]);
+
+    // Under REPEATABLE READ the snapshot may predate an earlier producer's commit: nothing
+    // is marked, and the row is found by the claim's scan instead.
+    let mut tx = client
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .start()?;
+    outbox.enqueue(&mut tx, message("d", "1"))?;
+    outbox.enqueue_all(&mut tx, (0..100).map(|i| message("e", &format!("{i}"))))?;
+    tx.commit()?;
+    assert_eq!(
+        count(&mut client, &outbox, "aggregate_key IN ('d', 'e') AND head"),
+        0
+    );
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect());
+    Relay::run_until_idle(&config)?;
+    let expected: Vec<String> = (0..100).map(|i| i.to_string()).collect();
+    assert_eq!(published(&sink, "e"), expected);
+    assert_eq!(published(&sink, "d"), ["1"]);
+    assert_eq!(published(&sink, "a"), ["4"]);
+    Ok(())
+}
+
+/// `a-1` is dead (not parked) and `a-2`, enqueued since, is marked as the head.
+fn dead_head_and_a_later_marked_one(client: &mut Client, outbox: &Outbox) {
+    let mut tx = client.transaction().unwrap();
+    outbox.enqueue(&mut tx, message("a", "1")).unwrap();
+    tx.commit().unwrap();
+    client
+        .batch_execute(&format!(
+            "UPDATE {} SET status = 'dead', attempts = 1, done_at = now(), last_error = 'boom'",
+            quoted(outbox)
+        ))
+        .unwrap();
+    let mut tx = client.transaction().unwrap();
+    outbox.enqueue(&mut tx, message("a", "2")).unwrap();
+    tx.commit().unwrap();
+    assert_eq!(marked_heads(client, outbox), ["a-2"]);
+}
+
+#[test]
+fn a_redriven_dead_letter_goes_before_a_later_message_marked_head_while_it_was_dead() -> TestResult
+{
+    let (outbox, mut client) = common::outbox("heads_redrive");
+    dead_head_and_a_later_marked_one(&mut client, &outbox);
+    assert_eq!(outbox.redrive(&mut client, Filter::new().key("a-1"))?, 1);
+    assert!(marked_heads(&mut client, &outbox).is_empty());
+
+    let sink = Sink::default();
+    // Batches of one and two: neither may take "2" ahead of "1".
+    for batch in [1, 2] {
+        let config = relay_config(&outbox, sink.collect()).batch_size(batch);
+        Relay::run_until_idle(&config)?;
+    }
+    assert_eq!(published(&sink, "a"), ["1", "2"]);
+    Ok(())
+}
+
+#[test]
+fn a_redrive_waits_for_a_producer_of_the_aggregate_and_goes_before_its_message() -> TestResult {
+    let (outbox, mut client) = common::outbox("heads_redrive_race");
+    dead_head_and_a_later_marked_one(&mut client, &outbox);
+    client.batch_execute(&format!(
+        "UPDATE {} SET status = 'sent', done_at = now() WHERE key = 'a-2'",
+        quoted(&outbox)
+    ))?;
+
+    // A producer holds the aggregate, its row about to be marked as the head (a-1 is dead).
+    let mut producer = common::client();
+    let mut open = producer.transaction()?;
+    outbox.enqueue(&mut open, message("a", "3"))?;
+    let (pid_tx, pid_rx) = mpsc::channel();
+    let redriving = {
+        let outbox = outbox.clone();
+        thread::spawn(move || {
+            let mut client = common::client();
+            pid_tx.send(backend_pid(&mut client)).unwrap();
+            outbox
+                .redrive(&mut client, Filter::new().key("a-1"))
+                .unwrap()
+        })
+    };
+    let pid = pid_rx.recv()?;
+    wait_until("the redrive waits for the aggregate", || {
+        waits_for_a_lock(&mut client, pid)
+    });
+    open.commit()?;
+    assert_eq!(redriving.join().unwrap(), 1);
+    assert!(marked_heads(&mut client, &outbox).is_empty());
+
+    let sink = Sink::default();
+    Relay::run_until_idle(&relay_config(&outbox, sink.collect()))?;
+    assert_eq!(published(&sink, "a"), ["1", "3"]);
     Ok(())
 }

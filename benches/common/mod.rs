@@ -1,5 +1,5 @@
 //! What the `outbox` and `rabbitmq` benches share: the shapes of an ordered backlog, filling
-//! one straight into the table, draining it with a relay, and printing rates.
+//! one as producers do, draining it with a relay, and printing rates.
 //!
 //! Each bench includes this with `mod common;`; Cargo takes only the files directly in
 //! `benches/` as bench targets, so this one is not a bench of its own.
@@ -11,7 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use postgres::Client;
-use postgres_outbox::{Metrics, Outbox, Record, Relay, RelayConfig};
+use postgres_outbox::{Message, Metrics, Outbox, Record, Relay, RelayConfig};
 
 /// `Send + Sync`, so that bench threads can return it; `?` turns it into a plain
 /// `Box<dyn Error>` where a bench wants that.
@@ -49,20 +49,21 @@ impl Shape {
         }
     }
 
-    /// The aggregate key of row `i` (1-based), as SQL.
-    fn aggregate_key_sql(self) -> &'static str {
+    /// The aggregate key of row `i` (1-based).
+    fn aggregate_key(self, i: usize) -> Option<String> {
         match self {
-            Shape::Unordered => "NULL",
-            Shape::Unique => "'agg-' || i",
-            Shape::Agg40 => "'agg-' || (i % 40)",
-            Shape::Hot1 => "'agg-0'",
+            Shape::Unordered => None,
+            Shape::Unique => Some(format!("agg-{i}")),
+            Shape::Agg40 => Some(format!("agg-{}", i % 40)),
+            Shape::Hot1 => Some("agg-0".to_owned()),
         }
     }
 }
 
-/// Fills the outbox with `rows` pending rows of `payload` bytes in one `INSERT .. SELECT`
-/// straight into the table, ids increasing with the row number within each aggregate of
-/// `shape`; then `ANALYZE`s it.
+/// Fills the outbox with `rows` pending messages of `payload` bytes through
+/// `Outbox::enqueue_all`, as producers write them, aggregates per `shape`, a transaction per
+/// batch of at most 1,000 messages or 16 MiB; then `VACUUM ANALYZE`s it, as autovacuum would
+/// have by then.
 pub fn prefill_rows(
     client: &mut Client,
     outbox: &Outbox,
@@ -70,18 +71,25 @@ pub fn prefill_rows(
     payload: usize,
     shape: Shape,
 ) -> Result<()> {
-    let table = outbox.table();
-    client.execute(
-        &format!(
-            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', $2::int), 'hex') AS payload) \
-             INSERT INTO {table} (key, topic, aggregate_key, payload) \
-             SELECT 'bench-' || i, 'bench.event', {aggregate}, p.payload \
-             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i",
-            aggregate = shape.aggregate_key_sql(),
-        ),
-        &[&i64::try_from(rows)?, &i32::try_from(payload)?],
-    )?;
-    client.batch_execute(&format!("ANALYZE {table}"))?;
+    let per_batch = (16 << 20) / payload.max(1);
+    let per_batch = per_batch.clamp(1, 1000);
+    let bytes = vec![b'x'; payload];
+    for first in (1..=rows).step_by(per_batch) {
+        let last = rows.min(first + per_batch - 1);
+        let mut tx = client.transaction()?;
+        outbox.enqueue_all(
+            &mut tx,
+            (first..=last).map(|i| {
+                let message = Message::new("bench.event", bytes.clone()).key(format!("bench-{i}"));
+                match shape.aggregate_key(i) {
+                    Some(aggregate) => message.aggregate_key(aggregate),
+                    None => message,
+                }
+            }),
+        )?;
+        tx.commit()?;
+    }
+    client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
     Ok(())
 }
 
