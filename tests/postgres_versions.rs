@@ -257,6 +257,12 @@ const FEATURES: &[Feature] = &[
         patterns: &["SET jit", "SET LOCAL jit", "RESET jit"],
     },
     Feature {
+        // Before 12 every CTE was materialized and the keyword is a syntax error.
+        name: "WITH ... AS MATERIALIZED",
+        since: Version(12, 0),
+        patterns: &["AS MATERIALIZED ("],
+    },
+    Feature {
         // What makes 13 the minimum: txid_current() is what came before.
         name: "pg_current_xact_id() (xid8)",
         since: Version(13, 0),
