@@ -87,15 +87,63 @@ fn a_published_record_carries_every_property_and_header() {
         header(p, "tenant"),
         Some(&AmqpValue::LongString("acme".into()))
     );
-    assert_eq!(
-        header(p, "x-outbox-attempt"),
-        Some(&AmqpValue::LongLongInt(1))
-    );
+    // A first attempt says nothing of its number.
+    assert_eq!(header(p, "x-outbox-attempt"), None);
     assert_eq!(
         header(p, "x-outbox-aggregate-key"),
         Some(&AmqpValue::LongString("order-1".into()))
     );
     assert_eq!(row_state(&mut client, &outbox, &keys[0]).0, "sent");
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn the_attempt_header_comes_from_the_second_attempt_on_unless_asked_for_always() {
+    let (outbox, mut client) = outbox("rmq_attempt");
+    let broker = Broker::new();
+    let (exchange, queue) = broker.routed("attempt", FieldTable::new());
+    let publish = |client: &mut postgres::Client, key: &str, earlier: i32, always: bool| {
+        enqueue(
+            client,
+            &outbox,
+            vec![Message::new("t", b"x".to_vec()).key(key)],
+        );
+        client
+            .execute(
+                &format!(
+                    "UPDATE {} SET attempts = $1 WHERE key = $2",
+                    quoted(&outbox)
+                ),
+                &[&earlier, &key],
+            )
+            .unwrap();
+        let tune = if always {
+            |p: RabbitPublisher| p.first_attempt_header(true)
+        } else {
+            |p| p
+        };
+        assert_eq!(
+            Relay::run_once(&relay_config(&outbox, &exchange, tune)).unwrap(),
+            1
+        );
+        let got = broker.drain(&queue);
+        assert_eq!(got.len(), 1);
+        got[0].delivery.properties.clone()
+    };
+
+    // A first attempt of a message without headers or aggregate carries no header table.
+    let first = publish(&mut client, "first", 0, false);
+    assert_eq!(*first.headers(), None);
+    let second = publish(&mut client, "second", 1, false);
+    assert_eq!(
+        header(&second, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(2))
+    );
+    let always = publish(&mut client, "always", 0, true);
+    assert_eq!(
+        header(&always, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(1))
+    );
     broker.delete_queue(&queue);
 }
 

@@ -23,7 +23,9 @@ pub struct Delivery {
     /// The aggregate key (`x-outbox-aggregate-key`), if any: deliveries that share one are
     /// handled one at a time, in the order they arrived.
     pub aggregate_key: Option<String>,
-    /// The outbox attempt that published it (`x-outbox-attempt`), if present.
+    /// The outbox attempt that published it (`x-outbox-attempt`), if present. The relay's
+    /// `RabbitPublisher` sends the header from the second attempt on (unless told to send it
+    /// always), so `None` from it means the first attempt.
     pub attempt: Option<u32>,
     /// True if the broker delivered it before.
     pub redelivered: bool,
