@@ -12,7 +12,8 @@
 //!   `RabbitPublisher` draining a backlog with no aggregate key, each row its own aggregate,
 //!   rows round-robin over 40 aggregates, or all in one aggregate; `vs_unordered=` is its rate
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
-//!   sent so far, with `sent=<rows> capped=true`.
+//!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
+//!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
 //! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
@@ -132,17 +133,24 @@ fn main() -> Result<()> {
     }
     if wanted("rabbitmq-ordered") {
         let mut unordered = None;
-        for shape in Shape::ALL {
+        // Confirm rounds, then the ordered shapes again with runs pipelined.
+        let runs = Shape::ALL
+            .into_iter()
+            .map(|shape| (shape, false))
+            .chain(Shape::ALL.into_iter().skip(1).map(|shape| (shape, true)));
+        for (shape, pipeline) in runs {
             let outbox = fresh_outbox(&mut client)?;
             prefill_rows(&mut client, &outbox, ordered_rows, PAYLOAD, shape)?;
             broker.purge()?;
-            let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?;
+            let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?
+                .pipeline_runs(pipeline);
             let cpu = CpuTimes::now();
             let drained = drain(&mut client, &outbox, config, ordered_rows, ordered_cap)?;
             let rate = drained.rate();
             let unordered = *unordered.get_or_insert(rate);
             let mut line = format!(
-                "bench=rabbitmq-ordered shape={} rows={ordered_rows} rate={} vs_unordered={} {}",
+                "bench=rabbitmq-ordered pipeline_runs={pipeline} shape={} rows={ordered_rows} \
+                 rate={} vs_unordered={} {}",
                 shape.name(),
                 fmt_rate(rate),
                 ratio(rate, unordered),

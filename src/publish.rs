@@ -31,6 +31,16 @@ pub trait Publisher: Send {
     fn is_broken(&self) -> bool {
         false
     }
+
+    /// True if the records of one [`publish`](Publisher::publish) call reach the destination
+    /// in the order given, whatever becomes of each (as messages published on one AMQP
+    /// channel reach each queue in the order they were sent). A relay set to
+    /// [`pipeline_runs`](crate::RelayConfig::pipeline_runs) then hands such a publisher an
+    /// aggregate's whole run in one call, instead of one message per confirm round. The
+    /// default: false, and the relay keeps to confirm rounds.
+    fn keeps_order(&self) -> bool {
+        false
+    }
 }
 
 /// Why a record was not published (or a handler did not finish), and whose fault it is.

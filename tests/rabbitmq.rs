@@ -547,40 +547,70 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
     broker.delete_queue(&queue);
 }
 
-#[test]
-fn runs_of_several_aggregates_reach_the_queue_in_order_with_an_unbounded_confirm_timeout() {
-    let (outbox, mut client) = outbox("rmq_rounds");
-    let broker = Broker::new();
-    let (exchange, queue) = broker.routed("rounds", FieldTable::new());
-    let mut messages = Vec::new();
-    for seq in 0..20 {
-        for aggregate in ["a", "b", "c"] {
-            messages.push(
-                Message::new("t", seq.to_string())
-                    .key(format!("{aggregate}-{seq}"))
-                    .aggregate_key(aggregate),
-            );
-        }
+/// A `RabbitPublisher` that counts the calls it is handed.
+struct Counting(RabbitPublisher, Arc<AtomicUsize>);
+
+impl Publisher for Counting {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.publish(batch)
     }
-    enqueue(&mut client, &outbox, messages);
-    // One worker, one batch holding every run: twenty confirm rounds of three messages.
-    let config = relay_config(&outbox, &exchange, |p| p.confirm_timeout(Duration::MAX))
+
+    fn is_broken(&self) -> bool {
+        self.0.is_broken()
+    }
+
+    fn keeps_order(&self) -> bool {
+        self.0.keeps_order()
+    }
+}
+
+#[test]
+fn runs_of_several_aggregates_reach_the_queue_in_order_in_rounds_and_pipelined() {
+    // One worker, one batch holding every run: twenty confirm rounds of three messages, or
+    // one call with the runs pipelined.
+    for (pipeline, calls_expected) in [(false, 20), (true, 1)] {
+        let (outbox, mut client) = outbox("rmq_rounds");
+        let broker = Broker::new();
+        let (exchange, queue) = broker.routed("rounds", FieldTable::new());
+        let mut messages = Vec::new();
+        for seq in 0..20 {
+            for aggregate in ["a", "b", "c"] {
+                messages.push(
+                    Message::new("t", seq.to_string())
+                        .key(format!("{aggregate}-{seq}"))
+                        .aggregate_key(aggregate),
+                );
+            }
+        }
+        enqueue(&mut client, &outbox, messages);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let config = {
+            let (url, calls) = (amqp_url(), calls.clone());
+            RelayConfig::new(outbox.clone(), pool(4), move || {
+                RabbitPublisher::connect(&url, &exchange)
+                    .map(|p| Counting(p.confirm_timeout(Duration::MAX), calls.clone()))
+            })
+        }
+        .pipeline_runs(pipeline)
         .batch_size(60)
         .concurrency(1);
-    assert_eq!(Relay::run_until_idle(&config).unwrap(), 60);
+        assert_eq!(Relay::run_until_idle(&config).unwrap(), 60);
+        assert_eq!(calls.load(Ordering::SeqCst), calls_expected);
 
-    let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
-    for got in broker.drain(&queue) {
-        let key = got.delivery.properties.message_id().clone().expect("key");
-        let (aggregate, seq) = key.split_once('-').expect("aggregate-seq");
-        seen.entry(aggregate.to_owned())
-            .or_default()
-            .push(seq.parse().expect("seq"));
+        let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
+        for got in broker.drain(&queue) {
+            let key = got.delivery.properties.message_id().clone().expect("key");
+            let (aggregate, seq) = key.split_once('-').expect("aggregate-seq");
+            seen.entry(aggregate.to_owned())
+                .or_default()
+                .push(seq.parse().expect("seq"));
+        }
+        for aggregate in ["a", "b", "c"] {
+            assert_eq!(seen[aggregate], (0..20).collect::<Vec<_>>(), "{aggregate}");
+        }
+        broker.delete_queue(&queue);
     }
-    for aggregate in ["a", "b", "c"] {
-        assert_eq!(seen[aggregate], (0..20).collect::<Vec<_>>(), "{aggregate}");
-    }
-    broker.delete_queue(&queue);
 }
 
 #[test]

@@ -882,6 +882,129 @@ fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
     assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
 }
 
+/// A publisher that records the keys of every call, in order, and fails the keys in
+/// `failing` once each (transiently); it keeps order when `keeps_order` says so.
+#[derive(Clone, Default)]
+struct Calls {
+    calls: Arc<Mutex<Vec<Vec<String>>>>,
+    failing: Arc<Mutex<HashSet<String>>>,
+    keeps_order: bool,
+}
+
+impl Publisher for Calls {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        let mut failing = self.failing.lock().unwrap();
+        self.calls
+            .lock()
+            .unwrap()
+            .push(batch.iter().map(|r| r.key.clone()).collect());
+        batch
+            .iter()
+            .map(|r| match failing.remove(&r.key) {
+                true => Err(PublishError::transient("nacked")),
+                false => Ok(()),
+            })
+            .collect()
+    }
+
+    fn keeps_order(&self) -> bool {
+        self.keeps_order
+    }
+}
+
+impl Calls {
+    fn config(&self, outbox: &Outbox, pipeline: bool) -> RelayConfig {
+        let publisher = self.clone();
+        RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
+            Ok::<_, Infallible>(publisher.clone())
+        })
+        .pipeline_runs(pipeline)
+        .batch_size(10)
+        .concurrency(1)
+        .backoff(Duration::from_millis(1), Duration::from_millis(1))
+    }
+
+    fn calls(&self) -> Vec<Vec<String>> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[test]
+fn pipelined_runs_go_out_in_one_call_to_a_publisher_that_keeps_order() {
+    let cases = [
+        // (pipeline_runs, keeps_order, calls for two runs of four)
+        (true, true, 1),
+        (true, false, 4),
+        (false, true, 4),
+    ];
+    for (pipeline, keeps_order, expected) in cases {
+        let (outbox, mut client) = common::outbox("rl_pipelined");
+        let mut messages = ordered("a", 4);
+        messages.extend(ordered("b", 4));
+        enqueue(&mut client, &outbox, messages);
+        let publisher = Calls {
+            keeps_order,
+            ..Calls::default()
+        };
+        assert_eq!(
+            Relay::run_once(&publisher.config(&outbox, pipeline)).unwrap(),
+            8
+        );
+        let calls = publisher.calls();
+        assert_eq!(calls.len(), expected, "{pipeline} {keeps_order}: {calls:?}");
+        let handed: Vec<String> = calls.concat();
+        for aggregate in ["a", "b"] {
+            let order: Vec<&String> = handed
+                .iter()
+                .filter(|k| k.starts_with(&format!("{aggregate}-")))
+                .collect();
+            let expected: Vec<String> = (0..4).map(|i| format!("{aggregate}-{i}")).collect();
+            assert_eq!(order, expected.iter().collect::<Vec<_>>());
+        }
+        assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 8);
+    }
+}
+
+#[test]
+fn a_pipelined_run_whose_message_fails_records_the_rest_sent_and_retries_it_after_them() {
+    let (outbox, mut client) = common::outbox("rl_pipelined_fail");
+    enqueue(&mut client, &outbox, ordered("a", 4));
+    let publisher = Calls {
+        keeps_order: true,
+        ..Calls::default()
+    };
+    publisher.failing.lock().unwrap().insert("a-1".into());
+    drain_by_hand(&mut client, &outbox, &publisher.config(&outbox, true), 4);
+    // The run went out in one call; a-1 was nacked, a-2 and a-3 had gone out with it and
+    // were confirmed, so they are sent; a-1 went out again on its own.
+    assert_eq!(
+        publisher.calls(),
+        [vec!["a-0", "a-1", "a-2", "a-3"], vec!["a-1"]]
+    );
+    assert_eq!(row_state(&mut client, &outbox, "a-1"), ("sent".into(), 2));
+    assert_eq!(row_state(&mut client, &outbox, "a-3"), ("sent".into(), 1));
+
+    // In confirm rounds the same failure holds the rest back until a-1 is through.
+    let (outbox, mut client) = common::outbox("rl_rounds_fail");
+    enqueue(&mut client, &outbox, ordered("a", 4));
+    let publisher = Calls {
+        keeps_order: true,
+        ..Calls::default()
+    };
+    publisher.failing.lock().unwrap().insert("a-1".into());
+    drain_by_hand(&mut client, &outbox, &publisher.config(&outbox, false), 4);
+    let handed: Vec<String> = publisher.calls().concat();
+    assert_eq!(handed, ["a-0", "a-1", "a-1", "a-2", "a-3"]);
+}
+
+/// Runs `config` on this thread until `rows` rows are sent (a retry waits out its backoff).
+fn drain_by_hand(client: &mut Client, outbox: &Outbox, config: &RelayConfig, rows: i64) {
+    wait_until("every row is sent", || {
+        Relay::run_until_idle(config).unwrap();
+        count(client, outbox, "status = 'sent'") == rows
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Wake-up
 // ---------------------------------------------------------------------------------------------

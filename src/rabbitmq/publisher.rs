@@ -528,6 +528,11 @@ impl Publisher for RabbitPublisher {
     fn is_broken(&self) -> bool {
         self.broken.is_some()
     }
+
+    /// One channel: the broker puts each queue's messages in the order they were published.
+    fn keeps_order(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for RabbitPublisher {

@@ -59,6 +59,7 @@ pub struct RelayConfig {
     pub(crate) retry: Retry,
     pub(crate) park: bool,
     pub(crate) notify: bool,
+    pub(crate) pipeline_runs: bool,
     pub(crate) metrics: Arc<dyn Metrics>,
     /// Where the listener's connection comes from, when not from `source`.
     pub(crate) listener: Option<Arc<Connect>>,
@@ -77,6 +78,7 @@ impl fmt::Debug for RelayConfig {
             .field("retry", &self.retry)
             .field("park", &self.park)
             .field("notify", &self.notify)
+            .field("pipeline_runs", &self.pipeline_runs)
             .finish_non_exhaustive()
     }
 }
@@ -114,6 +116,7 @@ impl RelayConfig {
             poll_interval: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(10),
             notify: true,
+            pipeline_runs: false,
             metrics: Arc::new(Guarded(NoMetrics)),
             listener: None,
         }
@@ -194,6 +197,27 @@ impl RelayConfig {
     /// a message may say otherwise with [`Message::park_on_dead`](crate::Message::park_on_dead).
     pub fn park_on_dead(mut self, park: bool) -> RelayConfig {
         self.park = park;
+        self
+    }
+
+    /// Whether an aggregate's run goes to a publisher that [keeps
+    /// order](crate::Publisher::keeps_order) in one call, its messages pipelined, instead of
+    /// one message per confirm round (default false).
+    ///
+    /// Confirm rounds hand message k + 1 of an aggregate over only once message k is
+    /// confirmed: order holds whatever fails, at one broker round trip per message of an
+    /// aggregate (one busy aggregate to RabbitMQ: about 1,500 messages a second here).
+    /// Pipelined, the run goes out in order without waiting, so one aggregate moves about as
+    /// fast as unordered messages (7,700 a second here), and **order holds unless a message
+    /// of the run fails**: when message k is nacked, returned as unroutable, refused by the
+    /// publisher or not confirmed (a lost connection), the later messages of its run may have
+    /// reached the broker already. Each is recorded as the publisher reports it: those
+    /// confirmed are sent, and k goes out again after them (retried, or handed back after an
+    /// outage), or becomes a dead letter, which then holds back nothing that went out with
+    /// it. Only then may a consumer see k after later messages of its aggregate. A
+    /// publisher that does not keep order gets confirm rounds whatever this says.
+    pub fn pipeline_runs(mut self, pipeline: bool) -> RelayConfig {
+        self.pipeline_runs = pipeline;
         self
     }
 

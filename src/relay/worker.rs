@@ -272,13 +272,15 @@ impl<'a> Worker<'a> {
         // Not worth starting a round that may outlive the lease: whoever claims the rows
         // next would publish them again, and maybe ahead of this round's confirms.
         let margin = config.lease / 10;
+        let goes = |failed: &HashSet<String>, r: &Record| {
+            r.aggregate_key
+                .as_ref()
+                .is_none_or(|aggregate| !failed.contains(aggregate))
+        };
         let mut rounds = rounds(records).into_iter();
-        for round in rounds.by_ref() {
-            let (go, held): (Vec<Record>, Vec<Record>) = round.into_iter().partition(|r| {
-                r.aggregate_key
-                    .as_ref()
-                    .is_none_or(|aggregate| !failed.contains(aggregate))
-            });
+        while let Some(round) = rounds.next() {
+            let (mut go, held): (Vec<Record>, Vec<Record>) =
+                round.into_iter().partition(|r| goes(&failed, r));
             release.extend(held.iter().map(Record::fence));
             if go.is_empty() {
                 continue;
@@ -295,6 +297,19 @@ impl<'a> Worker<'a> {
                     break;
                 }
             };
+            // Pipelined: the rest of every run joins the first round; concatenated rounds keep
+            // each aggregate's order.
+            if config.pipeline_runs
+                && catch_unwind(AssertUnwindSafe(|| publisher.keeps_order())).unwrap_or(false)
+            {
+                for record in rounds.by_ref().flatten() {
+                    if goes(&failed, &record) {
+                        go.push(record);
+                    } else {
+                        release.push(record.fence());
+                    }
+                }
+            }
             let attempted = attempt(config, publisher.as_mut(), &go, claimed_at);
             for (record, outcome) in go.iter().zip(attempted.outcomes) {
                 if !matches!(outcome, Outcome::Sent) {
