@@ -271,7 +271,7 @@ impl Statements {
                    WHERE {filter} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
                  unmarked AS (
                    UPDATE {table} o SET head = false FROM first f
-                   WHERE o.aggregate_key = f.aggregate_key AND o.id > f.id AND o.head
+                   WHERE o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
                      AND o.status IN ('pending', 'parked'))
                  UPDATE {table} t SET status = 'pending', attempts = 0, available_at = now(),
                                       lease_until = NULL, done_at = NULL, head = false
@@ -539,10 +539,11 @@ pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// enqueue, see migration 0007) come from the ready index, oldest due first, locked as they
 /// are read under `FOR UPDATE SKIP LOCKED`: workers side by side take different rows, and
 /// each row costs what an unordered one does. The other rows with an aggregate key wait
-/// behind a head, or were not marked as one: a skip scan of the index of such rows visits
-/// the first of each aggregate, starting after the caller's cursor, until it has seen
-/// `2 x $1` due ones or `$5` in all; one is due when it is its aggregate's oldest pending or
-/// parked row (a probe of the aggregate index) and its time has come. A lease pushes
+/// behind a head, or were not marked as one: a skip scan of the unmarked part of the ordered
+/// index visits the first of each aggregate, starting after the caller's cursor, until it has
+/// seen `2 x $1` due ones or `$5` in all; one is due when its time has come and no marked
+/// head of its aggregate is still pending or parked (a probe of the marked part: only a
+/// marked head can be ahead of an aggregate's first unmarked row). A lease pushes
 /// `available_at` forward, so a leased head is not due and its aggregate is passed over; a
 /// parked head is never due, nor is anything behind it. So the cost is what the claim
 /// returns plus the heads it passes, never the rows waiting behind a head.
@@ -576,15 +577,14 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
     let over = "t.attempts + 1 > coalesce(t.max_attempts, $7)";
     // The rows of the skip scan: those of an aggregate that were not marked as its head.
     let behind = "b.status IN ('pending', 'parked') AND b.aggregate_key IS NOT NULL AND NOT b.head";
-    // A row found by the scan is due when it is pending, its time has come and it is the
-    // first pending or parked row of its aggregate. The probe orders as only the aggregate
-    // index does, so that it never walks the primary key through the sent rows.
+    // A row found by the scan is due when it is pending, its time has come and no marked
+    // head of its aggregate is before it. (The marked part holds a head per aggregate at
+    // most, and none of the rows sent behind it: the probe reads next to nothing.)
     let b_due = render(
         "b.status = 'pending' AND b.available_at <= now()
-         AND (SELECT p.id FROM {table} p
-              WHERE p.status IN ('pending', 'parked') AND p.aggregate_key IS NOT NULL
-                AND p.aggregate_key >= b.aggregate_key
-              ORDER BY p.aggregate_key, p.id LIMIT 1) = b.id",
+         AND NOT EXISTS (SELECT 1 FROM {table} p
+                         WHERE p.head AND p.aggregate_key = b.aggregate_key AND p.id < b.id
+                           AND p.status IN ('pending', 'parked'))",
         &[("table", t)],
     )?;
     // What a row weighs against the byte budget: its payload and its headers.
@@ -625,55 +625,58 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
          -- Sized by every aggregate seen, due or in flight, so that a claim finding only a
          -- few free heads while other workers hold the rest takes short runs of them, not
          -- one long run: every confirm round stays wide. (The scan may pass the row behind
-         -- a ready head: one aggregate.)
+         -- a ready head: one aggregate. A batch of ready heads needs no counting.)
          run_len AS (
            SELECT CASE WHEN n >= $1 THEN 1
                        ELSE greatest(1, ceil($1::numeric / greatest(1, ceil(n::numeric / $6))))
                   END::bigint AS r
-           FROM (SELECT count(DISTINCT aggregate_key) AS n FROM heads) a),
+           FROM (SELECT CASE WHEN (SELECT count(*) FROM placed
+                                   WHERE aggregate_key IS NOT NULL) >= $1 THEN $1
+                             ELSE (SELECT count(DISTINCT aggregate_key) FROM heads)
+                        END AS n) a),
          -- Materialized: a row locked below that a concurrent claim changed is rechecked
          -- against the candidates, and inlined they would be read again for every such
          -- row (measured: 200 ms and 118,000 buffers for one claim of 40 aggregates).
          ocand AS MATERIALIZED (
            -- Runs of one are the due heads themselves: no need to read behind them.
-           (SELECT h.id, h.aggregate_key, h.hpos, 1::bigint AS rn, h.scanned
+           (SELECT h.id, h.aggregate_key, h.hpos, 1::bigint AS rn, h.scanned, false AS held
             FROM heads h
             WHERE h.due AND NOT h.held AND (SELECT r FROM run_len) = 1
             ORDER BY h.hpos LIMIT 2 * $1)
            UNION ALL
-           (SELECT r.id, h.aggregate_key, h.hpos, r.rn, h.scanned
+           -- Behind a marked head (locked already) its run goes on with the unmarked rows
+           -- after it; a found head starts its run.
+           (SELECT r.id, h.aggregate_key, h.hpos, r.rn, h.scanned, h.held
             FROM heads h CROSS JOIN LATERAL (
               SELECT s.id, s.rn FROM (
-                SELECT o.id, row_number() OVER w AS rn,
+                SELECT o.id, row_number() OVER w + h.held::int AS rn,
                        bool_and(o.available_at <= now()) OVER w AS due
                 FROM (SELECT o.id, o.available_at FROM {table} o
-                      WHERE o.status = 'pending' AND o.aggregate_key = h.aggregate_key
-                        AND o.id >= h.id
-                      ORDER BY o.id LIMIT (SELECT r FROM run_len)) o
+                      WHERE NOT o.head AND o.status = 'pending'
+                        AND o.aggregate_key = h.aggregate_key AND o.id >= h.id
+                      ORDER BY o.id LIMIT (SELECT r FROM run_len) - h.held::int) o
                 WINDOW w AS (ORDER BY o.id)) s
               WHERE s.due) r
-            -- A ready head is locked already.
-            WHERE h.due AND (SELECT r FROM run_len) > 1 AND (r.rn > 1 OR NOT h.held)
+            WHERE h.due AND (SELECT r FROM run_len) > 1
             ORDER BY h.hpos, r.rn
             LIMIT 2 * $1)),
          olock AS (
-           SELECT o.id, c.aggregate_key, c.hpos, c.rn, c.scanned, {bytes} AS bytes
+           SELECT o.id, c.aggregate_key, c.hpos, c.rn, c.scanned, c.held, {bytes} AS bytes
            FROM ocand c JOIN {table} o ON o.id = c.id
            WHERE o.status = 'pending' AND o.available_at <= now()
            ORDER BY c.hpos, c.rn
            LIMIT $1 - (SELECT count(*) FROM ready)
            FOR UPDATE OF o SKIP LOCKED),
+         -- A run behind a ready head starts at 2: the head is the ready row.
          ovalid AS (
-           SELECT id, aggregate_key, hpos, rn, scanned, bytes,
+           SELECT id, aggregate_key, hpos, rn, scanned, bytes, held,
                   row_number() OVER (PARTITION BY aggregate_key ORDER BY rn) AS pos
-           FROM (SELECT id, aggregate_key, hpos, rn, scanned, bytes FROM olock
-                 UNION ALL
-                 SELECT id, aggregate_key, hpos, 1, false, bytes
-                 FROM placed WHERE aggregate_key IS NOT NULL) o),
+           FROM olock),
          picked AS (
-           SELECT id, aggregate_key, scanned, bytes, hpos, rn FROM ovalid WHERE pos = rn
+           SELECT id, aggregate_key, scanned, bytes, hpos, rn FROM ovalid
+           WHERE pos + held::int = rn
            UNION ALL
-           SELECT id, NULL, false, bytes, hpos, 1 FROM placed WHERE aggregate_key IS NULL),
+           SELECT id, aggregate_key, false, bytes, hpos, 1 FROM placed),
          take AS (
            SELECT id, aggregate_key, scanned, rank FROM (
              SELECT id, aggregate_key, scanned, row_number() OVER k AS rank,
@@ -777,7 +780,7 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("unordered_idx_qualified", table.companion("_unordered")),
         ("agg_idx", table.derived("_agg")),
         ("ready_idx", table.derived("_ready")),
-        ("behind_idx", table.derived("_behind")),
+        ("ordered_idx", table.derived("_ordered")),
         ("agg_idx_qualified", table.companion("_agg")),
         ("done_idx", table.derived("_done")),
     ]);

@@ -23,6 +23,9 @@ const SUFFIXES: &[&str] = &[
     "_lock_n",
     "_channel",
     "_status",
+    "_ready",
+    "_ordered",
+    "_lock_heads",
 ];
 
 /// A validated `[schema.]table` with its quoted forms.

@@ -1587,7 +1587,8 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     assert!(!exists(&mut client, &format!("{name}_due")));
     assert!(!exists(&mut client, &format!("{name}_unordered")));
     assert!(exists(&mut client, &format!("{name}_ready")));
-    assert!(exists(&mut client, &format!("{name}_behind")));
+    assert!(exists(&mut client, &format!("{name}_ordered")));
+    assert!(!exists(&mut client, &format!("{name}_agg")));
     assert!(exists(&mut client, &format!("{name}_failures")));
     let stats = outbox.stats(&mut client)?;
     assert_eq!(

@@ -799,3 +799,36 @@ fn a_redrive_waits_for_a_producer_of_the_aggregate_and_goes_before_its_message()
     assert_eq!(published(&sink, "a"), ["1", "3"]);
     Ok(())
 }
+
+#[test]
+fn a_run_behind_a_ready_head_stops_where_another_transaction_holds_a_row() -> TestResult {
+    let (outbox, mut client) = common::outbox("heads_run_cut");
+    let mut tx = client.transaction()?;
+    for i in 0..4 {
+        outbox.enqueue(&mut tx, message("a", &i.to_string()))?;
+    }
+    tx.commit()?;
+    assert_eq!(marked_heads(&mut client, &outbox), ["a-0"]);
+
+    // Someone else holds "1", the second of the run behind the marked head.
+    let mut other = common::client();
+    let mut holding = other.transaction()?;
+    holding.execute(
+        &format!(
+            "SELECT 1 FROM {} WHERE key = 'a-1' FOR UPDATE",
+            quoted(&outbox)
+        ),
+        &[],
+    )?;
+    let sink = Sink::default();
+    let config = relay_config(&outbox, sink.collect())
+        .batch_size(10)
+        .concurrency(1);
+    // The head goes; the rest of its run stops at the row it cannot lock.
+    assert_eq!(Relay::run_once(&config)?, 1);
+    assert_eq!(published(&sink, "a"), ["0"]);
+    holding.rollback()?;
+    Relay::run_until_idle(&config)?;
+    assert_eq!(published(&sink, "a"), ["0", "1", "2", "3"]);
+    Ok(())
+}
