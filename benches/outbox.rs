@@ -1007,7 +1007,8 @@ fn rand_u32() -> u32 {
 }
 
 /// Fills `outbox` straight through SQL: `sent` rows finished a second apart, oldest first,
-/// and `pending` rows each its own aggregate; sets the sent counter; vacuums and analyses.
+/// and `pending` rows each its own aggregate, marked as its head as an enqueue marks it; sets
+/// the sent counter; vacuums and analyses.
 fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize) -> Result<()> {
     let t = outbox.table();
     client.execute(
@@ -1023,8 +1024,8 @@ fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize)
     client.execute(
         &format!(
             "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
-             INSERT INTO {t} (key, topic, aggregate_key, payload) \
-             SELECT 'pending-' || i, 'scale.event', 'agg-' || i, p.payload \
+             INSERT INTO {t} (key, topic, aggregate_key, payload, head) \
+             SELECT 'pending-' || i, 'scale.event', 'agg-' || i, p.payload, true \
              FROM generate_series(1, $1::bigint) AS i, p ORDER BY i"
         ),
         &[&i64::try_from(pending)?],

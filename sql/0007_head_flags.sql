@@ -189,6 +189,9 @@ BEGIN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k
                      WHERE k IS NOT NULL);
     END IF;
+    -- A probe per key, each an index lookup whatever the statistics say: one scan of all
+    -- the keys at once was 3.0 against 4.3 ms for 1,000 new keys (the locks alone 1.1), but
+    -- its generic plan on a table not analysed yet filters the whole index instead.
     RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k
                  WHERE EXISTS (SELECT 1 FROM {table} o
                                WHERE o.head IN (false, true) AND o.aggregate_key = k
