@@ -4,6 +4,8 @@
 //! `Outbox::enqueue_all` hands a batch the outbox's statements and its notify setting, so
 //! this module depends on `sql.rs`, not on `outbox.rs`.
 
+use std::collections::HashSet;
+
 use postgres::binary_copy::BinaryCopyInWriter;
 use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
@@ -89,7 +91,7 @@ impl Batch {
     /// Whether each row is its aggregate's head: the first of its aggregate in the batch,
     /// when the aggregate is not among the `busy` ones, which have rows pending already.
     fn heads(&self, busy: Vec<String>) -> Vec<bool> {
-        let mut taken: std::collections::HashSet<&str> = busy.iter().map(String::as_str).collect();
+        let mut taken: HashSet<&str> = busy.iter().map(String::as_str).collect();
         self.aggregate_keys
             .iter()
             .map(|key| key.as_deref().is_some_and(|key| taken.insert(key)))

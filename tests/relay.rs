@@ -965,16 +965,28 @@ fn pipelined_runs_go_out_in_one_call_to_a_publisher_that_keeps_order() {
     }
 }
 
-#[test]
-fn a_pipelined_run_whose_message_fails_records_the_rest_sent_and_retries_it_after_them() {
-    let (outbox, mut client) = common::outbox("rl_pipelined_fail");
+/// Four messages of one aggregate, the second nacked once, drained with runs pipelined or
+/// in confirm rounds: the publisher's calls, and the rows.
+fn one_failure_in_a_run(pipeline: bool) -> (Calls, Outbox, Client) {
+    let (outbox, mut client) = common::outbox("rl_run_fail");
     enqueue(&mut client, &outbox, ordered("a", 4));
     let publisher = Calls {
         keeps_order: true,
         ..Calls::default()
     };
     publisher.failing.lock().unwrap().insert("a-1".into());
-    drain_by_hand(&mut client, &outbox, &publisher.config(&outbox, true), 4);
+    drain_by_hand(
+        &mut client,
+        &outbox,
+        &publisher.config(&outbox, pipeline),
+        4,
+    );
+    (publisher, outbox, client)
+}
+
+#[test]
+fn a_pipelined_run_whose_message_fails_records_the_rest_sent_and_retries_it_after_them() {
+    let (publisher, outbox, mut client) = one_failure_in_a_run(true);
     // The run went out in one call; a-1 was nacked, a-2 and a-3 had gone out with it and
     // were confirmed, so they are sent; a-1 went out again on its own.
     assert_eq!(
@@ -985,14 +997,7 @@ fn a_pipelined_run_whose_message_fails_records_the_rest_sent_and_retries_it_afte
     assert_eq!(row_state(&mut client, &outbox, "a-3"), ("sent".into(), 1));
 
     // In confirm rounds the same failure holds the rest back until a-1 is through.
-    let (outbox, mut client) = common::outbox("rl_rounds_fail");
-    enqueue(&mut client, &outbox, ordered("a", 4));
-    let publisher = Calls {
-        keeps_order: true,
-        ..Calls::default()
-    };
-    publisher.failing.lock().unwrap().insert("a-1".into());
-    drain_by_hand(&mut client, &outbox, &publisher.config(&outbox, false), 4);
+    let (publisher, _, _) = one_failure_in_a_run(false);
     let handed: Vec<String> = publisher.calls().concat();
     assert_eq!(handed, ["a-0", "a-1", "a-1", "a-2", "a-3"]);
 }
