@@ -91,9 +91,11 @@ pub(crate) struct Statements {
     pub(crate) create_schema: Option<String>,
     /// Bounds the wait of a migration for its locks, see `MIGRATION_LOCK_TIMEOUT`.
     pub(crate) migration_lock_timeout: String,
-    /// Calls the enqueue function of migration 0005: $1..$10 the message, $11 notify.
+    /// Calls the enqueue function (migration 0005, marking heads since 0007): $1..$10 the
+    /// message, $11 notify.
     pub(crate) enqueue: String,
-    /// Calls the batch enqueue function of migration 0005: $1..$12 the columns, $13 notify.
+    /// Calls the batch enqueue function (migration 0005, marking heads since 0007): $1..$12
+    /// the columns, $13 notify.
     pub(crate) enqueue_all: String,
     /// Locks the aggregates of a batch ($1) before it is copied in; returns those that
     /// cannot take a new head (see migration 0007).
