@@ -60,6 +60,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0007_head_flags",
         template: include_str!("../sql/0007_head_flags.sql"),
     },
+    Migration {
+        version: 8,
+        name: "0008_head_probes_per_aggregate",
+        template: include_str!("../sql/0008_head_probes_per_aggregate.sql"),
+    },
 ];
 
 /// The columns a claim returns, in the order `Record::from_row` reads them.
@@ -98,7 +103,7 @@ pub(crate) struct Statements {
     /// the columns, $13 notify.
     pub(crate) enqueue_all: String,
     /// Locks the aggregates of a batch ($1) before it is copied in; returns those that
-    /// cannot take a new head (see migration 0007).
+    /// cannot take a new head (see migrations 0007 and 0008).
     pub(crate) lock_heads: String,
     /// A large batch due at once: binary COPY of the columns that have no default, and
     /// whether each row is its aggregate's head.
@@ -946,6 +951,7 @@ mod tests {
                 0xf26b6bfb40e6866a,
                 0xddbd10632dac8a0c,
             ),
+            ("0007_head_flags", 0x59ee95a2116b88ba, 0x44813de827130f89),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {

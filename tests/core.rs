@@ -936,7 +936,7 @@ fn sql_is_the_ddl_migrate_applies() -> TestResult {
             &[],
         )?
         .get(0);
-    assert_eq!(versions, 7);
+    assert_eq!(versions, 8);
 
     // And the outbox works on it.
     enqueue_keys(&outbox, &mut client, SEND, &["a", "b"])?;
@@ -1583,7 +1583,7 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     let versions: i64 = client
         .query_one(&format!("SELECT count(*) FROM \"{name}_migrations\""), &[])?
         .get(0);
-    assert_eq!(versions, 7);
+    assert_eq!(versions, 8);
     assert!(!exists(&mut client, &format!("{name}_due")));
     assert!(!exists(&mut client, &format!("{name}_unordered")));
     assert!(exists(&mut client, &format!("{name}_ready")));
@@ -1662,6 +1662,11 @@ fn a_version_5_table_upgrades_keeping_rows_in_every_state() -> TestResult {
 #[test]
 fn a_version_6_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     upgrades_keeping_rows_in_every_state("0007_head_flags")
+}
+
+#[test]
+fn a_version_7_table_upgrades_keeping_rows_in_every_state() -> TestResult {
+    upgrades_keeping_rows_in_every_state("0008_head_probes_per_aggregate")
 }
 
 #[test]

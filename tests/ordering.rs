@@ -727,6 +727,96 @@ fn an_enqueue_marks_a_head_only_when_its_aggregate_has_nothing_pending_or_parked
     Ok(())
 }
 
+/// The plans PostgreSQL logs (by `auto_explain`) for the statements `client` runs from now
+/// on, nested ones included.
+fn logged_plans(mut config: postgres::Config) -> (Client, Arc<Mutex<Vec<String>>>) {
+    let plans = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&plans);
+    config.notice_callback(move |notice| sink.lock().unwrap().push(notice.message().to_owned()));
+    let mut client = config
+        .connect(postgres::NoTls)
+        .expect("connect to PostgreSQL");
+    client
+        .batch_execute(
+            "LOAD 'auto_explain';
+             SET auto_explain.log_min_duration = 0;
+             SET auto_explain.log_nested_statements = on;
+             SET client_min_messages = log;",
+        )
+        .expect("auto_explain");
+    (client, plans)
+}
+
+#[test]
+fn a_batch_checks_its_aggregates_by_index_probes_however_many_rows_are_pending() -> TestResult {
+    let (outbox, mut client) = common::outbox("heads_probed");
+    let t = quoted(&outbox);
+    // A backlog much larger than a batch: reading it whole into a hash once looks cheaper to
+    // the planner than a probe per aggregate, and costs what the backlog costs.
+    client.batch_execute(&format!(
+        "INSERT INTO {t} (key, topic, aggregate_key, payload, head)
+         SELECT 'old-' || i, '{TOPIC}', 'agg-' || i, 'p', true
+         FROM generate_series(1, 20000) AS i;
+         ANALYZE {t};"
+    ))?;
+    let (mut watched, plans) = logged_plans(common::database_url().parse()?);
+    // Each batch: a new aggregate, twice, then one with a pending row, then new ones; one
+    // goes in by COPY, the other (scheduled) by the batch function.
+    let batch = |tag: &'static str, delay: Duration| {
+        (0..1000).map(move |i| {
+            let aggregate = match i {
+                0 | 1 => format!("{tag}-first"),
+                2 => "agg-7".to_owned(),
+                i => format!("{tag}-{i}"),
+            };
+            Message::new(TOPIC, "p")
+                .key(format!("{tag}-key-{i}"))
+                .aggregate_key(aggregate)
+                .delay(delay)
+        })
+    };
+    let mut tx = watched.transaction()?;
+    outbox.enqueue_all(&mut tx, batch("copied", Duration::ZERO))?;
+    outbox.enqueue_all(&mut tx, batch("scheduled", Duration::from_secs(3600)))?;
+    tx.commit()?;
+
+    let plans = plans.lock().unwrap().join("\n");
+    let name = outbox.table();
+    assert!(
+        plans.contains(&format!("Index Only Scan using {name}_ordered")),
+        "no probe of the ordered index in:\n{plans}"
+    );
+    for whole in [
+        format!("Seq Scan on {name} "),
+        format!("Bitmap Heap Scan on {name} "),
+    ] {
+        assert!(!plans.contains(&whole), "{whole}in:\n{plans}");
+    }
+    let heads = count(
+        &mut client,
+        &outbox,
+        "head AND (key LIKE 'copied-%' OR key LIKE 'scheduled-%')",
+    );
+    // Of each batch, 998 aggregates are new: their first rows are heads, agg-7's is not.
+    assert_eq!(heads, 2 * 998);
+    for tag in ["copied", "scheduled"] {
+        let (first, second, behind): (bool, bool, bool) = {
+            let row = client.query_one(
+                &format!(
+                    "SELECT bool_or(head) FILTER (WHERE key = $1 || '-key-0'),
+                            bool_or(head) FILTER (WHERE key = $1 || '-key-1'),
+                            bool_or(head) FILTER (WHERE key = $1 || '-key-2')
+                     FROM {t}"
+                ),
+                &[&tag],
+            )?;
+            (row.get(0), row.get(1), row.get(2))
+        };
+        assert_eq!((first, second, behind), (true, false, false), "{tag}");
+    }
+    Ok(())
+}
+
 /// `a-1` is dead (not parked) and `a-2`, enqueued since, is marked as the head.
 fn dead_head_and_a_later_marked_one(client: &mut Client, outbox: &Outbox) {
     let mut tx = client.transaction().unwrap();
