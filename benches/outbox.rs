@@ -23,6 +23,10 @@
 //! - `copy`, `enqueue_all`: 1,000 such messages per transaction, in rows per second, by a
 //!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns; `vs_copy=` is
 //!   `enqueue_all`'s rate over `copy`'s;
+//! - `enqueue_all backlog=0|100000 path=copy|function`: milliseconds per `enqueue_all` of
+//!   1,000 messages of new aggregates beside that many pending rows (each its own
+//!   aggregate), due at once (written by `COPY`) or scheduled (by the batch function), the
+//!   transactions rolled back so that every batch meets the same backlog;
 //! - `relay`: `Relay` draining pre-filled rows into an in-process no-op publisher, rows/s;
 //! - `ordered shape=unordered|unique|agg40|hot1`: `Relay` with default settings draining a
 //!   backlog of 512-byte rows with no aggregate key, each row its own aggregate, rows
@@ -97,6 +101,7 @@ fn main() -> Result<()> {
     }
     if settings.wants("enqueue_all") {
         enqueue_all(&scratch)?;
+        enqueue_all_backlog(&scratch)?;
     }
     if settings.wants("relay") {
         for batch in RELAY_BATCHES {
@@ -569,6 +574,52 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
             format!("{:.2}", copying.as_secs_f64() / enqueued.as_secs_f64()),
         )
         .print();
+    Ok(())
+}
+
+/// Batches checked against a backlog: a batch looks up each of its aggregates, and the cost
+/// must follow the batch, not the backlog.
+fn enqueue_all_backlog(scratch: &Scratch) -> Result<()> {
+    const REPS: usize = 10;
+    for backlog in [0i64, 100_000] {
+        let outbox = scratch.outbox(false)?;
+        let mut client = scratch.client()?;
+        client.batch_execute(&format!(
+            "INSERT INTO {t} (key, topic, aggregate_key, payload, head)
+             SELECT 'backlog-' || i, 'order.created', 'backlog-' || i, 'p', true
+             FROM generate_series(1, {backlog}) AS i;
+             ANALYZE {t};",
+            t = outbox.table()
+        ))?;
+        let mut took = [Duration::ZERO; 2];
+        for rep in 0..REPS {
+            for (path, delay) in [Duration::ZERO, Duration::from_secs(3600)]
+                .iter()
+                .enumerate()
+            {
+                let first = (rep * ENQUEUE_ALL_ROWS) as i64;
+                let batch =
+                    (first..first + ENQUEUE_ALL_ROWS as i64).map(|i| event(i).delay(*delay));
+                let started = Instant::now();
+                let mut tx = client.transaction()?;
+                outbox.enqueue_all(&mut tx, batch)?;
+                tx.rollback()?;
+                took[path] += started.elapsed();
+            }
+        }
+        for (took, path) in took.iter().zip(["copy", "function"]) {
+            Line::new("enqueue_all")
+                .kv("backlog", backlog)
+                .kv("path", path)
+                .kv("rows", ENQUEUE_ALL_ROWS)
+                .kv("tx", REPS)
+                .kv(
+                    "ms_per_tx",
+                    format!("{:.1}", took.as_secs_f64() * 1e3 / REPS as f64),
+                )
+                .print();
+        }
+    }
     Ok(())
 }
 
