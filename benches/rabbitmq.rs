@@ -14,6 +14,10 @@
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
 //!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
+//!   First, `broker-confirmed window=40|1`: the broker alone, publishing 40 messages (or one)
+//!   and waiting for their confirms before the next: what strict order allows 40 aggregates
+//!   (one message in flight each) and one aggregate, whatever the relay does; the `agg40` and
+//!   `hot1` lines in confirm rounds give `vs_window=` their rate over it.
 //! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
@@ -26,7 +30,9 @@
 //! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
 //! OUTBOX_BENCH_ROWS (default 100000), OUTBOX_BENCH_ORDERED_ROWS (backlog per `ordered`
 //! shape, default 20000), OUTBOX_BENCH_ORDERED_CAP_SECS (time cap per shape, default 120),
-//! OUTBOX_BENCH_CONSUMED (messages per `consumer` measurement, default 10000).
+//! OUTBOX_BENCH_ORDERED_BATCH / OUTBOX_BENCH_ORDERED_CONCURRENCY (the relay's `batch_size`
+//! and `concurrency` for `rabbitmq-ordered`, default the relay's defaults; the lines say
+//! which), OUTBOX_BENCH_CONSUMED (messages per `consumer` measurement, default 10000).
 
 mod common;
 
@@ -78,10 +84,18 @@ fn main() -> Result<()> {
     let ordered_cap =
         Duration::from_secs_f64(env(&["OUTBOX_BENCH_ORDERED_CAP_SECS"], "120").parse()?);
     let consumed: usize = env(&["OUTBOX_BENCH_CONSUMED"], "10000").parse()?;
+    let ordered_batch: Option<usize> = std::env::var("OUTBOX_BENCH_ORDERED_BATCH")
+        .ok()
+        .map(|b| b.parse())
+        .transpose()?;
+    let ordered_concurrency: Option<usize> = std::env::var("OUTBOX_BENCH_ORDERED_CONCURRENCY")
+        .ok()
+        .map(|c| c.parse())
+        .transpose()?;
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
 
-    let broker = Broker::connect()?;
+    let mut broker = Broker::connect()?;
     broker.declare()?;
     let mut client = Client::connect(&db_url, NoTls)?;
 
@@ -132,7 +146,16 @@ fn main() -> Result<()> {
         }
     }
     if wanted("rabbitmq-ordered") {
+        let setting = |value: Option<usize>| value.map_or("default".to_owned(), |v| v.to_string());
         let mut unordered = None;
+        // Strict order's ceilings: every aggregate's next message waits for its confirm.
+        let mut ceilings = HashMap::new();
+        for (shape, window, messages) in [(Shape::Agg40, 40, 10_000), (Shape::Hot1, 1, 2_000)] {
+            broker.purge()?;
+            let rate = broker.confirmed_publish_rate(messages, window)?;
+            println!("bench=broker-confirmed messages={messages} window={window} rate={rate:.0}");
+            ceilings.insert(shape.name(), rate);
+        }
         // Confirm rounds, then the ordered shapes again with runs pipelined.
         let runs = Shape::ALL
             .into_iter()
@@ -142,20 +165,31 @@ fn main() -> Result<()> {
             let outbox = fresh_outbox(&mut client)?;
             prefill_rows(&mut client, &outbox, ordered_rows, PAYLOAD, shape)?;
             broker.purge()?;
-            let config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?
+            let mut config = rabbit_relay(&db_url, &amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?
                 .pipeline_runs(pipeline);
+            if let Some(batch) = ordered_batch {
+                config = config.batch_size(batch);
+            }
+            if let Some(concurrency) = ordered_concurrency {
+                config = config.concurrency(concurrency);
+            }
             let cpu = CpuTimes::now();
             let drained = drain(&mut client, &outbox, config, ordered_rows, ordered_cap)?;
             let rate = drained.rate();
             let unordered = *unordered.get_or_insert(rate);
             let mut line = format!(
                 "bench=rabbitmq-ordered pipeline_runs={pipeline} shape={} rows={ordered_rows} \
-                 rate={} vs_unordered={} {}",
+                 batch={} concurrency={} rate={} vs_unordered={} {}",
                 shape.name(),
+                setting(ordered_batch),
+                setting(ordered_concurrency),
                 fmt_rate(rate),
                 ratio(rate, unordered),
                 cpu.report(drained.sent as usize),
             );
+            if let (false, Some(ceiling)) = (pipeline, ceilings.get(shape.name())) {
+                line.push_str(&format!(" vs_window={}", ratio(rate, *ceiling)));
+            }
             if drained.capped {
                 line.push_str(&format!(" sent={} capped=true", drained.sent));
             }
@@ -435,7 +469,7 @@ fn naive_relay(client: &mut Client, outbox: &Outbox, channel: &Channel, batch: i
 
 /// A confirming channel on a TCP_NODELAY socket, for setup and the baselines.
 struct Broker {
-    _connection: Connection,
+    connection: Connection,
     channel: Channel,
 }
 
@@ -455,7 +489,7 @@ impl Broker {
         let channel = connection.open_channel(None)?;
         channel.enable_publisher_confirms()?;
         Ok(Broker {
-            _connection: connection,
+            connection,
             channel,
         })
     }
@@ -519,9 +553,11 @@ impl Broker {
     }
 
     /// The broker's own ceiling: publish windows of messages, then drain their confirms.
-    fn confirmed_publish_rate(&self, messages: usize, window: usize) -> Result<f64> {
-        // A second channel, so its delivery tags start at 1.
-        let confirms = self.channel.listen_for_publisher_confirms()?;
+    fn confirmed_publish_rate(&mut self, messages: usize, window: usize) -> Result<f64> {
+        // A channel of its own, so its delivery tags start at 1.
+        let channel = self.connection.open_channel(None)?;
+        channel.enable_publisher_confirms()?;
+        let confirms = channel.listen_for_publisher_confirms()?;
         let payload = vec![b'x'; PAYLOAD];
         let started = Instant::now();
         let mut tag = 0u64;
@@ -534,7 +570,7 @@ impl Broker {
                 let properties = AmqpProperties::default()
                     .with_delivery_mode(2)
                     .with_message_id(tag.to_string());
-                self.channel.basic_publish(
+                channel.basic_publish(
                     EXCHANGE,
                     Publish::with_properties(&payload, "bench.event", properties),
                 )?;
@@ -543,7 +579,9 @@ impl Broker {
             await_confirms(&confirms, &mut open)?;
             sent += n;
         }
-        Ok(messages as f64 / started.elapsed().as_secs_f64())
+        let rate = messages as f64 / started.elapsed().as_secs_f64();
+        channel.close()?;
+        Ok(rate)
     }
 }
 
