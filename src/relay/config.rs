@@ -133,6 +133,12 @@ impl RelayConfig {
     /// Workers (default 4). Each claims, publishes with a publisher of its own and records
     /// the outcomes, on a database connection of its own; a worker whose publisher is busy
     /// or stuck claims nothing more.
+    ///
+    /// Strictly ordered traffic concentrated in a few aggregates goes faster with fewer
+    /// workers and larger batches: an aggregate's next batch waits until its last one is
+    /// recorded, and workers splitting the aggregates between them publish smaller confirm
+    /// rounds (40 aggregates to RabbitMQ, measured: 5,700 msg/s at the defaults, 9,300 at
+    /// `batch_size(1000)` and `concurrency(2)`; see also [`RelayConfig::pipeline_runs`]).
     pub fn concurrency(mut self, concurrency: usize) -> RelayConfig {
         self.concurrency = concurrency;
         self
