@@ -782,15 +782,23 @@ fn a_batch_checks_its_aggregates_by_index_probes_however_many_rows_are_pending()
 
     let plans = plans.lock().unwrap().join("\n");
     let name = outbox.table();
+    // A probe of the ordered index per aggregate (an index-only scan or a plain one, as the
+    // planner likes), and neither a read of the whole table nor a hash of what it read.
     assert!(
-        plans.contains(&format!("Index Only Scan using {name}_ordered")),
+        ["Index Only Scan using", "Index Scan using"]
+            .iter()
+            .any(|scan| plans.contains(&format!("{scan} {name}_ordered"))),
         "no probe of the ordered index in:\n{plans}"
     );
-    for whole in [
-        format!("Seq Scan on {name} "),
-        format!("Bitmap Heap Scan on {name} "),
+    let whole = format!("Seq Scan on {name} ");
+    for reading in [
+        whole.as_str(),
+        "Hash Join",
+        "Hash Semi Join",
+        "Hash Right",
+        "hashed SubPlan",
     ] {
-        assert!(!plans.contains(&whole), "{whole}in:\n{plans}");
+        assert!(!plans.contains(reading), "{reading} in:\n{plans}");
     }
     let heads = count(
         &mut client,
