@@ -1,5 +1,6 @@
 //! Fault-injection soak: several relay processes over one outbox table, producers writing
-//! ordered and unordered messages (some rolled back), and faults all along: relay processes
+//! ordered and unordered messages (some rolled back; one by one, in batches, and now and
+//! then in a batch written by COPY), and faults all along: relay processes
 //! killed with SIGKILL and restarted, their PostgreSQL backends terminated, their broker
 //! connections closed, the exchange deleted for a while (a broker outage), 10% of publishes
 //! failing and 1% of confirms lost.
@@ -71,6 +72,8 @@ const LOSE_CONFIRM_RATE: f64 = 0.01;
 const ROLLBACK_RATE: f64 = 0.10;
 /// Pause between a producer's transactions (1-4 messages each).
 const PRODUCER_PAUSE: Duration = Duration::from_millis(10);
+/// Messages of the occasional large transaction: enough for `enqueue_all` to `COPY` them.
+const COPIED_BATCH: usize = 80;
 /// Average time between two faults.
 const FAULT_EVERY: Duration = Duration::from_millis(2500);
 /// How long the exchange stays deleted in a broker outage.
@@ -447,6 +450,10 @@ struct Sent {
 struct Produced {
     committed: Vec<Sent>,
     rolled_back: Vec<Sent>,
+    /// Transactions that wrote their messages with `enqueue_all`, and those of them large
+    /// enough to be copied in.
+    batches: u64,
+    copied: u64,
 }
 
 fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBool) -> Produced {
@@ -458,8 +465,15 @@ fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBo
     let mut produced = Produced::default();
     while !stop.load(Ordering::SeqCst) {
         let mut tx = client.transaction().expect("begin");
-        let mut sent = Vec::new();
-        for _ in 0..rng.gen_range(1..=4) {
+        // Mostly a few messages, now and then a batch large enough to go in by COPY; a
+        // transaction of several writes them one by one or in one `enqueue_all`.
+        let n = if rng.gen_bool(0.02) {
+            COPIED_BATCH
+        } else {
+            rng.gen_range(1..=4)
+        };
+        let mut messages = Vec::with_capacity(n);
+        for _ in 0..n {
             let (message, order) = if ordered && rng.gen_bool(0.5) {
                 let a = owned[rng.gen_range(0..owned.len())];
                 let seq = next_seq[a];
@@ -473,14 +487,24 @@ fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBo
             } else {
                 (Message::new(TOPIC_UNORDERED, format!("u:{id}")), None)
             };
-            let key = outbox
-                .enqueue(&mut tx, message.max_attempts(MAX_ATTEMPTS))
-                .expect("enqueue");
-            sent.push(Sent {
-                key,
-                ordered: order,
-            });
+            messages.push((message.max_attempts(MAX_ATTEMPTS), order));
         }
+        let (messages, orders): (Vec<Message>, Vec<_>) = messages.into_iter().unzip();
+        let keys = if n > 1 && rng.gen_bool(0.5) {
+            produced.batches += 1;
+            produced.copied += u64::from(n == COPIED_BATCH);
+            outbox.enqueue_all(&mut tx, messages).expect("enqueue_all")
+        } else {
+            messages
+                .into_iter()
+                .map(|message| outbox.enqueue(&mut tx, message).expect("enqueue"))
+                .collect()
+        };
+        let sent: Vec<Sent> = keys
+            .into_iter()
+            .zip(orders)
+            .map(|(key, ordered)| Sent { key, ordered })
+            .collect();
         if rng.gen_bool(ROLLBACK_RATE) {
             tx.rollback().expect("roll back");
             produced.rolled_back.extend(sent);
@@ -835,6 +859,8 @@ fn soak() {
         let p = producer.join().expect("a producer panicked");
         produced.committed.extend(p.committed);
         produced.rolled_back.extend(p.rolled_back);
+        produced.batches += p.batches;
+        produced.copied += p.copied;
     }
 
     // Faults have stopped: the relays must drain the backlog.
@@ -911,7 +937,7 @@ fn soak() {
 
     println!(
         "soak: seed={} traffic={}s ordered={} backlog_at_relay_start={backlog} \
-         committed={} (ordered {ordered_committed}) \
+         committed={} (ordered {ordered_committed}) batch_transactions={} (copied {}) \
          rolled_back={} delivered={} distinct={} duplicates={} duplicate_budget={budget} \
          broker_redeliveries={} consumer_reconnects={} kills={kills} relay_deaths={died} \
          terminations={terminations} (backends {terminated_backends}) \
@@ -923,6 +949,8 @@ fn soak() {
         settings.traffic.as_secs(),
         settings.ordered,
         produced.committed.len(),
+        produced.batches,
+        produced.copied,
         produced.rolled_back.len(),
         a.deliveries,
         a.distinct,
