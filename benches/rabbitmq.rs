@@ -233,7 +233,7 @@ fn main() -> Result<()> {
             }
         }
     }
-    broker.purge()?;
+    broker.remove()?;
     Ok(())
 }
 
@@ -508,6 +508,19 @@ impl Broker {
         self.channel.queue_declare(QUEUE, queue)?;
         self.channel
             .queue_bind(QUEUE, EXCHANGE, "#", FieldTable::new())?;
+        Ok(())
+    }
+
+    /// Deletes what the bench declared, so a run leaves the broker as it found it.
+    fn remove(&self) -> Result<()> {
+        for queue in [
+            QUEUE.to_owned(),
+            CONSUMED.to_owned(),
+            format!("{CONSUMED}.dead"),
+        ] {
+            self.channel.queue_delete(queue, Default::default())?;
+        }
+        self.channel.exchange_delete(EXCHANGE, Default::default())?;
         Ok(())
     }
 
