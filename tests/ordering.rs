@@ -229,9 +229,47 @@ fn racing_producers_keep_every_aggregate_in_commit_order() {
             })
         })
         .collect();
+    // Meanwhile, at every snapshot, a marked head is its aggregate's oldest pending or
+    // parked row (the relay claims marked heads without looking behind them).
+    let stop = Arc::new(AtomicBool::new(false));
+    let checker = {
+        let (outbox, stop) = (outbox.clone(), stop.clone());
+        thread::spawn(move || {
+            let mut client = common::client();
+            let mut checks = 0u32;
+            let mut wrong = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let rows = client
+                    .query(
+                        &format!(
+                            "SELECT h.key FROM {t} h
+                             WHERE h.head AND h.status IN ('pending', 'parked')
+                               AND EXISTS (SELECT 1 FROM {t} o
+                                           WHERE o.aggregate_key = h.aggregate_key
+                                             AND o.id < h.id
+                                             AND o.status IN ('pending', 'parked'))",
+                            t = quoted(&outbox)
+                        ),
+                        &[],
+                    )
+                    .unwrap();
+                wrong.extend(rows.into_iter().map(|row| row.get::<_, String>(0)));
+                checks += 1;
+                thread::sleep(Duration::from_millis(5));
+            }
+            (checks, wrong)
+        })
+    };
     for producer in producers {
         producer.join().unwrap();
     }
+    stop.store(true, Ordering::SeqCst);
+    let (checks, wrong) = checker.join().unwrap();
+    assert!(checks > 0);
+    assert!(
+        wrong.is_empty(),
+        "marked heads behind older rows: {wrong:?}"
+    );
 
     let written = written.lock().unwrap();
     assert!(written.rolled_back > 0 && written.committed.len() > 100);
