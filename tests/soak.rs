@@ -70,9 +70,10 @@ const FAIL_RATE: f64 = 0.10;
 const LOSE_CONFIRM_RATE: f64 = 0.01;
 /// Share of producer transactions rolled back.
 const ROLLBACK_RATE: f64 = 0.10;
-/// Pause between a producer's transactions (1-4 messages each).
+/// Pause between a producer's transactions (1-4 messages each, now and then `COPIED_BATCH`).
 const PRODUCER_PAUSE: Duration = Duration::from_millis(10);
-/// Messages of the occasional large transaction: enough for `enqueue_all` to `COPY` them.
+/// Messages of the occasional large transaction: enough for `enqueue_all` to `COPY` them
+/// (it does from 64 messages due at once).
 const COPIED_BATCH: usize = 80;
 /// Average time between two faults.
 const FAULT_EVERY: Duration = Duration::from_millis(2500);
