@@ -43,7 +43,7 @@
 //! to a publisher before every earlier one of its aggregate is confirmed sent or is dead.
 //! An enqueue locks its aggregate until its transaction ends, so a second producer of the
 //! same aggregate waits for the first, as if both had locked the aggregate's own row.
-//! Different aggregates go out pipelined, in confirm rounds.
+//! Different aggregates go out together: see [`Publisher::publish_in_order`].
 //!
 //! Faults of the world are never charged to a message: a publisher that cannot reach its
 //! broker says [`PublishError::unavailable`], and the relay hands the records back with

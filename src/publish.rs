@@ -1,7 +1,9 @@
 //! The publishing side: the `Publisher` trait, its error, and the closure adapter.
 
+use std::collections::{HashMap, HashSet};
 use std::error::Error as StdError;
 use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::record::Record;
 
@@ -41,6 +43,99 @@ pub trait Publisher: Send {
     fn keeps_order(&self) -> bool {
         false
     }
+
+    /// Publishes a batch whose records of one aggregate must reach the destination in
+    /// order, filling `outcomes` (one per record, `None` on entry): a record with an
+    /// aggregate key is handed over only once the record before it of its aggregate in
+    /// `batch` has succeeded (for a broker, is confirmed), and not at all once that one
+    /// failed. Records of different aggregates, and records without a key, go out together.
+    ///
+    /// `proceed` is asked before anything more is handed over; once it says no (the relay
+    /// is stopping, or its lease is nearly over), nothing more is. So is nothing after a
+    /// [`PublishError::unavailable`] or once the publisher [is broken](Publisher::is_broken).
+    /// A record left `None` was not handed over: the relay gives it back with its attempt
+    /// restored.
+    ///
+    /// The relay hands the batch over in confirm-round order: the first record of every
+    /// aggregate (and every record without a key), then every aggregate's second, and so on.
+    /// The default publishes round by round with [`publish`](Publisher::publish), each round
+    /// waiting for the slowest outcome of the one before. Override it to let an aggregate's
+    /// next record go out as soon as its own predecessor succeeds, as
+    /// [`RabbitPublisher`](crate::rabbitmq::RabbitPublisher) does.
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        proceed: &dyn Fn() -> bool,
+    ) {
+        in_rounds(self, batch, outcomes, proceed);
+    }
+}
+
+/// [`Publisher::publish_in_order`]'s default: round `k` is the `k`-th record of every
+/// aggregate still going (and, in round 0, every record without a key), published with
+/// `publish` in as many calls as the round has stretches of adjacent records in `batch`
+/// (one, in confirm-round order, unless a failure took records out).
+fn in_rounds<P: Publisher + ?Sized>(
+    publisher: &mut P,
+    batch: &[Record],
+    outcomes: &mut [Option<Result<(), PublishError>>],
+    proceed: &dyn Fn() -> bool,
+) {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let depth: Vec<usize> = batch
+        .iter()
+        .map(|r| match &r.aggregate_key {
+            None => 0,
+            Some(aggregate) => {
+                let next = seen.entry(aggregate.as_str()).or_insert(0);
+                *next += 1;
+                *next - 1
+            }
+        })
+        .collect();
+    let rounds = depth.iter().max().map_or(0, |d| d + 1);
+    let mut failed: HashSet<&str> = HashSet::new();
+    for round in 0..rounds {
+        let goes = |i: usize| {
+            depth[i] == round
+                && batch[i]
+                    .aggregate_key
+                    .as_deref()
+                    .is_none_or(|aggregate| !failed.contains(aggregate))
+        };
+        let going: Vec<usize> = (0..batch.len()).filter(|&i| goes(i)).collect();
+        if going.is_empty() {
+            continue;
+        }
+        if !proceed() {
+            return;
+        }
+        for stretch in going.chunk_by(|a, b| a + 1 == *b) {
+            let (first, last) = (stretch[0], stretch[stretch.len() - 1]);
+            let mut results = publisher.publish(&batch[first..=last]).into_iter();
+            // As the relay takes it: a publisher whose `is_broken` panics is broken.
+            let mut stop = catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true);
+            for i in first..=last {
+                let result = results.next().unwrap_or_else(|| Err(fewer_outcomes()));
+                if result.is_err() {
+                    if let Some(aggregate) = &batch[i].aggregate_key {
+                        failed.insert(aggregate);
+                    }
+                }
+                stop |= result.as_ref().is_err_and(PublishError::is_unavailable);
+                outcomes[i] = Some(result);
+            }
+            if stop {
+                return;
+            }
+        }
+    }
+}
+
+/// What stands for the outcomes a publisher's `publish` did not return.
+pub(crate) fn fewer_outcomes() -> PublishError {
+    PublishError::transient("publisher returned fewer outcomes than records")
 }
 
 /// Why a record was not published (or a handler did not finish), and whose fault it is.
@@ -161,5 +256,140 @@ where
 {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
         batch.iter().map(|record| (self.0)(record)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// Records each `publish` call's keys; fails (transiently) the keys in `failing`, makes
+    /// `down` unavailable, and returns no outcome for `missing`.
+    #[derive(Default)]
+    struct Script {
+        calls: Vec<Vec<String>>,
+        failing: Vec<&'static str>,
+        down: Vec<&'static str>,
+        missing: Vec<&'static str>,
+    }
+
+    impl Publisher for Script {
+        fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+            self.calls
+                .push(batch.iter().map(|r| r.key.clone()).collect());
+            batch
+                .iter()
+                .filter(|r| !self.missing.contains(&r.key.as_str()))
+                .map(|r| match r.key.as_str() {
+                    k if self.failing.contains(&k) => Err(PublishError::transient("nacked")),
+                    k if self.down.contains(&k) => Err(PublishError::unavailable("down")),
+                    _ => Ok(()),
+                })
+                .collect()
+        }
+    }
+
+    /// Records keyed `<aggregate>-<n>` (`u-<n>` without an aggregate key), in confirm-round
+    /// order as the relay hands them over.
+    fn batch(keys: &[&str]) -> Vec<Record> {
+        keys.iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let mut record = Record::for_tests(i as i64 + 1, "t", None);
+                record.key = (*key).to_owned();
+                let aggregate = key.split('-').next().unwrap_or_default();
+                if aggregate != "u" {
+                    record.aggregate_key = Some(aggregate.to_owned());
+                }
+                record
+            })
+            .collect()
+    }
+
+    /// Runs the default and returns each record's outcome: "ok", "failed", "down" or "-"
+    /// (not handed over).
+    fn run(publisher: &mut Script, records: &[Record], proceed: &dyn Fn() -> bool) -> Vec<String> {
+        let mut outcomes: Vec<Option<Result<(), PublishError>>> =
+            records.iter().map(|_| None).collect();
+        publisher.publish_in_order(records, &mut outcomes, proceed);
+        outcomes
+            .iter()
+            .map(|o| match o {
+                None => "-".to_owned(),
+                Some(Ok(())) => "ok".to_owned(),
+                Some(Err(e)) if e.is_unavailable() => "down".to_owned(),
+                Some(Err(e)) => format!("failed: {e}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_default_publishes_round_by_round_and_a_failure_ends_only_its_aggregate() {
+        let records = batch(&["a-0", "b-0", "u-0", "a-1", "b-1", "a-2", "b-2"]);
+        let mut publisher = Script {
+            failing: vec!["b-1"],
+            ..Script::default()
+        };
+        let outcomes = run(&mut publisher, &records, &|| true);
+        assert_eq!(
+            publisher.calls,
+            [vec!["a-0", "b-0", "u-0"], vec!["a-1", "b-1"], vec!["a-2"]]
+        );
+        assert_eq!(
+            outcomes,
+            ["ok", "ok", "ok", "ok", "failed: nacked", "ok", "-"]
+        );
+    }
+
+    #[test]
+    fn the_default_splits_a_round_only_where_records_of_other_rounds_lie_between() {
+        // In id order, not confirm-round order: round 0 is two stretches, round 1 one.
+        let records = batch(&["a-0", "a-1", "b-0"]);
+        let mut publisher = Script::default();
+        assert_eq!(run(&mut publisher, &records, &|| true), ["ok"; 3]);
+        assert_eq!(publisher.calls, [vec!["a-0"], vec!["b-0"], vec!["a-1"]]);
+    }
+
+    #[test]
+    fn the_default_hands_nothing_more_over_once_told_to_stop_or_the_destination_is_down() {
+        let records = batch(&["a-0", "b-0", "a-1", "b-1"]);
+        let rounds = Cell::new(0);
+        let once = || {
+            rounds.set(rounds.get() + 1);
+            rounds.get() == 1
+        };
+        let mut publisher = Script::default();
+        assert_eq!(run(&mut publisher, &records, &once), ["ok", "ok", "-", "-"]);
+        assert_eq!(publisher.calls.len(), 1);
+
+        let mut publisher = Script {
+            down: vec!["b-0"],
+            ..Script::default()
+        };
+        assert_eq!(
+            run(&mut publisher, &records, &|| true),
+            ["ok", "down", "-", "-"]
+        );
+        assert_eq!(publisher.calls.len(), 1);
+    }
+
+    #[test]
+    fn the_default_counts_an_outcome_a_publisher_did_not_return_as_a_failure() {
+        let records = batch(&["a-0", "b-0", "a-1"]);
+        let mut publisher = Script {
+            missing: vec!["b-0"],
+            ..Script::default()
+        };
+        // `publish` returned one outcome for two records: the first is a-0's, the
+        // second is missing, and b-0 fails for it.
+        let outcomes = run(&mut publisher, &records, &|| true);
+        assert_eq!(outcomes[0], "ok");
+        assert_eq!(
+            outcomes[1],
+            "failed: publisher returned fewer outcomes than records"
+        );
+        assert_eq!(outcomes[2], "ok");
     }
 }

@@ -547,12 +547,12 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
     broker.delete_queue(&queue);
 }
 
-/// A `RabbitPublisher` that counts the calls it is handed.
-struct Counting(RabbitPublisher, Arc<AtomicUsize>);
+/// A `RabbitPublisher` that notes which of its methods each call was.
+struct Counting(RabbitPublisher, Arc<Mutex<Vec<&'static str>>>);
 
 impl Publisher for Counting {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
-        self.1.fetch_add(1, Ordering::SeqCst);
+        self.1.lock().unwrap().push("publish");
         self.0.publish(batch)
     }
 
@@ -563,13 +563,23 @@ impl Publisher for Counting {
     fn keeps_order(&self) -> bool {
         self.0.keeps_order()
     }
+
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        proceed: &dyn Fn() -> bool,
+    ) {
+        self.1.lock().unwrap().push("publish_in_order");
+        self.0.publish_in_order(batch, outcomes, proceed)
+    }
 }
 
 #[test]
-fn runs_of_several_aggregates_reach_the_queue_in_order_in_rounds_and_pipelined() {
-    // One worker, one batch holding every run: twenty confirm rounds of three messages, or
-    // one call with the runs pipelined.
-    for (pipeline, calls_expected) in [(false, 20), (true, 1)] {
+fn runs_of_several_aggregates_reach_the_queue_in_order_streamed_and_pipelined() {
+    // One worker, one batch holding every run: one call either way, the runs streamed (each
+    // aggregate's next message once its last is confirmed) or pipelined.
+    for (pipeline, calls_expected) in [(false, "publish_in_order"), (true, "publish")] {
         let (outbox, mut client) = outbox("rmq_rounds");
         let broker = Broker::new();
         let (exchange, queue) = broker.routed("rounds", FieldTable::new());
@@ -584,7 +594,7 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_in_rounds_and_pipelined()
             }
         }
         enqueue(&mut client, &outbox, messages);
-        let calls = Arc::new(AtomicUsize::new(0));
+        let calls = Arc::new(Mutex::new(Vec::new()));
         let config = {
             let (url, calls) = (amqp_url(), calls.clone());
             RelayConfig::new(outbox.clone(), pool(4), move || {
@@ -596,7 +606,7 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_in_rounds_and_pipelined()
         .batch_size(60)
         .concurrency(1);
         assert_eq!(Relay::run_until_idle(&config).unwrap(), 60);
-        assert_eq!(calls.load(Ordering::SeqCst), calls_expected);
+        assert_eq!(*calls.lock().unwrap(), [calls_expected]);
 
         let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
         for got in broker.drain(&queue) {
@@ -611,6 +621,121 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_in_rounds_and_pipelined()
         }
         broker.delete_queue(&queue);
     }
+}
+
+/// Records keyed `<aggregate>-<n>`, or `u-<n>` for none, each with its aggregate key.
+fn keyed(keys: &[&str]) -> Vec<Record> {
+    keys.iter()
+        .map(|key| {
+            let mut record = Record::new(*key, "t", key.as_bytes().to_vec());
+            let aggregate = key.split('-').next().unwrap_or_default();
+            if aggregate != "u" {
+                record.aggregate_key = Some(aggregate.to_owned());
+            }
+            record
+        })
+        .collect()
+}
+
+/// Streams `records` in order and returns each one's outcome: "ok", "failed" (costs an
+/// attempt), "down" (unavailable) or "-" (not handed over).
+fn stream(publisher: &mut RabbitPublisher, records: &[Record]) -> Vec<&'static str> {
+    let mut outcomes: Vec<Option<Result<(), PublishError>>> =
+        records.iter().map(|_| None).collect();
+    publisher.publish_in_order(records, &mut outcomes, &|| true);
+    outcomes
+        .iter()
+        .map(|o| match o {
+            None => "-",
+            Some(Ok(())) => "ok",
+            Some(Err(e)) if e.is_unavailable() => "down",
+            Some(Err(_)) => "failed",
+        })
+        .collect()
+}
+
+#[test]
+fn a_stream_ends_an_aggregate_at_its_first_nack_and_goes_on_with_the_others() {
+    let broker = Broker::new();
+    let mut arguments = FieldTable::new();
+    arguments.insert("x-max-length".into(), AmqpValue::LongInt(5));
+    arguments.insert(
+        "x-overflow".into(),
+        AmqpValue::LongString("reject-publish".into()),
+    );
+    let (exchange, queue) = broker.routed("stream_nack", arguments);
+    let mut publisher = RabbitPublisher::connect(&amqp_url(), &exchange)
+        .unwrap()
+        .mandatory(false);
+    // Confirm-round order, as the relay hands a batch over.
+    let records = keyed(&["a-0", "b-0", "a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]);
+    let outcomes = stream(&mut publisher, &records);
+
+    // The queue takes five; whichever aggregate's message comes next is nacked, and that
+    // aggregate's stream ends there, while the other's goes on until it is nacked too.
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == "ok").count(),
+        5,
+        "{outcomes:?}"
+    );
+    for aggregate in ["a", "b"] {
+        let of: Vec<&str> = records
+            .iter()
+            .zip(&outcomes)
+            .filter(|(r, _)| r.aggregate_key.as_deref() == Some(aggregate))
+            .map(|(_, o)| *o)
+            .collect();
+        let sent = of.iter().take_while(|o| **o == "ok").count();
+        let rest: Vec<&str> = of[sent..].to_vec();
+        if let Some((first, after)) = rest.split_first() {
+            assert_eq!(*first, "failed", "{aggregate}: {of:?}");
+            assert!(after.iter().all(|o| *o == "-"), "{aggregate}: {of:?}");
+        }
+    }
+    let mut seen: HashMap<String, Vec<String>> = HashMap::new();
+    for got in broker.drain(&queue) {
+        let key = got.delivery.properties.message_id().clone().expect("key");
+        seen.entry(key[..1].to_owned()).or_default().push(key);
+    }
+    for (aggregate, keys) in &seen {
+        let expected: Vec<String> = (0..keys.len())
+            .map(|i| format!("{aggregate}-{i}"))
+            .collect();
+        assert_eq!(keys, &expected, "each aggregate's prefix, in order");
+    }
+    broker.delete_queue(&queue);
+    broker.delete_exchange(&exchange);
+}
+
+#[test]
+fn a_returned_record_in_a_stream_is_its_own_failed_attempt() {
+    let broker = Broker::new();
+    let exchange = unique_name("x_stream_nobody");
+    broker.exchange(&exchange);
+    let mut publisher = RabbitPublisher::connect(&amqp_url(), &exchange).unwrap();
+    let records = keyed(&["a-0", "b-0", "u-0", "a-1"]);
+    // Nothing is bound: every message handed over comes back unroutable, and a's second is
+    // never handed over.
+    assert_eq!(
+        stream(&mut publisher, &records),
+        ["failed", "failed", "failed", "-"]
+    );
+    assert!(!publisher.is_broken());
+
+    // The same publisher streams on once a queue is bound: the returns were all settled.
+    let queue = unique_name("q_stream_bound");
+    broker.queue(&queue, &exchange, FieldTable::new());
+    assert_eq!(stream(&mut publisher, &records), ["ok"; 4]);
+    let keys: Vec<String> = broker
+        .drain(&queue)
+        .into_iter()
+        .filter_map(|g| g.delivery.properties.message_id().clone())
+        .collect();
+    assert_eq!(keys.len(), 4);
+    let a: Vec<&String> = keys.iter().filter(|k| k.starts_with("a-")).collect();
+    assert_eq!(a, ["a-0", "a-1"]);
+    broker.delete_queue(&queue);
+    broker.delete_exchange(&exchange);
 }
 
 #[test]

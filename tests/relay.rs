@@ -366,6 +366,60 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
     assert_eq!((metrics.failed(), metrics.dead_lettered()), (2, 2));
 }
 
+/// Confirms every aggregate's first record, then panics with the rest handed over or not.
+struct PanicsMidStream;
+
+impl Publisher for PanicsMidStream {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        batch.iter().map(|_| Ok(())).collect()
+    }
+
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        _proceed: &dyn Fn() -> bool,
+    ) {
+        for (record, outcome) in batch.iter().zip(outcomes.iter_mut()) {
+            if record.key.ends_with("-0") {
+                *outcome = Some(Ok(()));
+            }
+        }
+        panic!("injected: a bug in publish_in_order");
+    }
+}
+
+#[test]
+fn a_panic_mid_stream_keeps_the_outcomes_given_and_charges_only_what_it_may_have_held() {
+    let (outbox, mut client) = common::outbox("rl_panic_stream");
+    let mut messages = ordered("a", 3);
+    messages.extend(ordered("b", 1));
+    messages.push(Message::new("t", "p").key("u"));
+    enqueue(&mut client, &outbox, messages);
+    let config = RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), || {
+        Ok::<_, Infallible>(PanicsMidStream)
+    })
+    .concurrency(1);
+    assert_eq!(Relay::run_once(&config).unwrap(), 5);
+    // The heads it confirmed are sent; a-1 may have been handed over (its predecessor was
+    // through) and u had no predecessor: each a failed attempt; a-2 cannot have been handed
+    // over and goes back uncharged.
+    assert_eq!(row_state(&mut client, &outbox, "a-0"), ("sent".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, "b-0"), ("sent".into(), 1));
+    assert_eq!(
+        row_state(&mut client, &outbox, "a-1"),
+        ("pending".into(), 1)
+    );
+    assert_eq!(row_state(&mut client, &outbox, "u"), ("pending".into(), 1));
+    assert_eq!(
+        row_state(&mut client, &outbox, "a-2"),
+        ("pending".into(), 0)
+    );
+    assert!(last_error(&mut client, &outbox, "a-1")
+        .unwrap()
+        .contains("panicked"));
+}
+
 #[test]
 fn panicking_publisher_is_a_failed_attempt() {
     let (outbox, mut client) = common::outbox("rl_panic");

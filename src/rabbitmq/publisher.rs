@@ -34,7 +34,8 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// Publishes records to a RabbitMQ exchange with publisher confirms.
 ///
 /// Each batch is published in full, then its confirms are drained, so one round trip's wait
-/// covers the whole batch. A record counts as sent only once the broker has confirmed it and
+/// covers the whole batch; a batch in order ([`Publisher::publish_in_order`]) streams, each
+/// aggregate's next record published as soon as its predecessor is confirmed. A record counts as sent only once the broker has confirmed it and
 /// has not returned it as unroutable ([`mandatory`](RabbitPublisher::mandatory), on by
 /// default).
 ///
@@ -355,6 +356,37 @@ impl RabbitPublisher {
         }
     }
 
+    /// Publishes one record under the next delivery tag: `Ok(true)` once handed to the
+    /// connection, `Ok(false)` if the connection failed (now broken), `Err` for a record
+    /// the broker could never take (never sent).
+    fn send(&mut self, record: &Record) -> Result<bool, PublishError> {
+        check_limits(record, self.max_message_size)?;
+        let publish = Publish {
+            body: &record.payload,
+            routing_key: record.topic.clone(),
+            mandatory: self.mandatory,
+            immediate: false,
+            properties: self.properties(record),
+        };
+        if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
+            let why = format!("publishing to {} failed: {e}", self.endpoint);
+            log::warn!("rabbitmq: {why}; reconnecting");
+            self.break_off(why);
+            return Ok(false);
+        }
+        self.next_tag += 1;
+        Ok(true)
+    }
+
+    /// Why records handed over have no confirm: the connection failed, or the broker
+    /// blocks it.
+    fn not_confirmed(&self) -> String {
+        self.broken.clone().unwrap_or_else(|| match &self.blocked {
+            Some(reason) => format!("the broker blocks publishing ({reason})"),
+            None => "not confirmed".to_owned(),
+        })
+    }
+
     /// Gives the connection up: this publisher is broken, and the next connection to these
     /// endpoints starts at the one after it.
     fn break_off(&mut self, why: String) {
@@ -394,6 +426,100 @@ fn settle_tags(
         if tags.remove(&tag) {
             settle(tag, outcome);
         }
+    }
+}
+
+/// A batch streamed in order: which record follows which in its aggregate, and which are
+/// handed over and not yet confirmed.
+struct Stream<'b> {
+    /// The first record of every aggregate, and every record without a key.
+    firsts: Vec<usize>,
+    /// The record after each one in its aggregate.
+    next: Vec<Option<usize>>,
+    /// Delivery tag to record, for the records awaiting their confirm.
+    in_flight: BTreeMap<u64, usize>,
+    /// Key to record, for the same.
+    by_key: HashMap<&'b str, usize>,
+    /// Records in flight the broker returned as unroutable, with its reason.
+    unroutable: HashMap<usize, String>,
+    batch: &'b [Record],
+}
+
+impl<'b> Stream<'b> {
+    fn new(batch: &'b [Record]) -> Stream<'b> {
+        let mut firsts = Vec::new();
+        let mut next = vec![None; batch.len()];
+        let mut last: HashMap<&str, usize> = HashMap::new();
+        for (i, record) in batch.iter().enumerate() {
+            match &record.aggregate_key {
+                None => firsts.push(i),
+                Some(aggregate) => match last.insert(aggregate, i) {
+                    Some(before) => next[before] = Some(i),
+                    None => firsts.push(i),
+                },
+            }
+        }
+        Stream {
+            firsts,
+            next,
+            in_flight: BTreeMap::new(),
+            by_key: HashMap::new(),
+            unroutable: HashMap::new(),
+            batch,
+        }
+    }
+
+    fn sent(&mut self, tag: u64, i: usize) {
+        self.in_flight.insert(tag, i);
+        self.by_key.insert(self.batch[i].key.as_str(), i);
+    }
+
+    fn returned(&mut self, returned: Return) {
+        let record = returned
+            .properties
+            .message_id()
+            .as_deref()
+            .and_then(|id| self.by_key.get(id).copied());
+        if let Some(i) = record {
+            self.unroutable.insert(
+                i,
+                format!(
+                    "unroutable: returned by the broker ({} {})",
+                    returned.reply_code, returned.reply_text
+                ),
+            );
+        }
+    }
+
+    /// The records a confirm settles (its tag's, or with `multiple` every one up to it), and
+    /// their outcomes.
+    fn settle(
+        &mut self,
+        payload: ConfirmPayload,
+        nacked: bool,
+    ) -> Vec<(usize, Result<(), PublishError>)> {
+        let tags: Vec<u64> = if payload.multiple {
+            self.in_flight
+                .range(..=payload.delivery_tag)
+                .map(|(tag, _)| *tag)
+                .collect()
+        } else {
+            vec![payload.delivery_tag]
+        };
+        let mut settled = Vec::with_capacity(tags.len());
+        for tag in tags {
+            let Some(i) = self.in_flight.remove(&tag) else {
+                continue;
+            };
+            self.by_key.remove(self.batch[i].key.as_str());
+            let result = match (nacked, self.unroutable.remove(&i)) {
+                (true, _) => Err(PublishError::transient("the broker nacked the message")),
+                (false, Some(why)) => Err(PublishError::transient(why)),
+                (false, None) => Ok(()),
+            };
+            settled.push((i, result));
+        }
+        settled
     }
 }
 
@@ -475,22 +601,11 @@ impl Publisher for RabbitPublisher {
                 results[i] = Some(Err(e));
                 continue;
             }
-            let publish = Publish {
-                body: &record.payload,
-                routing_key: record.topic.clone(),
-                mandatory: self.mandatory,
-                immediate: false,
-                properties: self.properties(record),
-            };
-            if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
-                let why = format!("publishing to {} failed: {e}", self.endpoint);
-                log::warn!("rabbitmq: {why}; reconnecting");
-                self.break_off(why);
+            if !self.send(record).unwrap_or(true) {
                 break;
             }
-            index.insert(self.next_tag, i);
+            index.insert(self.next_tag - 1, i);
             by_key.insert(record.key.as_str(), i);
-            self.next_tag += 1;
         }
         let mut tags: BTreeSet<u64> = index.keys().copied().collect();
         self.await_confirms(&mut tags, &mut |tag, outcome| {
@@ -516,10 +631,7 @@ impl Publisher for RabbitPublisher {
         }
         // Not confirmed: the connection failed, or the broker blocks it. Not the records'
         // fault either way.
-        let why = self.broken.clone().unwrap_or_else(|| match &self.blocked {
-            Some(reason) => format!("the broker blocks publishing ({reason})"),
-            None => "not confirmed".to_owned(),
-        });
+        let why = self.not_confirmed();
         results
             .into_iter()
             .map(|r| r.unwrap_or_else(|| Err(PublishError::unavailable(why.clone()))))
@@ -533,6 +645,94 @@ impl Publisher for RabbitPublisher {
     /// One channel: the broker puts each queue's messages in the order they were published.
     fn keeps_order(&self) -> bool {
         true
+    }
+
+    /// Streams: the first record of every aggregate (and every record without a key) goes
+    /// out at once, and each aggregate's next one as soon as the broker confirms the one
+    /// before it, so no aggregate waits for another's confirm.
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        proceed: &dyn Fn() -> bool,
+    ) {
+        if let Some(why) = self.unavailable() {
+            for outcome in outcomes.iter_mut() {
+                *outcome = Some(Err(PublishError::unavailable(why.clone())));
+            }
+            return;
+        }
+        let mut stream = Stream::new(batch);
+        let mut due = std::mem::take(&mut stream.firsts);
+        let mut handing_over = true;
+        loop {
+            if handing_over {
+                while let Ok(notification) = self.blocking.try_recv() {
+                    self.note(notification);
+                }
+                for i in due.drain(..) {
+                    if self.broken.is_some() || self.blocked.is_some() || !proceed() {
+                        handing_over = false;
+                        break;
+                    }
+                    match self.send(&batch[i]) {
+                        Ok(true) => stream.sent(self.next_tag - 1, i),
+                        Ok(false) => break,
+                        Err(e) => outcomes[i] = Some(Err(e)),
+                    }
+                }
+            }
+            if stream.in_flight.is_empty() {
+                break;
+            }
+            match self.confirms.recv_timeout(self.confirm_timeout) {
+                Ok(confirm) => {
+                    let (payload, nacked) = match confirm {
+                        Confirm::Ack(payload) => (payload, false),
+                        Confirm::Nack(payload) => (payload, true),
+                    };
+                    // A return comes before the confirm of its message.
+                    while let Ok(returned) = self.returns.try_recv() {
+                        stream.returned(returned);
+                    }
+                    for (i, result) in stream.settle(payload, nacked) {
+                        if result.is_ok() {
+                            due.extend(stream.next[i]);
+                        }
+                        outcomes[i] = Some(result);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let why = self.why_closed();
+                    log::warn!("rabbitmq: {why}");
+                    self.break_off(why);
+                    break;
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    while let Ok(notification) = self.blocking.try_recv() {
+                        self.note(notification);
+                    }
+                    if self.blocked.is_some() {
+                        // The confirms come once the broker unblocks the connection.
+                        self.owed.extend(stream.in_flight.keys());
+                    } else {
+                        let why = format!(
+                            "no confirm from {} within {:?}; reconnecting",
+                            self.endpoint, self.confirm_timeout
+                        );
+                        log::warn!("rabbitmq: {why}");
+                        self.break_off(why);
+                    }
+                    break;
+                }
+            }
+        }
+        // Not confirmed: the connection failed, or the broker blocks it. Not the records'
+        // fault either way.
+        let why = self.not_confirmed();
+        for i in stream.in_flight.into_values() {
+            outcomes[i] = Some(Err(PublishError::unavailable(why.clone())));
+        }
     }
 }
 

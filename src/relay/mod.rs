@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  listener ──wake──▶ worker × concurrency
-//!  (LISTEN)           claim ─▶ publish in confirm rounds ─▶ record (fenced), on its own
+//!  (LISTEN)           claim ─▶ publish in order ─▶ record (fenced), on its own
 //!                     connection, with its own publisher
 //! ```
 //!
@@ -159,8 +159,8 @@ impl Relay {
     }
 
     /// Stops the relay: no more claims; claimed rows not yet handed to a publisher are
-    /// released with their attempt counts restored as soon as the confirm round under way
-    /// returns (idle workers hold none); publishes under way get until
+    /// released with their attempt counts restored (the publisher is asked before it hands
+    /// anything more over; idle workers hold none); publishes under way get until
     /// `timeout` (any duration; `Duration::MAX` waits as long as it takes) to finish and be
     /// recorded; then every thread is joined.
     ///

@@ -7,9 +7,9 @@ use crate::record::Record;
 /// Splits a batch (in id order) into rounds: round `k` holds the `k`-th record of every
 /// aggregate's run, and round 0 also every record without an aggregate key.
 ///
-/// Round `k + 1` goes to the publisher only once round `k`'s outcomes are known, so no
-/// message is handed over before the one ahead of it in its aggregate is confirmed, while
-/// different aggregates (and unordered records) still share every round, pipelined.
+/// The batch goes to `Publisher::publish_in_order` as the rounds one after the other: each
+/// aggregate's order is kept, and every aggregate's first record comes ahead of anyone's
+/// second, as the default (publishing round by round) needs.
 pub(crate) fn rounds(records: Vec<Record>) -> Vec<Vec<Record>> {
     let mut depth: HashMap<String, usize> = HashMap::new();
     let mut rounds: Vec<Vec<Record>> = Vec::new();

@@ -1,4 +1,4 @@
-//! A worker: claims a batch, publishes it in confirm rounds and records the outcomes, on a
+//! A worker: claims a batch, publishes it in order and records the outcomes, on a
 //! connection and with a publisher of its own.
 //!
 //! A worker holds one batch at a time, from its claim until its outcomes are recorded, so the
@@ -15,7 +15,7 @@ use super::rounds::rounds;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
 use crate::pool::Session;
-use crate::publish::{PublishError, Publisher};
+use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
 use crate::sql;
@@ -23,7 +23,7 @@ use crate::store::{self, ClaimRequest, Claimed};
 
 /// What the worker reports to whoever runs it; a lone caller (`Relay::run_once`) ignores it.
 pub(crate) trait Control {
-    /// True once the relay is shutting down: claim nothing, start no more rounds.
+    /// True once the relay is shutting down: claim nothing, hand nothing more over.
     fn stopping(&self) -> bool {
         false
     }
@@ -250,11 +250,14 @@ impl<'a> Worker<'a> {
             .collect()
     }
 
-    /// Publishes the batch in confirm rounds, adding an outcome for every record. A failed
-    /// record ends its aggregate's run: the rest of that run goes back unpublished, attempts
-    /// restored, as do the runs of the aggregates in `ended` (whose heads died at the claim).
-    /// So do all remaining records when the relay stops, when the lease is nearly over, or
-    /// when the publisher breaks. Returns a pause, and why, when no publisher could be built.
+    /// Publishes the batch in order, adding an outcome for every record: each aggregate's
+    /// next record goes out once the one before it is confirmed (see
+    /// [`Publisher::publish_in_order`]), or, with pipelined runs, the whole batch in one
+    /// call. A failed record ends its aggregate's run: the rest of that run goes back
+    /// unpublished, attempts restored, as do the runs of the aggregates in `ended` (whose
+    /// heads died at the claim). So do all records not yet handed over when the relay stops,
+    /// when the lease is nearly over, or when the publisher breaks. Returns a pause, and
+    /// why, when no publisher could be built or the destination is unavailable.
     fn publish(
         &mut self,
         records: Vec<Record>,
@@ -266,83 +269,61 @@ impl<'a> Worker<'a> {
     ) -> Option<(Duration, crate::Error)> {
         let config = self.config;
         let table = config.outbox.table();
-        let mut release = Vec::new();
+        // Confirm-round order keeps each aggregate's order and puts every aggregate's first
+        // record ahead of anyone's second.
+        let (going, held): (Vec<Record>, Vec<Record>) =
+            rounds(records).into_iter().flatten().partition(|r| {
+                r.aggregate_key
+                    .as_ref()
+                    .is_none_or(|aggregate| !ended.contains(aggregate))
+            });
+        let mut release: Vec<Fence> = held.iter().map(Record::fence).collect();
         let mut pause = None;
-        let mut failed = ended;
-        // Not worth starting a round that may outlive the lease: whoever claims the rows
-        // next would publish them again, and maybe ahead of this round's confirms.
+        // Nothing is handed over that may outlive the lease: whoever claims the rows next
+        // would publish them again, and maybe ahead of this call's confirms.
         let margin = config.lease / 10;
-        let goes = |failed: &HashSet<String>, r: &Record| {
-            r.aggregate_key
-                .as_ref()
-                .is_none_or(|aggregate| !failed.contains(aggregate))
-        };
-        let mut rounds = rounds(records).into_iter();
-        while let Some(round) = rounds.next() {
-            let (mut go, held): (Vec<Record>, Vec<Record>) =
-                round.into_iter().partition(|r| goes(&failed, r));
-            release.extend(held.iter().map(Record::fence));
-            if go.is_empty() {
-                continue;
-            }
-            if control.stopping() || Instant::now() + margin >= deadline {
-                release.extend(go.iter().map(Record::fence));
-                break;
-            }
-            let publisher = match self.publisher(control) {
-                Ok(publisher) => publisher,
+        let proceed = || !control.stopping() && Instant::now() + margin < deadline;
+        if !going.is_empty() && !proceed() {
+            release.extend(going.iter().map(Record::fence));
+        } else if !going.is_empty() {
+            match self.publisher(control) {
                 Err(unavailable) => {
                     pause = Some(unavailable);
-                    release.extend(go.iter().map(Record::fence));
-                    break;
+                    release.extend(going.iter().map(Record::fence));
                 }
-            };
-            // Pipelined: the rest of every run joins the first round; concatenated rounds keep
-            // each aggregate's order.
-            if config.pipeline_runs
-                && catch_unwind(AssertUnwindSafe(|| publisher.keeps_order())).unwrap_or(false)
-            {
-                for record in rounds.by_ref().flatten() {
-                    if goes(&failed, &record) {
-                        go.push(record);
+                Ok(publisher) => {
+                    let pipelined = config.pipeline_runs
+                        && catch_unwind(AssertUnwindSafe(|| publisher.keeps_order()))
+                            .unwrap_or(false);
+                    let how = if pipelined {
+                        Call::Pipelined
                     } else {
-                        release.push(record.fence());
+                        Call::InOrder(&proceed)
+                    };
+                    let attempted = attempt(config, publisher.as_mut(), &going, claimed_at, how);
+                    for (record, outcome) in going.iter().zip(attempted.outcomes) {
+                        match outcome {
+                            Outcome::Release => release.push(record.fence()),
+                            outcome => outcomes.push((record.fence(), outcome)),
+                        }
+                    }
+                    if attempted.broken {
+                        log::debug!("outbox {table}: publisher broke; building a new one");
+                        self.publisher = None;
+                    }
+                    if let Some(cause) = attempted.outage {
+                        control.publisher_down(&cause);
+                        pause = Some((
+                            self.outage_pause(),
+                            crate::Error::Unavailable(Box::new(cause)),
+                        ));
+                    } else if attempted.published {
+                        self.outages = 0;
+                        control.publisher_up();
                     }
                 }
-            }
-            let attempted = attempt(config, publisher.as_mut(), &go, claimed_at);
-            for (record, outcome) in go.iter().zip(attempted.outcomes) {
-                if !matches!(outcome, Outcome::Sent) {
-                    if let Some(aggregate) = &record.aggregate_key {
-                        failed.insert(aggregate.clone());
-                    }
-                }
-                match outcome {
-                    Outcome::Release => release.push(record.fence()),
-                    outcome => outcomes.push((record.fence(), outcome)),
-                }
-            }
-            if attempted.broken {
-                log::debug!("outbox {table}: publisher broke; building a new one");
-                self.publisher = None;
-            }
-            if let Some(cause) = attempted.outage {
-                control.publisher_down(&cause);
-                pause = Some((
-                    self.outage_pause(),
-                    crate::Error::Unavailable(Box::new(cause)),
-                ));
-                break;
-            }
-            if attempted.published {
-                self.outages = 0;
-                control.publisher_up();
-            }
-            if attempted.broken {
-                break;
             }
         }
-        release.extend(rounds.flatten().map(|r| r.fence()));
         if !release.is_empty() {
             log::debug!("outbox {table}: handing {} rows back", release.len());
             control.released(release.len());
@@ -523,6 +504,14 @@ fn sleep_unless_out_of_time(pause: Duration, control: &dyn Control) {
     }
 }
 
+/// How a batch is handed to the publisher.
+pub(crate) enum Call<'p> {
+    /// One `publish` call: every record is handed over.
+    Pipelined,
+    /// `publish_in_order`, asking the function before handing anything more over.
+    InOrder(&'p dyn Fn() -> bool),
+}
+
 /// What one publish call came to.
 pub(crate) struct Attempted {
     /// One per record: sent, retried, dead, or handed back uncharged (`Release`).
@@ -537,23 +526,33 @@ pub(crate) struct Attempted {
 
 /// Publishes `records` and decides each one's outcome. What is the record's fault costs an
 /// attempt; what is the world's (an `unavailable` error, or a transient one from a publisher
-/// that then reports itself broken) hands it back with its attempt restored. A panicking
-/// publisher is a failed attempt for the whole slice, never a dead relay.
+/// that then reports itself broken) hands it back with its attempt restored, as does a
+/// record `publish_in_order` did not hand over. A panicking publisher is a failed attempt
+/// for every record it may have held without an outcome (in order: those whose
+/// predecessors had all succeeded), never a dead relay.
 pub(crate) fn attempt(
     config: &RelayConfig,
     publisher: &mut dyn Publisher,
     records: &[Record],
     claimed_at: Instant,
+    how: Call<'_>,
 ) -> Attempted {
     let table = config.outbox.table();
-    let results =
-        catch_unwind(AssertUnwindSafe(|| publisher.publish(records))).unwrap_or_else(|_| {
-            log::error!("outbox {table}: publisher panicked");
-            records
-                .iter()
-                .map(|_| Err(PublishError::transient("publisher panicked")))
-                .collect()
-        });
+    let mut results: Vec<Option<Result<(), PublishError>>> = Vec::with_capacity(records.len());
+    results.resize_with(records.len(), || None);
+    let panicked = catch_unwind(AssertUnwindSafe(|| match how {
+        Call::Pipelined => {
+            let mut returned = publisher.publish(records).into_iter();
+            for slot in results.iter_mut() {
+                *slot = Some(returned.next().unwrap_or_else(|| Err(fewer_outcomes())));
+            }
+        }
+        Call::InOrder(proceed) => publisher.publish_in_order(records, &mut results, proceed),
+    }))
+    .is_err();
+    if panicked {
+        log::error!("outbox {table}: publisher panicked");
+    }
     let broken = catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true);
     let mut attempted = Attempted {
         outcomes: Vec::with_capacity(records.len()),
@@ -561,13 +560,23 @@ pub(crate) fn attempt(
         outage: None,
         published: false,
     };
-    let mut results = results.into_iter();
-    for record in records {
-        let result = results.next().unwrap_or_else(|| {
-            Err(PublishError::transient(
-                "publisher returned fewer outcomes than records",
-            ))
-        });
+    // The aggregates whose next record cannot have been handed over: one before it did
+    // not succeed.
+    let mut stopped: HashSet<&str> = HashSet::new();
+    for (record, result) in records.iter().zip(results) {
+        let aggregate = record.aggregate_key.as_deref();
+        let reached = aggregate.is_none_or(|a| !stopped.contains(a));
+        if !matches!(result, Some(Ok(()))) {
+            stopped.extend(aggregate);
+        }
+        let result = match result {
+            Some(result) => result,
+            None if panicked && reached => Err(PublishError::transient("publisher panicked")),
+            None => {
+                attempted.outcomes.push(Outcome::Release);
+                continue;
+            }
+        };
         let outcome = match result {
             Ok(()) => {
                 log::trace!("outbox {table}: published {}", record.key);
