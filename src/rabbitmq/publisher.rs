@@ -212,7 +212,8 @@ impl RabbitPublisher {
 
     /// How long to wait for a batch's confirms before giving the connection up as broken
     /// (default 10 s), or, while the broker blocks the connection, before handing the batch
-    /// back. Keep it well under the relay's lease.
+    /// back; in a stream ([`Publisher::publish_in_order`]), how long to wait for the next
+    /// confirm. Keep it well under the relay's lease.
     pub fn confirm_timeout(mut self, timeout: Duration) -> RabbitPublisher {
         self.confirm_timeout = timeout;
         self
@@ -685,7 +686,12 @@ impl Publisher for RabbitPublisher {
             if stream.in_flight.is_empty() {
                 break;
             }
-            match self.confirms.recv_timeout(self.confirm_timeout) {
+            // The confirm timeout bounds the wait for the next confirm: a stream that
+            // keeps being confirmed may take longer as a whole.
+            match self
+                .confirms
+                .recv_deadline(crate::clock::deadline(self.confirm_timeout))
+            {
                 Ok(confirm) => {
                     let (payload, nacked) = match confirm {
                         Confirm::Ack(payload) => (payload, false),
