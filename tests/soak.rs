@@ -323,6 +323,90 @@ impl Publisher for FaultyPublisher {
             .collect()
     }
 
+    /// The relay's path: the same faults around `RabbitPublisher`'s stream. A record picked
+    /// to fail is not handed over, nor is anything after it in its aggregate (the stream
+    /// would not hand them over either); its failure stands where every earlier record of
+    /// its aggregate succeeded. A confirm is lost only of a record its aggregate went no
+    /// further than in this call: the stream publishes an aggregate's next record once the
+    /// one before is confirmed, so a lost confirm would have stopped it there.
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        proceed: &dyn Fn() -> bool,
+    ) {
+        let mut counts = Counts::default();
+        let mut failing = vec![false; batch.len()];
+        let mut lose = vec![false; batch.len()];
+        let mut passed = Vec::with_capacity(batch.len());
+        let mut stopped: HashSet<&str> = HashSet::new();
+        for (i, record) in batch.iter().enumerate() {
+            let aggregate = record.aggregate_key.as_deref();
+            if aggregate.is_some_and(|a| stopped.contains(a)) {
+                continue;
+            }
+            let roll: f64 = self.rng.gen();
+            if roll < FAIL_RATE {
+                failing[i] = true;
+                stopped.extend(aggregate);
+            } else {
+                lose[i] = roll < FAIL_RATE + LOSE_CONFIRM_RATE;
+                passed.push(i);
+            }
+        }
+        let sub: Vec<Record> = passed.iter().map(|&i| batch[i].clone()).collect();
+        let mut streamed: Vec<Option<Result<(), PublishError>>> =
+            sub.iter().map(|_| None).collect();
+        if !sub.is_empty() {
+            self.inner.publish_in_order(&sub, &mut streamed, proceed);
+        }
+        counts.handed_to_broker += streamed.iter().filter(|o| o.is_some()).count() as u64;
+        let handed_back: Vec<&str> = sub
+            .iter()
+            .zip(&streamed)
+            .filter(|(_, o)| {
+                o.as_ref()
+                    .is_some_and(|o| o.as_ref().is_err_and(|e| e.is_unavailable()))
+            })
+            .map(|(record, _)| record.key.as_str())
+            .collect();
+        self.tally.handed_back(&handed_back);
+        for (&i, outcome) in passed.iter().zip(streamed) {
+            outcomes[i] = outcome;
+        }
+        let mut went_further: HashSet<&str> = HashSet::new();
+        for i in (0..batch.len()).rev() {
+            let aggregate = batch[i].aggregate_key.as_deref();
+            let last = aggregate.is_none_or(|a| !went_further.contains(a));
+            if outcomes[i].is_some() {
+                went_further.extend(aggregate);
+            }
+            if matches!(outcomes[i], Some(Ok(()))) {
+                if lose[i] && last {
+                    counts.lost_confirms += 1;
+                    outcomes[i] = Some(Err(PublishError::transient("soak: injected lost confirm")));
+                } else {
+                    counts.ok_returned += 1;
+                }
+            }
+        }
+        let mut held_back: HashSet<&str> = HashSet::new();
+        for (i, record) in batch.iter().enumerate() {
+            let aggregate = record.aggregate_key.as_deref();
+            let reached = aggregate.is_none_or(|a| !held_back.contains(a));
+            if failing[i] && reached {
+                counts.injected_failures += 1;
+                outcomes[i] = Some(Err(PublishError::transient(
+                    "soak: injected publish failure",
+                )));
+            }
+            if !matches!(outcomes[i], Some(Ok(()))) {
+                held_back.extend(aggregate);
+            }
+        }
+        self.tally.add(counts);
+    }
+
     fn is_broken(&self) -> bool {
         self.inner.is_broken()
     }
