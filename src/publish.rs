@@ -82,18 +82,7 @@ fn in_rounds<P: Publisher + ?Sized>(
     outcomes: &mut [Option<Result<(), PublishError>>],
     proceed: &dyn Fn() -> bool,
 ) {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
-    let depth: Vec<usize> = batch
-        .iter()
-        .map(|r| match &r.aggregate_key {
-            None => 0,
-            Some(aggregate) => {
-                let next = seen.entry(aggregate.as_str()).or_insert(0);
-                *next += 1;
-                *next - 1
-            }
-        })
-        .collect();
+    let depth = rounds_of(batch);
     let rounds = depth.iter().max().map_or(0, |d| d + 1);
     let mut failed: HashSet<&str> = HashSet::new();
     for round in 0..rounds {
@@ -131,6 +120,23 @@ fn in_rounds<P: Publisher + ?Sized>(
             }
         }
     }
+}
+
+/// The confirm round of each record of a batch in id order: its place in its aggregate's
+/// run (0 for the first), and 0 for a record without an aggregate key.
+pub(crate) fn rounds_of(batch: &[Record]) -> Vec<usize> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    batch
+        .iter()
+        .map(|r| match &r.aggregate_key {
+            None => 0,
+            Some(aggregate) => {
+                let next = seen.entry(aggregate.as_str()).or_insert(0);
+                *next += 1;
+                *next - 1
+            }
+        })
+        .collect()
 }
 
 /// What stands for the outcomes a publisher's `publish` did not return.

@@ -186,17 +186,22 @@ fn an_unroutable_message_is_a_failed_attempt_by_default() {
     broker.delete_exchange(&exchange);
 }
 
-#[test]
-fn forced_nacks_fail_exactly_the_overflowed_records() {
-    let (outbox, mut client) = outbox("rmq_nack");
-    let broker = Broker::new();
+/// Queue arguments under which the broker takes `n` messages and nacks every one after.
+fn nacking_after(n: i32) -> FieldTable {
     let mut arguments = FieldTable::new();
-    arguments.insert("x-max-length".into(), AmqpValue::LongInt(5));
+    arguments.insert("x-max-length".into(), AmqpValue::LongInt(n));
     arguments.insert(
         "x-overflow".into(),
         AmqpValue::LongString("reject-publish".into()),
     );
-    let (exchange, queue) = broker.routed("nack", arguments);
+    arguments
+}
+
+#[test]
+fn forced_nacks_fail_exactly_the_overflowed_records() {
+    let (outbox, mut client) = outbox("rmq_nack");
+    let broker = Broker::new();
+    let (exchange, queue) = broker.routed("nack", nacking_after(5));
 
     let keys = enqueue(
         &mut client,
@@ -657,13 +662,7 @@ fn stream(publisher: &mut RabbitPublisher, records: &[Record]) -> Vec<&'static s
 #[test]
 fn a_stream_ends_an_aggregate_at_its_first_nack_and_goes_on_with_the_others() {
     let broker = Broker::new();
-    let mut arguments = FieldTable::new();
-    arguments.insert("x-max-length".into(), AmqpValue::LongInt(5));
-    arguments.insert(
-        "x-overflow".into(),
-        AmqpValue::LongString("reject-publish".into()),
-    );
-    let (exchange, queue) = broker.routed("stream_nack", arguments);
+    let (exchange, queue) = broker.routed("stream_nack", nacking_after(5));
     let mut publisher = RabbitPublisher::connect(&amqp_url(), &exchange)
         .unwrap()
         .mandatory(false);

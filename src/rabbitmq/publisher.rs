@@ -35,9 +35,9 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 ///
 /// Each batch is published in full, then its confirms are drained, so one round trip's wait
 /// covers the whole batch; a batch in order ([`Publisher::publish_in_order`]) streams, each
-/// aggregate's next record published as soon as its predecessor is confirmed. A record counts as sent only once the broker has confirmed it and
-/// has not returned it as unroutable ([`mandatory`](RabbitPublisher::mandatory), on by
-/// default).
+/// aggregate's next record published as soon as its predecessor is confirmed. A record
+/// counts as sent only once the broker has confirmed it and has not returned it as
+/// unroutable ([`mandatory`](RabbitPublisher::mandatory), on by default).
 ///
 /// **Whose fault.** A nack of a record, or its return as unroutable, is that record's failed
 /// attempt; a record the broker could never take (over 255 bytes in a short string, a body
@@ -272,9 +272,7 @@ impl RabbitPublisher {
     /// Why nothing can be published now, if nothing can: the connection is broken, the
     /// broker blocks it, or confirms owed from before a block do not come.
     fn unavailable(&mut self) -> Option<String> {
-        while let Ok(notification) = self.blocking.try_recv() {
-            self.note(notification);
-        }
+        self.read_notes();
         if self.broken.is_none() && self.blocked.is_none() && !self.owed.is_empty() {
             self.settle_owed();
         }
@@ -285,6 +283,13 @@ impl RabbitPublisher {
             return Some(format!("the broker blocks publishing ({reason})"));
         }
         None
+    }
+
+    /// Takes note of the block notifications received so far.
+    fn read_notes(&mut self) {
+        while let Ok(notification) = self.blocking.try_recv() {
+            self.note(notification);
+        }
     }
 
     fn note(&mut self, notification: ConnectionBlockedNotification) {
@@ -330,31 +335,36 @@ impl RabbitPublisher {
                 Ok(Confirm::Nack(payload)) => {
                     settle_tags(tags, payload, Err("the broker nacked the message"), settle)
                 }
-                Err(RecvTimeoutError::Disconnected) => {
-                    let why = self.why_closed();
-                    log::warn!("rabbitmq: {why}");
-                    self.break_off(why);
-                    return;
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    while let Ok(notification) = self.blocking.try_recv() {
-                        self.note(notification);
-                    }
-                    if self.blocked.is_some() {
-                        // The confirms come once the broker unblocks the connection.
-                        self.owed.append(tags);
-                    } else {
-                        let why = format!(
-                            "no confirm from {} within {:?}; reconnecting",
-                            self.endpoint, self.confirm_timeout
-                        );
-                        log::warn!("rabbitmq: {why}");
-                        self.break_off(why);
-                    }
+                Err(failed) => {
+                    let unconfirmed = std::mem::take(tags);
+                    self.confirms_failed(failed, unconfirmed);
                     return;
                 }
             }
         }
+    }
+
+    /// No confirm came for the `unconfirmed` tags: the channel closed (broken), or the
+    /// confirm timeout passed (broken, unless the broker blocks the connection: then the
+    /// tags are owed).
+    fn confirms_failed(&mut self, failed: RecvTimeoutError, unconfirmed: BTreeSet<u64>) {
+        let why = match failed {
+            RecvTimeoutError::Disconnected => self.why_closed(),
+            RecvTimeoutError::Timeout => {
+                self.read_notes();
+                if self.blocked.is_some() {
+                    // The confirms come once the broker unblocks the connection.
+                    self.owed.extend(unconfirmed);
+                    return;
+                }
+                format!(
+                    "no confirm from {} within {:?}; reconnecting",
+                    self.endpoint, self.confirm_timeout
+                )
+            }
+        };
+        log::warn!("rabbitmq: {why}");
+        self.break_off(why);
     }
 
     /// Publishes one record under the next delivery tag: `Ok(true)` once handed to the
@@ -430,6 +440,17 @@ fn settle_tags(
     }
 }
 
+/// A returned message's key (its message id), and why it is a failed attempt.
+fn unroutable(returned: &Return) -> (Option<&str>, String) {
+    (
+        returned.properties.message_id().as_deref(),
+        format!(
+            "unroutable: returned by the broker ({} {})",
+            returned.reply_code, returned.reply_text
+        ),
+    )
+}
+
 /// A batch streamed in order: which record follows which in its aggregate, and which are
 /// handed over and not yet confirmed.
 struct Stream<'b> {
@@ -437,12 +458,14 @@ struct Stream<'b> {
     firsts: Vec<usize>,
     /// The record after each one in its aggregate.
     next: Vec<Option<usize>>,
-    /// Delivery tag to record, for the records awaiting their confirm.
-    in_flight: BTreeMap<u64, usize>,
+    /// The delivery tags awaiting their confirm.
+    unconfirmed: BTreeSet<u64>,
+    /// Delivery tag to record, for the same.
+    index: HashMap<u64, usize>,
     /// Key to record, for the same.
     by_key: HashMap<&'b str, usize>,
     /// Records in flight the broker returned as unroutable, with its reason.
-    unroutable: HashMap<usize, String>,
+    returned: HashMap<usize, String>,
     batch: &'b [Record],
 }
 
@@ -463,32 +486,24 @@ impl<'b> Stream<'b> {
         Stream {
             firsts,
             next,
-            in_flight: BTreeMap::new(),
+            unconfirmed: BTreeSet::new(),
+            index: HashMap::new(),
             by_key: HashMap::new(),
-            unroutable: HashMap::new(),
+            returned: HashMap::new(),
             batch,
         }
     }
 
     fn sent(&mut self, tag: u64, i: usize) {
-        self.in_flight.insert(tag, i);
+        self.unconfirmed.insert(tag);
+        self.index.insert(tag, i);
         self.by_key.insert(self.batch[i].key.as_str(), i);
     }
 
-    fn returned(&mut self, returned: Return) {
-        let record = returned
-            .properties
-            .message_id()
-            .as_deref()
-            .and_then(|id| self.by_key.get(id).copied());
-        if let Some(i) = record {
-            self.unroutable.insert(
-                i,
-                format!(
-                    "unroutable: returned by the broker ({} {})",
-                    returned.reply_code, returned.reply_text
-                ),
-            );
+    fn returned(&mut self, returned: &Return) {
+        let (key, why) = unroutable(returned);
+        if let Some(&i) = key.and_then(|key| self.by_key.get(key)) {
+            self.returned.insert(i, why);
         }
     }
 
@@ -499,24 +514,25 @@ impl<'b> Stream<'b> {
         payload: ConfirmPayload,
         nacked: bool,
     ) -> Vec<(usize, Result<(), PublishError>)> {
-        let tags: Vec<u64> = if payload.multiple {
-            self.in_flight
-                .range(..=payload.delivery_tag)
-                .map(|(tag, _)| *tag)
-                .collect()
+        let outcome = if nacked {
+            Err("the broker nacked the message")
         } else {
-            vec![payload.delivery_tag]
+            Ok(())
         };
+        let mut tags = Vec::new();
+        settle_tags(&mut self.unconfirmed, payload, outcome, &mut |tag, _| {
+            tags.push(tag)
+        });
         let mut settled = Vec::with_capacity(tags.len());
         for tag in tags {
-            let Some(i) = self.in_flight.remove(&tag) else {
+            let Some(i) = self.index.remove(&tag) else {
                 continue;
             };
             self.by_key.remove(self.batch[i].key.as_str());
-            let result = match (nacked, self.unroutable.remove(&i)) {
-                (true, _) => Err(PublishError::transient("the broker nacked the message")),
-                (false, Some(why)) => Err(PublishError::transient(why)),
-                (false, None) => Ok(()),
+            let result = match (outcome, self.returned.remove(&i)) {
+                (Err(nack), _) => Err(PublishError::transient(nack)),
+                (Ok(()), Some(why)) => Err(PublishError::transient(why)),
+                (Ok(()), None) => Ok(()),
             };
             settled.push((i, result));
         }
@@ -618,16 +634,9 @@ impl Publisher for RabbitPublisher {
         // hands both over in the order they arrived, so every return for this batch is queued
         // by now.
         while let Ok(returned) = self.returns.try_recv() {
-            let index = returned
-                .properties
-                .message_id()
-                .as_deref()
-                .and_then(|id| by_key.get(id).copied());
-            if let Some(i) = index {
-                results[i] = Some(Err(PublishError::transient(format!(
-                    "unroutable: returned by the broker ({} {})",
-                    returned.reply_code, returned.reply_text
-                ))));
+            let (key, why) = unroutable(&returned);
+            if let Some(&i) = key.and_then(|key| by_key.get(key)) {
+                results[i] = Some(Err(PublishError::transient(why)));
             }
         }
         // Not confirmed: the connection failed, or the broker blocks it. Not the records'
@@ -668,9 +677,7 @@ impl Publisher for RabbitPublisher {
         let mut handing_over = true;
         loop {
             if handing_over {
-                while let Ok(notification) = self.blocking.try_recv() {
-                    self.note(notification);
-                }
+                self.read_notes();
                 for i in due.drain(..) {
                     if self.broken.is_some() || self.blocked.is_some() || !proceed() {
                         handing_over = false;
@@ -683,7 +690,7 @@ impl Publisher for RabbitPublisher {
                     }
                 }
             }
-            if stream.in_flight.is_empty() {
+            if stream.unconfirmed.is_empty() {
                 break;
             }
             // The confirm timeout bounds the wait for the next confirm: a stream that
@@ -699,7 +706,7 @@ impl Publisher for RabbitPublisher {
                     };
                     // A return comes before the confirm of its message.
                     while let Ok(returned) = self.returns.try_recv() {
-                        stream.returned(returned);
+                        stream.returned(&returned);
                     }
                     for (i, result) in stream.settle(payload, nacked) {
                         if result.is_ok() {
@@ -708,27 +715,8 @@ impl Publisher for RabbitPublisher {
                         outcomes[i] = Some(result);
                     }
                 }
-                Err(RecvTimeoutError::Disconnected) => {
-                    let why = self.why_closed();
-                    log::warn!("rabbitmq: {why}");
-                    self.break_off(why);
-                    break;
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    while let Ok(notification) = self.blocking.try_recv() {
-                        self.note(notification);
-                    }
-                    if self.blocked.is_some() {
-                        // The confirms come once the broker unblocks the connection.
-                        self.owed.extend(stream.in_flight.keys());
-                    } else {
-                        let why = format!(
-                            "no confirm from {} within {:?}; reconnecting",
-                            self.endpoint, self.confirm_timeout
-                        );
-                        log::warn!("rabbitmq: {why}");
-                        self.break_off(why);
-                    }
+                Err(failed) => {
+                    self.confirms_failed(failed, stream.unconfirmed.clone());
                     break;
                 }
             }
@@ -736,8 +724,8 @@ impl Publisher for RabbitPublisher {
         // Not confirmed: the connection failed, or the broker blocks it. Not the records'
         // fault either way.
         let why = self.not_confirmed();
-        for i in stream.in_flight.into_values() {
-            outcomes[i] = Some(Err(PublishError::unavailable(why.clone())));
+        for tag in &stream.unconfirmed {
+            outcomes[stream.index[tag]] = Some(Err(PublishError::unavailable(why.clone())));
         }
     }
 }

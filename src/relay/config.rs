@@ -138,7 +138,7 @@ impl RelayConfig {
     /// workers and larger batches: an aggregate's next batch waits until its last one is
     /// recorded, and workers splitting the aggregates between them keep fewer messages in
     /// flight each, which costs the broker more per message (40 aggregates to RabbitMQ,
-    /// measured: 0.5-0.6x unordered at the defaults, 0.7-0.86x at `batch_size(200)` and
+    /// measured: 0.43-0.6x unordered at the defaults, 0.63-0.86x at `batch_size(200)` and
     /// `concurrency(2)`; see the README, and [`RelayConfig::pipeline_runs`]).
     pub fn concurrency(mut self, concurrency: usize) -> RelayConfig {
         self.concurrency = concurrency;
@@ -213,7 +213,8 @@ impl RelayConfig {
     ///
     /// In order, message k + 1 of an aggregate is handed over only once message k is
     /// confirmed: order holds whatever fails, at one broker round trip per message of an
-    /// aggregate (one busy aggregate to RabbitMQ: 1,000-1,600 messages a second here).
+    /// aggregate (one busy aggregate to RabbitMQ: 400-1,600 messages a second here, as fast
+    /// as the broker confirmed one message at a time in each sitting).
     /// Pipelined, the run goes out in order without waiting, so one aggregate moves at
     /// 0.6x the rate of unordered messages (7,700-8,300 a second here), and **order holds
     /// unless a message of the run fails**: when message k is nacked, returned as

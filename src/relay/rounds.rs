@@ -1,7 +1,6 @@
 //! Confirm rounds: the order in which a claimed batch is handed to a publisher.
 
-use std::collections::HashMap;
-
+use crate::publish::rounds_of;
 use crate::record::Record;
 
 /// Splits a batch (in id order) into rounds: round `k` holds the `k`-th record of every
@@ -11,20 +10,10 @@ use crate::record::Record;
 /// aggregate's order is kept, and every aggregate's first record comes ahead of anyone's
 /// second, as the default (publishing round by round) needs.
 pub(crate) fn rounds(records: Vec<Record>) -> Vec<Vec<Record>> {
-    let mut depth: HashMap<String, usize> = HashMap::new();
+    let depth = rounds_of(&records);
     let mut rounds: Vec<Vec<Record>> = Vec::new();
-    for record in records {
-        let k = match &record.aggregate_key {
-            None => 0,
-            Some(aggregate) => {
-                let next = depth.entry(aggregate.clone()).or_insert(0);
-                *next += 1;
-                *next - 1
-            }
-        };
-        if rounds.len() <= k {
-            rounds.resize_with(k + 1, Vec::new);
-        }
+    rounds.resize_with(depth.iter().max().map_or(0, |d| d + 1), Vec::new);
+    for (k, record) in depth.into_iter().zip(records) {
         rounds[k].push(record);
     }
     rounds
