@@ -14,10 +14,10 @@
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
 //!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
-//!   First, `broker-confirmed window=40|1`: the broker alone, publishing 40 messages (or one)
-//!   and waiting for their confirms before the next: what strict order allows 40 aggregates
-//!   (one message in flight each) and one aggregate, whatever the relay does; the `agg40` and
-//!   `hot1` lines in confirm rounds give `vs_window=` their rate over it.
+//!   First, `broker-streams streams=40|1`: the broker alone, keeping 40 messages (or one) in
+//!   flight on one channel, each confirm letting the next one go: what strict order allows
+//!   40 aggregates (one message in flight each) and one aggregate, whatever the relay does;
+//!   the `agg40` and `hot1` lines in order give `vs_streams=` their rate over it.
 //! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
@@ -150,10 +150,10 @@ fn main() -> Result<()> {
         let mut unordered = None;
         // Strict order's ceilings: every aggregate's next message waits for its confirm.
         let mut ceilings = HashMap::new();
-        for (shape, window, messages) in [(Shape::Agg40, 40, 10_000), (Shape::Hot1, 1, 2_000)] {
+        for (shape, streams, messages) in [(Shape::Agg40, 40, 10_000), (Shape::Hot1, 1, 2_000)] {
             broker.purge()?;
-            let rate = broker.confirmed_publish_rate(messages, window)?;
-            println!("bench=broker-confirmed messages={messages} window={window} rate={rate:.0}");
+            let rate = broker.confirmed_stream_rate(messages, streams)?;
+            println!("bench=broker-streams messages={messages} streams={streams} rate={rate:.0}");
             ceilings.insert(shape.name(), rate);
         }
         // Confirm rounds, then the ordered shapes again with runs pipelined.
@@ -188,7 +188,7 @@ fn main() -> Result<()> {
                 cpu.report(drained.sent as usize),
             );
             if let (false, Some(ceiling)) = (pipeline, ceilings.get(shape.name())) {
-                line.push_str(&format!(" vs_window={}", ratio(rate, *ceiling)));
+                line.push_str(&format!(" vs_streams={}", ratio(rate, *ceiling)));
             }
             if drained.capped {
                 line.push_str(&format!(" sent={} capped=true", drained.sent));
@@ -567,34 +567,87 @@ impl Broker {
 
     /// The broker's own ceiling: publish windows of messages, then drain their confirms.
     fn confirmed_publish_rate(&mut self, messages: usize, window: usize) -> Result<f64> {
-        // A channel of its own, so its delivery tags start at 1.
-        let channel = self.connection.open_channel(None)?;
-        channel.enable_publisher_confirms()?;
-        let confirms = channel.listen_for_publisher_confirms()?;
-        let payload = vec![b'x'; PAYLOAD];
+        let channel = Confirmed::open(&mut self.connection)?;
         let started = Instant::now();
-        let mut tag = 0u64;
         let mut sent = 0;
         while sent < messages {
             let n = window.min(messages - sent);
             let mut open: HashSet<u64> = HashSet::with_capacity(n);
             for _ in 0..n {
-                tag += 1;
-                let properties = AmqpProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(tag.to_string());
-                channel.basic_publish(
-                    EXCHANGE,
-                    Publish::with_properties(&payload, "bench.event", properties),
-                )?;
-                open.insert(tag);
+                open.insert(channel.publish()?);
             }
-            await_confirms(&confirms, &mut open)?;
+            await_confirms(&channel.confirms, &mut open)?;
             sent += n;
         }
         let rate = messages as f64 / started.elapsed().as_secs_f64();
-        channel.close()?;
+        channel.channel.close()?;
         Ok(rate)
+    }
+
+    /// Strict order's ceiling: `streams` messages in flight, one per aggregate, each confirm
+    /// letting its aggregate's next one go (every confirm already received settled first,
+    /// so the next messages go out together).
+    fn confirmed_stream_rate(&mut self, messages: usize, streams: usize) -> Result<f64> {
+        let channel = Confirmed::open(&mut self.connection)?;
+        let started = Instant::now();
+        let mut open: HashSet<u64> = HashSet::with_capacity(streams);
+        let (mut sent, mut free) = (0, streams);
+        while sent < messages || !open.is_empty() {
+            while free > 0 && sent < messages {
+                open.insert(channel.publish()?);
+                (sent, free) = (sent + 1, free - 1);
+            }
+            let mut confirm = Some(channel.confirms.recv()?);
+            while let Some(Confirm::Ack(p) | Confirm::Nack(p)) = confirm {
+                let before = open.len();
+                if p.multiple {
+                    open.retain(|t| *t > p.delivery_tag);
+                } else {
+                    open.remove(&p.delivery_tag);
+                }
+                free += before - open.len();
+                confirm = channel.confirms.try_recv().ok();
+            }
+        }
+        let rate = messages as f64 / started.elapsed().as_secs_f64();
+        channel.channel.close()?;
+        Ok(rate)
+    }
+}
+
+/// A channel of its own with publisher confirms, so its delivery tags start at 1.
+struct Confirmed {
+    channel: Channel,
+    confirms: crossbeam_channel::Receiver<Confirm>,
+    payload: Vec<u8>,
+    tag: std::cell::Cell<u64>,
+}
+
+impl Confirmed {
+    fn open(connection: &mut Connection) -> Result<Confirmed> {
+        let channel = connection.open_channel(None)?;
+        channel.enable_publisher_confirms()?;
+        let confirms = channel.listen_for_publisher_confirms()?;
+        Ok(Confirmed {
+            channel,
+            confirms,
+            payload: vec![b'x'; PAYLOAD],
+            tag: std::cell::Cell::new(0),
+        })
+    }
+
+    /// Publishes one persistent message; returns its delivery tag.
+    fn publish(&self) -> Result<u64> {
+        let tag = self.tag.get() + 1;
+        self.tag.set(tag);
+        let properties = AmqpProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(tag.to_string());
+        self.channel.basic_publish(
+            EXCHANGE,
+            Publish::with_properties(&self.payload, "bench.event", properties),
+        )?;
+        Ok(tag)
     }
 }
 
