@@ -14,10 +14,13 @@
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
 //!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
-//!   First, `broker-streams streams=40|1`: the broker alone, keeping 40 messages (or one) in
-//!   flight on one channel, each confirm letting the next one go: what strict order allows
-//!   40 aggregates (one message in flight each) and one aggregate, whatever the relay does;
-//!   the `agg40` and `hot1` lines in order give `vs_streams=` their rate over it.
+//!   First the broker alone: `broker-confirmed window=40`, 40 messages published and
+//!   confirmed before the next 40 (confirm rounds); `broker-streams streams=40|1
+//!   connections=1|4`, 40 messages (or one) kept in flight, each confirm letting the next one
+//!   go, on one connection or split over four (as four workers split the aggregates): what
+//!   strict order allows 40 aggregates (one message in flight each) and one aggregate,
+//!   whatever the relay does. The `agg40` and `hot1` lines in order give `vs_streams=` their
+//!   rate over the one-connection line.
 //! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
@@ -150,11 +153,23 @@ fn main() -> Result<()> {
         let mut unordered = None;
         // Strict order's ceilings: every aggregate's next message waits for its confirm.
         let mut ceilings = HashMap::new();
-        for (shape, streams, messages) in [(Shape::Agg40, 40, 10_000), (Shape::Hot1, 1, 2_000)] {
+        broker.purge()?;
+        let rate = broker.confirmed_publish_rate(10_000, 40)?;
+        println!("bench=broker-confirmed messages=10000 window=40 rate={rate:.0}");
+        for (shape, streams, connections, messages) in [
+            (Shape::Agg40, 40, 1, 10_000),
+            (Shape::Agg40, 40, 4, 10_000),
+            (Shape::Hot1, 1, 1, 2_000),
+        ] {
             broker.purge()?;
-            let rate = broker.confirmed_stream_rate(messages, streams)?;
-            println!("bench=broker-streams messages={messages} streams={streams} rate={rate:.0}");
-            ceilings.insert(shape.name(), rate);
+            let rate = confirmed_stream_rate(messages, streams, connections)?;
+            println!(
+                "bench=broker-streams messages={messages} streams={streams} \
+                 connections={connections} rate={rate:.0}"
+            );
+            if connections == 1 {
+                ceilings.insert(shape.name(), rate);
+            }
         }
         // Confirm rounds, then the ordered shapes again with runs pipelined.
         let runs = Shape::ALL
@@ -567,7 +582,7 @@ impl Broker {
 
     /// The broker's own ceiling: publish windows of messages, then drain their confirms.
     fn confirmed_publish_rate(&mut self, messages: usize, window: usize) -> Result<f64> {
-        let channel = Confirmed::open(&mut self.connection)?;
+        let mut channel = Confirmed::open(&mut self.connection)?;
         let started = Instant::now();
         let mut sent = 0;
         while sent < messages {
@@ -583,36 +598,55 @@ impl Broker {
         channel.channel.close()?;
         Ok(rate)
     }
+}
 
-    /// Strict order's ceiling: `streams` messages in flight, one per aggregate, each confirm
-    /// letting its aggregate's next one go (every confirm already received settled first,
-    /// so the next messages go out together).
-    fn confirmed_stream_rate(&mut self, messages: usize, streams: usize) -> Result<f64> {
-        let channel = Confirmed::open(&mut self.connection)?;
+/// Strict order's ceiling: `streams` messages in flight, one per aggregate, split evenly over
+/// `connections` connections of their own (as relay workers split aggregates), each confirm
+/// letting its aggregate's next message go. Every confirm already received is settled
+/// before the next messages go out, so they go out together.
+fn confirmed_stream_rate(messages: usize, streams: usize, connections: usize) -> Result<f64> {
+    let start = std::sync::Barrier::new(connections + 1);
+    let (started, finished) = std::thread::scope(|scope| -> Result<(Instant, Vec<Result<()>>)> {
+        let workers: Vec<_> = (0..connections)
+            .map(|_| {
+                let start = &start;
+                scope.spawn(move || -> Result<()> {
+                    let mut broker = Broker::connect()?;
+                    let mut channel = Confirmed::open(&mut broker.connection)?;
+                    start.wait();
+                    let mut open: HashSet<u64> = HashSet::new();
+                    let (mut sent, mut free) = (0, streams / connections);
+                    let messages = messages / connections;
+                    while sent < messages || !open.is_empty() {
+                        while free > 0 && sent < messages {
+                            open.insert(channel.publish()?);
+                            (sent, free) = (sent + 1, free - 1);
+                        }
+                        let mut confirm = Some(channel.confirms.recv()?);
+                        while let Some(received) = confirm {
+                            free += settle(&mut open, received);
+                            confirm = channel.confirms.try_recv().ok();
+                        }
+                    }
+                    channel.channel.close()?;
+                    Ok(())
+                })
+            })
+            .collect();
+        start.wait();
         let started = Instant::now();
-        let mut open: HashSet<u64> = HashSet::with_capacity(streams);
-        let (mut sent, mut free) = (0, streams);
-        while sent < messages || !open.is_empty() {
-            while free > 0 && sent < messages {
-                open.insert(channel.publish()?);
-                (sent, free) = (sent + 1, free - 1);
-            }
-            let mut confirm = Some(channel.confirms.recv()?);
-            while let Some(Confirm::Ack(p) | Confirm::Nack(p)) = confirm {
-                let before = open.len();
-                if p.multiple {
-                    open.retain(|t| *t > p.delivery_tag);
-                } else {
-                    open.remove(&p.delivery_tag);
-                }
-                free += before - open.len();
-                confirm = channel.confirms.try_recv().ok();
-            }
-        }
-        let rate = messages as f64 / started.elapsed().as_secs_f64();
-        channel.channel.close()?;
-        Ok(rate)
-    }
+        let finished = workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err("stream thread panicked".into()))
+            })
+            .collect();
+        Ok((started, finished))
+    })?;
+    let elapsed = started.elapsed().as_secs_f64();
+    finished.into_iter().collect::<Result<Vec<()>>>()?;
+    Ok((messages / connections * connections) as f64 / elapsed)
 }
 
 /// A channel of its own with publisher confirms, so its delivery tags start at 1.
@@ -620,7 +654,7 @@ struct Confirmed {
     channel: Channel,
     confirms: crossbeam_channel::Receiver<Confirm>,
     payload: Vec<u8>,
-    tag: std::cell::Cell<u64>,
+    tag: u64,
 }
 
 impl Confirmed {
@@ -632,23 +666,34 @@ impl Confirmed {
             channel,
             confirms,
             payload: vec![b'x'; PAYLOAD],
-            tag: std::cell::Cell::new(0),
+            tag: 0,
         })
     }
 
-    /// Publishes one persistent message; returns its delivery tag.
-    fn publish(&self) -> Result<u64> {
-        let tag = self.tag.get() + 1;
-        self.tag.set(tag);
+    /// Publishes one persistent message to the bench's exchange; returns its delivery tag.
+    fn publish(&mut self) -> Result<u64> {
+        self.tag += 1;
         let properties = AmqpProperties::default()
             .with_delivery_mode(2)
-            .with_message_id(tag.to_string());
+            .with_message_id(self.tag.to_string());
         self.channel.basic_publish(
             EXCHANGE,
             Publish::with_properties(&self.payload, "bench.event", properties),
         )?;
-        Ok(tag)
+        Ok(self.tag)
     }
+}
+
+/// Takes the tags `confirm` covers (acked or nacked) out of `open`; returns how many.
+fn settle(open: &mut HashSet<u64>, confirm: Confirm) -> usize {
+    let (Confirm::Ack(p) | Confirm::Nack(p)) = confirm;
+    let before = open.len();
+    if p.multiple {
+        open.retain(|t| *t > p.delivery_tag);
+    } else {
+        open.remove(&p.delivery_tag);
+    }
+    before - open.len()
 }
 
 /// Waits until every tag in `open` is confirmed (acked or nacked).
@@ -657,12 +702,7 @@ fn await_confirms(
     open: &mut HashSet<u64>,
 ) -> Result<()> {
     while !open.is_empty() {
-        let (Confirm::Ack(p) | Confirm::Nack(p)) = confirms.recv()?;
-        if p.multiple {
-            open.retain(|t| *t > p.delivery_tag);
-        } else {
-            open.remove(&p.delivery_tag);
-        }
+        settle(open, confirms.recv()?);
     }
     Ok(())
 }

@@ -82,18 +82,17 @@ fn in_rounds<P: Publisher + ?Sized>(
     outcomes: &mut [Option<Result<(), PublishError>>],
     proceed: &dyn Fn() -> bool,
 ) {
-    let depth = rounds_of(batch);
-    let rounds = depth.iter().max().map_or(0, |d| d + 1);
     let mut failed: HashSet<&str> = HashSet::new();
-    for round in 0..rounds {
-        let goes = |i: usize| {
-            depth[i] == round
-                && batch[i]
+    for round in rounds_of(batch) {
+        let going: Vec<usize> = round
+            .into_iter()
+            .filter(|&i| {
+                batch[i]
                     .aggregate_key
                     .as_deref()
                     .is_none_or(|aggregate| !failed.contains(aggregate))
-        };
-        let going: Vec<usize> = (0..batch.len()).filter(|&i| goes(i)).collect();
+            })
+            .collect();
         if going.is_empty() {
             continue;
         }
@@ -122,21 +121,27 @@ fn in_rounds<P: Publisher + ?Sized>(
     }
 }
 
-/// The confirm round of each record of a batch in id order: its place in its aggregate's
-/// run (0 for the first), and 0 for a record without an aggregate key.
-pub(crate) fn rounds_of(batch: &[Record]) -> Vec<usize> {
+/// The confirm rounds of a batch in id order, as indices into it: round `k` holds the `k`-th
+/// record of every aggregate's run (and round 0 also every record without an aggregate
+/// key), in id order.
+pub(crate) fn rounds_of(batch: &[Record]) -> Vec<Vec<usize>> {
     let mut seen: HashMap<&str, usize> = HashMap::new();
-    batch
-        .iter()
-        .map(|r| match &r.aggregate_key {
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (i, record) in batch.iter().enumerate() {
+        let round = match &record.aggregate_key {
             None => 0,
             Some(aggregate) => {
                 let next = seen.entry(aggregate.as_str()).or_insert(0);
                 *next += 1;
                 *next - 1
             }
-        })
-        .collect()
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(i);
+    }
+    rounds
 }
 
 /// What stands for the outcomes a publisher's `publish` did not return.

@@ -404,17 +404,19 @@ fn a_panic_mid_stream_keeps_the_outcomes_given_and_charges_only_what_it_may_have
     // The heads it confirmed are sent; a-1 may have been handed over (its predecessor was
     // through) and u had no predecessor: each a failed attempt; a-2 cannot have been handed
     // over and goes back uncharged.
-    assert_eq!(row_state(&mut client, &outbox, "a-0"), ("sent".into(), 1));
-    assert_eq!(row_state(&mut client, &outbox, "b-0"), ("sent".into(), 1));
-    assert_eq!(
-        row_state(&mut client, &outbox, "a-1"),
-        ("pending".into(), 1)
-    );
-    assert_eq!(row_state(&mut client, &outbox, "u"), ("pending".into(), 1));
-    assert_eq!(
-        row_state(&mut client, &outbox, "a-2"),
-        ("pending".into(), 0)
-    );
+    for (key, status, attempts) in [
+        ("a-0", "sent", 1),
+        ("b-0", "sent", 1),
+        ("a-1", "pending", 1),
+        ("u", "pending", 1),
+        ("a-2", "pending", 0),
+    ] {
+        assert_eq!(
+            row_state(&mut client, &outbox, key),
+            (status.to_owned(), attempts),
+            "{key}"
+        );
+    }
     assert!(last_error(&mut client, &outbox, "a-1")
         .unwrap()
         .contains("panicked"));

@@ -1,6 +1,6 @@
 //! A confirmed, pipelined RabbitMQ publisher.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -89,7 +89,7 @@ pub struct RabbitPublisher {
     /// Tags published before the broker blocked the connection, whose confirms were not
     /// waited for: settled before anything else is published, so their returns are not
     /// taken for a later batch's.
-    owed: BTreeSet<u64>,
+    owed: BTreeMap<u64, ()>,
     /// The delivery tag the next publish gets; tags start at 1 on every channel.
     next_tag: u64,
     /// Why the connection cannot be used again, once it cannot.
@@ -185,7 +185,7 @@ impl RabbitPublisher {
             returns,
             blocking,
             blocked: None,
-            owed: BTreeSet::new(),
+            owed: BTreeMap::new(),
             next_tag: 1,
             broken: None,
         })
@@ -276,13 +276,7 @@ impl RabbitPublisher {
         if self.broken.is_none() && self.blocked.is_none() && !self.owed.is_empty() {
             self.settle_owed();
         }
-        if let Some(why) = &self.broken {
-            return Some(why.clone());
-        }
-        if let Some(reason) = &self.blocked {
-            return Some(format!("the broker blocks publishing ({reason})"));
-        }
-        None
+        (self.broken.is_some() || self.blocked.is_some()).then(|| self.not_confirmed())
     }
 
     /// Takes note of the block notifications received so far.
@@ -317,13 +311,14 @@ impl RabbitPublisher {
         }
     }
 
-    /// Waits for the confirms of `tags`, calling `settle` with each confirmed tag and its
-    /// outcome, until none is left, the connection fails (broken), or the confirm timeout
-    /// passes: broken, unless the broker blocks the connection, when the tags are owed.
-    fn await_confirms(
+    /// Waits for the confirms of `tags` (delivery tag to what it stands for), calling
+    /// `settle` with what each confirmed tag stands for and its outcome, until none is left,
+    /// the connection fails (broken), or the confirm timeout passes: broken, unless the
+    /// broker blocks the connection, when the tags are owed.
+    fn await_confirms<V>(
         &mut self,
-        tags: &mut BTreeSet<u64>,
-        settle: &mut dyn FnMut(u64, Result<(), &'static str>),
+        tags: &mut BTreeMap<u64, V>,
+        settle: &mut dyn FnMut(V, Result<(), &'static str>),
     ) {
         let deadline = crate::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
@@ -331,13 +326,15 @@ impl RabbitPublisher {
             // the block notifications and a timer cost a fifth of its rate. Whether the
             // broker blocks the connection only matters once the confirms are late.
             match self.confirms.recv_deadline(deadline) {
-                Ok(Confirm::Ack(payload)) => settle_tags(tags, payload, Ok(()), settle),
-                Ok(Confirm::Nack(payload)) => {
-                    settle_tags(tags, payload, Err("the broker nacked the message"), settle)
+                Ok(confirm) => {
+                    let (payload, outcome) = confirmed(confirm);
+                    for settled in settle_tags(tags, payload) {
+                        settle(settled, outcome);
+                    }
                 }
                 Err(failed) => {
                     let unconfirmed = std::mem::take(tags);
-                    self.confirms_failed(failed, unconfirmed);
+                    self.confirms_failed(failed, unconfirmed.into_keys());
                     return;
                 }
             }
@@ -347,14 +344,18 @@ impl RabbitPublisher {
     /// No confirm came for the `unconfirmed` tags: the channel closed (broken), or the
     /// confirm timeout passed (broken, unless the broker blocks the connection: then the
     /// tags are owed).
-    fn confirms_failed(&mut self, failed: RecvTimeoutError, unconfirmed: BTreeSet<u64>) {
+    fn confirms_failed(
+        &mut self,
+        failed: RecvTimeoutError,
+        unconfirmed: impl Iterator<Item = u64>,
+    ) {
         let why = match failed {
             RecvTimeoutError::Disconnected => self.why_closed(),
             RecvTimeoutError::Timeout => {
                 self.read_notes();
                 if self.blocked.is_some() {
                     // The confirms come once the broker unblocks the connection.
-                    self.owed.extend(unconfirmed);
+                    self.owed.extend(unconfirmed.map(|tag| (tag, ())));
                     return;
                 }
                 format!(
@@ -421,23 +422,25 @@ impl RabbitPublisher {
     }
 }
 
-/// Settles the tags a confirm covers: its own, or with `multiple` every one up to it.
-fn settle_tags(
-    tags: &mut BTreeSet<u64>,
-    payload: ConfirmPayload,
-    outcome: Result<(), &'static str>,
-    settle: &mut dyn FnMut(u64, Result<(), &'static str>),
-) {
-    let covered: Vec<u64> = if payload.multiple {
-        tags.range(..=payload.delivery_tag).copied().collect()
-    } else {
-        vec![payload.delivery_tag]
-    };
-    for tag in covered {
-        if tags.remove(&tag) {
-            settle(tag, outcome);
-        }
+/// A confirm's payload, and the outcome it gives the messages it covers.
+fn confirmed(confirm: Confirm) -> (ConfirmPayload, Result<(), &'static str>) {
+    match confirm {
+        Confirm::Ack(payload) => (payload, Ok(())),
+        Confirm::Nack(payload) => (payload, Err("the broker nacked the message")),
     }
+}
+
+/// Takes out of `tags` the ones a confirm covers (its own, or with `multiple` every one up
+/// to it), and returns what they stand for, in tag order.
+fn settle_tags<V>(tags: &mut BTreeMap<u64, V>, payload: ConfirmPayload) -> Vec<V> {
+    if !payload.multiple {
+        return tags.remove(&payload.delivery_tag).into_iter().collect();
+    }
+    let after = match payload.delivery_tag.checked_add(1) {
+        Some(after) => tags.split_off(&after),
+        None => BTreeMap::new(),
+    };
+    std::mem::replace(tags, after).into_values().collect()
 }
 
 /// A returned message's key (its message id), and why it is a failed attempt.
@@ -458,10 +461,8 @@ struct Stream<'b> {
     firsts: Vec<usize>,
     /// The record after each one in its aggregate.
     next: Vec<Option<usize>>,
-    /// The delivery tags awaiting their confirm.
-    unconfirmed: BTreeSet<u64>,
-    /// Delivery tag to record, for the same.
-    index: HashMap<u64, usize>,
+    /// The delivery tag of every record handed over and not yet confirmed, to the record.
+    unconfirmed: BTreeMap<u64, usize>,
     /// Key to record, for the same.
     by_key: HashMap<&'b str, usize>,
     /// Records in flight the broker returned as unroutable, with its reason.
@@ -486,8 +487,7 @@ impl<'b> Stream<'b> {
         Stream {
             firsts,
             next,
-            unconfirmed: BTreeSet::new(),
-            index: HashMap::new(),
+            unconfirmed: BTreeMap::new(),
             by_key: HashMap::new(),
             returned: HashMap::new(),
             batch,
@@ -495,8 +495,7 @@ impl<'b> Stream<'b> {
     }
 
     fn sent(&mut self, tag: u64, i: usize) {
-        self.unconfirmed.insert(tag);
-        self.index.insert(tag, i);
+        self.unconfirmed.insert(tag, i);
         self.by_key.insert(self.batch[i].key.as_str(), i);
     }
 
@@ -509,34 +508,20 @@ impl<'b> Stream<'b> {
 
     /// The records a confirm settles (its tag's, or with `multiple` every one up to it), and
     /// their outcomes.
-    fn settle(
-        &mut self,
-        payload: ConfirmPayload,
-        nacked: bool,
-    ) -> Vec<(usize, Result<(), PublishError>)> {
-        let outcome = if nacked {
-            Err("the broker nacked the message")
-        } else {
-            Ok(())
-        };
-        let mut tags = Vec::new();
-        settle_tags(&mut self.unconfirmed, payload, outcome, &mut |tag, _| {
-            tags.push(tag)
-        });
-        let mut settled = Vec::with_capacity(tags.len());
-        for tag in tags {
-            let Some(i) = self.index.remove(&tag) else {
-                continue;
-            };
-            self.by_key.remove(self.batch[i].key.as_str());
-            let result = match (outcome, self.returned.remove(&i)) {
-                (Err(nack), _) => Err(PublishError::transient(nack)),
-                (Ok(()), Some(why)) => Err(PublishError::transient(why)),
-                (Ok(()), None) => Ok(()),
-            };
-            settled.push((i, result));
-        }
-        settled
+    fn settle(&mut self, confirm: Confirm) -> Vec<(usize, Result<(), PublishError>)> {
+        let (payload, outcome) = confirmed(confirm);
+        settle_tags(&mut self.unconfirmed, payload)
+            .into_iter()
+            .map(|i| {
+                self.by_key.remove(self.batch[i].key.as_str());
+                let result = match (outcome, self.returned.remove(&i)) {
+                    (Err(nack), _) => Err(PublishError::transient(nack)),
+                    (Ok(()), Some(why)) => Err(PublishError::transient(why)),
+                    (Ok(()), None) => Ok(()),
+                };
+                (i, result)
+            })
+            .collect()
     }
 }
 
@@ -611,7 +596,8 @@ impl Publisher for RabbitPublisher {
         }
         let mut results: Vec<Option<Result<(), PublishError>>> = Vec::with_capacity(batch.len());
         results.resize_with(batch.len(), || None);
-        let mut index = HashMap::with_capacity(batch.len());
+        // Delivery tag to record, for every record handed over.
+        let mut index = BTreeMap::new();
         let mut by_key = HashMap::with_capacity(batch.len());
         for (i, record) in batch.iter().enumerate() {
             if let Err(e) = check_limits(record, self.max_message_size) {
@@ -624,11 +610,8 @@ impl Publisher for RabbitPublisher {
             index.insert(self.next_tag - 1, i);
             by_key.insert(record.key.as_str(), i);
         }
-        let mut tags: BTreeSet<u64> = index.keys().copied().collect();
-        self.await_confirms(&mut tags, &mut |tag, outcome| {
-            if let Some(&i) = index.get(&tag) {
-                results[i] = Some(outcome.map_err(PublishError::transient));
-            }
+        self.await_confirms(&mut index, &mut |i, outcome| {
+            results[i] = Some(outcome.map_err(PublishError::transient));
         });
         // The broker returns an unroutable mandatory message before it acks it, and amiquip
         // hands both over in the order they arrived, so every return for this batch is queued
@@ -700,15 +683,11 @@ impl Publisher for RabbitPublisher {
                 .recv_deadline(crate::clock::deadline(self.confirm_timeout))
             {
                 Ok(confirm) => {
-                    let (payload, nacked) = match confirm {
-                        Confirm::Ack(payload) => (payload, false),
-                        Confirm::Nack(payload) => (payload, true),
-                    };
                     // A return comes before the confirm of its message.
                     while let Ok(returned) = self.returns.try_recv() {
                         stream.returned(&returned);
                     }
-                    for (i, result) in stream.settle(payload, nacked) {
+                    for (i, result) in stream.settle(confirm) {
                         if result.is_ok() {
                             due.extend(stream.next[i]);
                         }
@@ -716,7 +695,7 @@ impl Publisher for RabbitPublisher {
                     }
                 }
                 Err(failed) => {
-                    self.confirms_failed(failed, stream.unconfirmed.clone());
+                    self.confirms_failed(failed, stream.unconfirmed.keys().copied());
                     break;
                 }
             }
@@ -724,8 +703,8 @@ impl Publisher for RabbitPublisher {
         // Not confirmed: the connection failed, or the broker blocks it. Not the records'
         // fault either way.
         let why = self.not_confirmed();
-        for tag in &stream.unconfirmed {
-            outcomes[stream.index[tag]] = Some(Err(PublishError::unavailable(why.clone())));
+        for &i in stream.unconfirmed.values() {
+            outcomes[i] = Some(Err(PublishError::unavailable(why.clone())));
         }
     }
 }

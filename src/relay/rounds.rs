@@ -1,22 +1,22 @@
-//! Confirm rounds: the order in which a claimed batch is handed to a publisher.
+//! Confirm-round order: the order in which a claimed batch is handed to a publisher.
 
 use crate::publish::rounds_of;
 use crate::record::Record;
 
-/// Splits a batch (in id order) into rounds: round `k` holds the `k`-th record of every
-/// aggregate's run, and round 0 also every record without an aggregate key.
+/// Puts a batch (in id order) in confirm-round order: the first record of every aggregate's
+/// run and every record without an aggregate key, then every run's second, and so on, each
+/// round in id order.
 ///
-/// The batch goes to `Publisher::publish_in_order` as the rounds one after the other: each
-/// aggregate's order is kept, and every aggregate's first record comes ahead of anyone's
-/// second, as the default (publishing round by round) needs.
-pub(crate) fn rounds(records: Vec<Record>) -> Vec<Vec<Record>> {
-    let depth = rounds_of(&records);
-    let mut rounds: Vec<Vec<Record>> = Vec::new();
-    rounds.resize_with(depth.iter().max().map_or(0, |d| d + 1), Vec::new);
-    for (k, record) in depth.into_iter().zip(records) {
-        rounds[k].push(record);
-    }
-    rounds
+/// The batch goes to `Publisher::publish_in_order` in this order: each aggregate's order is
+/// kept, and every aggregate's first record comes ahead of anyone's second, as the default
+/// (publishing round by round) needs.
+pub(crate) fn in_round_order(records: Vec<Record>) -> Vec<Record> {
+    let order = rounds_of(&records).concat();
+    let mut records: Vec<Option<Record>> = records.into_iter().map(Some).collect();
+    order
+        .into_iter()
+        .filter_map(|i| records[i].take())
+        .collect()
 }
 
 #[cfg(test)]
@@ -37,11 +37,10 @@ mod tests {
             record(5, None),
             record(6, Some("a")),
         ];
-        let ids: Vec<Vec<i64>> = rounds(batch)
-            .iter()
-            .map(|round| round.iter().map(|r| r.id).collect())
-            .collect();
-        assert_eq!(ids, vec![vec![1, 2, 4, 5], vec![3], vec![6]]);
-        assert!(rounds(Vec::new()).is_empty());
+        assert_eq!(rounds_of(&batch), [vec![0, 1, 3, 4], vec![2], vec![5]]);
+        let ids: Vec<i64> = in_round_order(batch).iter().map(|r| r.id).collect();
+        // Rounds [1, 2, 4, 5], [3], [6], one after the other.
+        assert_eq!(ids, [1, 2, 4, 5, 3, 6]);
+        assert!(in_round_order(Vec::new()).is_empty());
     }
 }

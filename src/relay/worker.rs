@@ -11,7 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use super::config::RelayConfig;
-use super::rounds::rounds;
+use super::rounds::in_round_order;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
 use crate::pool::Session;
@@ -272,7 +272,7 @@ impl<'a> Worker<'a> {
         // Confirm-round order keeps each aggregate's order and puts every aggregate's first
         // record ahead of anyone's second.
         let (going, held): (Vec<Record>, Vec<Record>) =
-            rounds(records).into_iter().flatten().partition(|r| {
+            in_round_order(records).into_iter().partition(|r| {
                 r.aggregate_key
                     .as_ref()
                     .is_none_or(|aggregate| !ended.contains(aggregate))
