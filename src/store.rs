@@ -78,6 +78,8 @@ pub(crate) struct ClaimRequest<'a> {
     pub(crate) after: Option<&'a str>,
     /// How many workers share the due aggregates.
     pub(crate) workers: usize,
+    /// The most aggregates an earlier claim of this lap over the key space saw.
+    pub(crate) seen: i64,
     /// The attempt limit of rows that set none.
     pub(crate) max_attempts: u32,
     /// Whether a row that dies here parks its aggregate, unless it says.
@@ -98,6 +100,7 @@ impl ClaimRequest<'_> {
             lease,
             after: None,
             workers: 1,
+            seen: 0,
             max_attempts,
             park,
         }
@@ -119,6 +122,8 @@ pub(crate) struct Claimed {
     pub(crate) ended: HashSet<String>,
     /// Where the next claim's aggregate scan should start: after this key, or at the first.
     pub(crate) cursor: Option<String>,
+    /// How many aggregates this claim saw (due or in flight) to size its runs.
+    pub(crate) seen: i64,
 }
 
 impl Claimed {
@@ -160,6 +165,7 @@ pub(crate) fn claim(
                 (&workers, Type::INT4),
                 (&max_attempts, Type::INT4),
                 (&request.park, Type::BOOL),
+                (&request.seen, Type::INT8),
             ],
         )
         .map_err(|e| outbox.db_error(e))?;
@@ -168,6 +174,7 @@ pub(crate) fn claim(
     for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
         claimed.cursor = row.try_get(13).map_err(Error::Db)?;
+        claimed.seen = row.try_get(14).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };

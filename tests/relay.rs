@@ -1066,6 +1066,89 @@ fn drain_by_hand(client: &mut Client, outbox: &Outbox, config: &RelayConfig, row
     });
 }
 
+/// Records the keys of every batch the relay hands over and sends them all, taking
+/// `latency` for each, as a broker's confirms would.
+#[derive(Clone, Default)]
+struct Batches {
+    batches: Arc<Mutex<Vec<Vec<String>>>>,
+    latency: Duration,
+}
+
+impl Publisher for Batches {
+    fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        batch.iter().map(|_| Ok(())).collect()
+    }
+
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        _proceed: &dyn Fn() -> bool,
+    ) {
+        self.batches
+            .lock()
+            .unwrap()
+            .push(batch.iter().map(|r| r.key.clone()).collect());
+        thread::sleep(self.latency);
+        outcomes.fill_with(|| Some(Ok(())));
+    }
+}
+
+/// Eight aggregates of twelve messages, drained sixteen at a time by a relay of four
+/// workers through `batches`: the batches it handed over.
+fn eight_aggregates_drained(prefix: &str, batches: Batches) -> Vec<Vec<String>> {
+    let (outbox, mut client) = common::outbox(prefix);
+    for aggregate in 'a'..='h' {
+        enqueue(&mut client, &outbox, ordered(&aggregate.to_string(), 12));
+    }
+    let config = {
+        let batches = batches.clone();
+        RelayConfig::new(outbox.clone(), common::pool(RELAY_POOL), move || {
+            Ok::<_, Infallible>(batches.clone())
+        })
+    }
+    .batch_size(16)
+    .concurrency(4);
+    drain_by_hand(&mut client, &outbox, &config, 96);
+    let handed = batches.batches.lock().unwrap().clone();
+    handed
+}
+
+/// The longest run of one aggregate in any of `batches`.
+fn longest_run(batches: &[Vec<String>]) -> usize {
+    batches
+        .iter()
+        .flat_map(|batch| {
+            ('a'..='h').map(move |aggregate| {
+                batch
+                    .iter()
+                    .filter(|k| k.starts_with(&format!("{aggregate}-")))
+                    .count()
+            })
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_claim_late_in_the_key_space_sizes_its_runs_by_every_aggregate_while_confirms_take_the_time() {
+    // A worker's share is two of the eight aggregates, so runs of eight. A claim whose scan
+    // starts after the fourth aggregate sees only four, and sized by those alone would take
+    // runs of twelve, holding aggregates the other workers should have in flight. Each batch
+    // here takes a second to publish, far longer than its claim: confirms are the cost.
+    let slow = Batches {
+        latency: Duration::from_secs(1),
+        ..Batches::default()
+    };
+    let batches = eight_aggregates_drained("rl_run_share", slow);
+    assert!(longest_run(&batches) <= 8, "{batches:?}");
+
+    // A publisher quicker than the claim gets the long runs: each claim fills more of its
+    // batch from the few aggregates it sees.
+    let quick = eight_aggregates_drained("rl_run_long", Batches::default());
+    assert!(longest_run(&quick) > 8, "{quick:?}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Wake-up
 // ---------------------------------------------------------------------------------------------

@@ -70,6 +70,16 @@ pub(crate) struct Worker<'a> {
     publisher: Option<Box<dyn Publisher>>,
     /// Where the next claim's aggregate scan starts.
     cursor: Option<String>,
+    /// The most aggregates a claim saw since the scan last started at the first: a claim
+    /// late in the key space sees only the aggregates after its cursor, and sized by those
+    /// alone its runs would be long enough to hold most of the aggregates from the other
+    /// workers.
+    lap_seen: i64,
+    /// Whether publishing the last batch with ordered records took longer than claiming it:
+    /// then its time goes to waiting for each aggregate's confirms, and runs are sized by
+    /// `lap_seen`, so that every aggregate can be in flight. Otherwise the claim is the
+    /// cost, and long runs of the aggregates after the cursor fill a batch per claim.
+    confirm_bound: bool,
     db_failures: u32,
     /// Publishing failed for the world's reasons this many times in a row (a factory that
     /// failed, a destination unavailable): the backoff before the next try.
@@ -106,6 +116,8 @@ impl<'a> Worker<'a> {
             ),
             publisher,
             cursor: None,
+            lap_seen: 0,
+            confirm_bound: false,
             db_failures: 0,
             outages: 0,
         }
@@ -166,6 +178,7 @@ impl<'a> Worker<'a> {
         let deadline = claimed_at + config.lease;
         let claimed_ordered = claimed.records.iter().any(|r| r.aggregate_key.is_some());
         let mut outcomes = self.finish_unpublishable(&claimed);
+        let published_at = Instant::now();
         let pause = self.publish(
             claimed.records,
             claimed.ended,
@@ -174,6 +187,9 @@ impl<'a> Worker<'a> {
             control,
             &mut outcomes,
         );
+        if claimed_ordered {
+            self.confirm_bound = published_at.elapsed() > published_at - claimed_at;
+        }
         self.record(&outcomes, deadline, control)?;
         // Heads just recorded make their aggregates' next messages due: an idle worker can
         // take some of them while this one claims again.
@@ -201,6 +217,10 @@ impl<'a> Worker<'a> {
                 lease: config.lease,
                 after: self.cursor.as_deref(),
                 workers: config.concurrency,
+                seen: match self.cursor {
+                    Some(_) if self.confirm_bound => self.lap_seen,
+                    _ => 0,
+                },
                 max_attempts: config.retry.max_attempts,
                 park: config.park,
             };
@@ -208,6 +228,11 @@ impl<'a> Worker<'a> {
             let claimed = self
                 .session
                 .run(|conn| store::claim(conn, &config.outbox, &request))?;
+            self.lap_seen = if from_start {
+                claimed.seen
+            } else {
+                self.lap_seen.max(claimed.seen)
+            };
             self.cursor = claimed.cursor.clone();
             looks += 1;
             let seen_all = from_start && claimed.cursor.is_none();
