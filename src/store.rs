@@ -78,7 +78,8 @@ pub(crate) struct ClaimRequest<'a> {
     pub(crate) after: Option<&'a str>,
     /// How many workers share the due aggregates.
     pub(crate) workers: usize,
-    /// The most aggregates an earlier claim of this lap over the key space saw.
+    /// Size runs as if at least this many aggregates were seen (the most an earlier claim
+    /// of the caller's lap over the key space saw; 0: by what this claim sees).
     pub(crate) seen: i64,
     /// The attempt limit of rows that set none.
     pub(crate) max_attempts: u32,

@@ -70,7 +70,8 @@ pub(crate) struct Worker<'a> {
     publisher: Option<Box<dyn Publisher>>,
     /// Where the next claim's aggregate scan starts.
     cursor: Option<String>,
-    /// The most aggregates a claim saw since the scan last started at the first: a claim
+    /// The most aggregates a claim saw since the scan last started at the first (0 when the
+    /// next claim starts there): a claim
     /// late in the key space sees only the aggregates after its cursor, and sized by those
     /// alone its runs would be long enough to hold most of the aggregates from the other
     /// workers.
@@ -217,10 +218,7 @@ impl<'a> Worker<'a> {
                 lease: config.lease,
                 after: self.cursor.as_deref(),
                 workers: config.concurrency,
-                seen: match self.cursor {
-                    Some(_) if self.confirm_bound => self.lap_seen,
-                    _ => 0,
-                },
+                seen: if self.confirm_bound { self.lap_seen } else { 0 },
                 max_attempts: config.retry.max_attempts,
                 park: config.park,
             };
@@ -228,10 +226,10 @@ impl<'a> Worker<'a> {
             let claimed = self
                 .session
                 .run(|conn| store::claim(conn, &config.outbox, &request))?;
-            self.lap_seen = if from_start {
-                claimed.seen
-            } else {
-                self.lap_seen.max(claimed.seen)
+            // Past the last aggregate, the next claim starts a new lap.
+            self.lap_seen = match claimed.cursor {
+                Some(_) => self.lap_seen.max(claimed.seen),
+                None => 0,
             };
             self.cursor = claimed.cursor.clone();
             looks += 1;
