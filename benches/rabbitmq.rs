@@ -14,13 +14,15 @@
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
 //!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
-//!   First the broker alone: `broker-confirmed window=40`, 40 messages published and
-//!   confirmed before the next 40 (confirm rounds); `broker-streams streams=40|1
-//!   connections=1|4`, 40 messages (or one) kept in flight, each confirm letting the next one
-//!   go, on one connection or split over four (as four workers split the aggregates): what
-//!   strict order allows 40 aggregates (one message in flight each) and one aggregate,
-//!   whatever the relay does. The `agg40` and `hot1` lines in order give `vs_streams=` their
-//!   rate over the one-connection line.
+//!   First the broker alone, with the CPU it took per message: `broker-confirmed
+//!   window=100|40`, 100 (or 40) messages published and confirmed before the next ones
+//!   (confirm rounds; 100 is how a default batch free of order goes out); `broker-streams
+//!   streams=40|1 connections=1|4`, 40 messages (or one) kept in flight, each confirm letting
+//!   the next one go, on one connection or split over four (as four workers split the
+//!   aggregates): what strict order allows 40 aggregates (one message in flight each) and one
+//!   aggregate, whatever the relay does. Each line in order gives its rate over its shape's
+//!   ceiling: `unordered` and `unique` `vs_rounds=` of `window=100`, `agg40` and `hot1`
+//!   `vs_streams=` of the one-connection line.
 //! - `consumer concurrency=1|4 shape=unordered|agg40`: `rabbitmq::Consumer` with a no-op
 //!   handler draining a pre-filled queue (each delivery one transaction: dedupe insert and
 //!   commit), next to `db_only=`, the same transactions run by as many threads with no
@@ -151,24 +153,38 @@ fn main() -> Result<()> {
     if wanted("rabbitmq-ordered") {
         let setting = |value: Option<usize>| value.map_or("default".to_owned(), |v| v.to_string());
         let mut unordered = None;
-        // Strict order's ceilings: every aggregate's next message waits for its confirm.
+        // Each shape's ceiling, the broker alone publishing as the relay must: rounds of 100
+        // (a batch of rows free to go together: no key, or each row its own aggregate), and
+        // strict order's streams, every aggregate's next message waiting for its confirm.
         let mut ceilings = HashMap::new();
-        broker.purge()?;
-        let rate = broker.confirmed_publish_rate(10_000, 40)?;
-        println!("bench=broker-confirmed messages=10000 window=40 rate={rate:.0}");
+        for window in [100, 40] {
+            broker.purge()?;
+            let cpu = CpuTimes::now();
+            let rate = broker.confirmed_publish_rate(10_000, window)?;
+            println!(
+                "bench=broker-confirmed messages=10000 window={window} rate={rate:.0} {}",
+                cpu.report(10_000)
+            );
+            if window == 100 {
+                ceilings.insert(Shape::Unordered.name(), ("vs_rounds", rate));
+                ceilings.insert(Shape::Unique.name(), ("vs_rounds", rate));
+            }
+        }
         for (shape, streams, connections, messages) in [
             (Shape::Agg40, 40, 1, 10_000),
             (Shape::Agg40, 40, 4, 10_000),
             (Shape::Hot1, 1, 1, 2_000),
         ] {
             broker.purge()?;
+            let cpu = CpuTimes::now();
             let rate = confirmed_stream_rate(messages, streams, connections)?;
             println!(
                 "bench=broker-streams messages={messages} streams={streams} \
-                 connections={connections} rate={rate:.0}"
+                 connections={connections} rate={rate:.0} {}",
+                cpu.report(messages)
             );
             if connections == 1 {
-                ceilings.insert(shape.name(), rate);
+                ceilings.insert(shape.name(), ("vs_streams", rate));
             }
         }
         // Confirm rounds, then the ordered shapes again with runs pipelined.
@@ -202,8 +218,8 @@ fn main() -> Result<()> {
                 ratio(rate, unordered),
                 cpu.report(drained.sent as usize),
             );
-            if let (false, Some(ceiling)) = (pipeline, ceilings.get(shape.name())) {
-                line.push_str(&format!(" vs_streams={}", ratio(rate, *ceiling)));
+            if let (false, Some((label, ceiling))) = (pipeline, ceilings.get(shape.name())) {
+                line.push_str(&format!(" {label}={}", ratio(rate, *ceiling)));
             }
             if drained.capped {
                 line.push_str(&format!(" sent={} capped=true", drained.sent));
