@@ -71,10 +71,9 @@ pub(crate) struct Worker<'a> {
     /// Where the next claim's aggregate scan starts.
     cursor: Option<String>,
     /// The most aggregates a claim saw since the scan last started at the first (0 when the
-    /// next claim starts there): a claim
-    /// late in the key space sees only the aggregates after its cursor, and sized by those
-    /// alone its runs would be long enough to hold most of the aggregates from the other
-    /// workers.
+    /// next claim starts there): a claim late in the key space sees only the aggregates
+    /// after its cursor, and sized by those alone its runs would be long enough to hold most
+    /// of the aggregates from the other workers.
     lap_seen: i64,
     /// Whether publishing the last batch with ordered records took longer than claiming it:
     /// then its time goes to waiting for each aggregate's confirms, and runs are sized by
