@@ -57,6 +57,15 @@ pub enum Error {
     Unavailable(Box<dyn StdError + Send + Sync>),
     /// A relay thread died (it panicked, or its channel closed unexpectedly).
     RelayDied(String),
+    /// The database server takes no writes: a hot standby, or a primary made read-only (a
+    /// planned switchover fences the old primary so). A relay or consumer waits it out and
+    /// connects again, to the host that takes writes of a multi-host configuration;
+    /// [`Relay::spawn`](crate::Relay::spawn) reports it.
+    ReadOnly,
+    /// The database did not answer within this long (the statement timeout and a margin): the
+    /// connection was given up as stalled (a server or pooler that stopped answering on a
+    /// live socket) and another is opened.
+    Stalled(std::time::Duration),
 }
 
 impl Error {
@@ -76,6 +85,13 @@ impl Error {
             self,
             Error::InvalidInput { .. } | Error::InvalidTableName { .. } | Error::InvalidConfig(_)
         )
+    }
+
+    /// True when the server takes no writes ([`Error::ReadOnly`], or SQLSTATE 25006 from a
+    /// statement that tried to write).
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, Error::ReadOnly)
+            || self.code() == Some(&postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION)
     }
 
     /// The keys that were already present, for [`Error::DuplicateKey`].
@@ -180,6 +196,16 @@ impl fmt::Display for Error {
                 describe(e.as_ref())
             ),
             Error::RelayDied(why) => write!(f, "relay thread died: {why}"),
+            Error::ReadOnly => write!(
+                f,
+                "the database server takes no writes (a hot standby, or a primary made \
+                 read-only)"
+            ),
+            Error::Stalled(after) => write!(
+                f,
+                "the database did not answer within {after:?}; the connection was given up as \
+                 stalled"
+            ),
         }
     }
 }

@@ -70,6 +70,7 @@ mod record;
 mod relay;
 mod render;
 mod retry;
+mod session;
 mod sql;
 mod store;
 mod table;

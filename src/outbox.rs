@@ -177,6 +177,12 @@ pub(crate) fn check_retry(retry: &Retry) -> Result<()> {
             retry.max_attempts
         )));
     }
+    if retry.max_claims == 0 || retry.max_claims > i32::MAX as u32 {
+        return Err(Error::InvalidConfig(format!(
+            "max_claims must be at least 1, got {}",
+            retry.max_claims
+        )));
+    }
     if retry.backoff_min.is_zero() || retry.backoff_min > retry.backoff_max {
         return Err(Error::InvalidConfig(format!(
             "backoff needs 0 < min <= max, got {:?} and {:?}",

@@ -5,12 +5,12 @@ use std::ops::DerefMut;
 use std::sync::Arc;
 use std::time::Duration;
 
+use postgres::config::TargetSessionAttrs;
 use postgres::tls::{MakeTlsConnect, TlsConnect};
 use postgres::{Client, Socket};
 use r2d2_postgres::PostgresConnectionManager;
 
 use crate::error::{Error, Result};
-use crate::store::{Conn, StatementCache};
 
 /// A checked-out connection.
 pub(crate) type Pooled = Box<dyn DerefMut<Target = Client> + Send>;
@@ -25,6 +25,8 @@ pub(crate) trait Pool: Send + Sync {
     #[cfg(feature = "rabbitmq")]
     fn get_timeout(&self, timeout: Duration) -> Result<Pooled>;
     fn max_size(&self) -> u32;
+    /// How long `get` waits for a connection at most.
+    fn connection_timeout(&self) -> Duration;
 }
 
 impl<T> Pool for r2d2::Pool<PostgresConnectionManager<T>>
@@ -46,16 +48,26 @@ where
     fn max_size(&self) -> u32 {
         r2d2::Pool::max_size(self)
     }
+
+    fn connection_timeout(&self) -> Duration {
+        r2d2::Pool::connection_timeout(self)
+    }
 }
 
 /// How long the kernel may wait on an unacknowledged send, or on an idle connection's
 /// keepalive probes, before it declares the peer gone.
 pub(crate) const TCP_DEAD_AFTER: Duration = Duration::from_secs(30);
 
+/// How long a connection of our own may take to open, from the first host tried to the last:
+/// the connect timeout bounds each TCP connect, not the start-up exchange after it.
+const OPEN_BOUND: Duration = Duration::from_secs(15);
+
 /// A connector for connections of our own, with the liveness settings a long-lived relay
 /// connection needs unless the caller chose stricter ones: keepalive probes after 10 s idle,
-/// every 5 s, three of them; `tcp_user_timeout` 30 s; a 10 s connect timeout. A peer that
-/// vanished (or a half-open connection) is then noticed within about 30 s.
+/// every 5 s, three of them; `tcp_user_timeout` 30 s; a 10 s connect timeout; and, unless it
+/// says otherwise, `target_session_attrs=read-write`. A peer that vanished (or a half-open
+/// connection) is then noticed within about 30 s, and of several hosts the one taking writes
+/// is used.
 pub(crate) fn connector<T>(mut config: postgres::Config, tls: T) -> Arc<Connect>
 where
     T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
@@ -84,6 +96,11 @@ where
     }
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(Duration::from_secs(10));
+    }
+    // Every connection of ours writes: of several hosts, take one that takes writes (the
+    // primary after a failover), rather than the first that answers.
+    if config.get_target_session_attrs() == TargetSessionAttrs::Any {
+        config.target_session_attrs(TargetSessionAttrs::ReadWrite);
     }
     Arc::new(move || config.connect(tls.clone()))
 }
@@ -212,79 +229,21 @@ impl Source {
         matches!(self, Source::Pool(_))
     }
 
+    /// How long getting a connection may take before a caller gives it up: the pool's own
+    /// timeout, or the time a connection of our own may take to open, and a margin.
+    pub(crate) fn connect_bound(&self) -> Duration {
+        let margin = Duration::from_secs(2);
+        match self {
+            Source::Pool(pool) => pool.connection_timeout() + margin,
+            Source::Own(_) => OPEN_BOUND + margin,
+        }
+    }
+
     /// The pool's size, if the connections come from a pool.
     pub(crate) fn pool_size(&self) -> Option<u32> {
         match self {
             Source::Pool(pool) => Some(pool.max_size()),
             Source::Own(_) => None,
         }
-    }
-}
-
-/// A connection a thread keeps, with its prepared statements and session settings. A broken
-/// connection is dropped and the next call opens (or checks out) a fresh one. A pooled
-/// connection gets its settings reset before it goes back.
-pub(crate) struct Session {
-    source: Source,
-    /// Run on every new connection, as one simple query.
-    setup: String,
-    /// Run before a pooled connection goes back.
-    reset: &'static str,
-    conn: Option<(Pooled, StatementCache)>,
-}
-
-impl Session {
-    /// A session whose connections run `setup` first and `reset` before going back.
-    pub(crate) fn new(source: Source, setup: String, reset: &'static str) -> Session {
-        Session {
-            source,
-            setup,
-            reset,
-            conn: None,
-        }
-    }
-
-    /// Runs `f` on the session's connection, opening one first if needed.
-    pub(crate) fn run<R>(
-        &mut self,
-        f: impl FnOnce(&mut Conn<'_, Client>) -> Result<R>,
-    ) -> Result<R> {
-        let (client, cache) = match &mut self.conn {
-            Some(conn) => conn,
-            None => {
-                let mut client = self.source.connect()?;
-                if !self.setup.is_empty() {
-                    client.batch_execute(&self.setup).map_err(Error::Db)?;
-                }
-                self.conn.insert((client, StatementCache::default()))
-            }
-        };
-        let result = f(&mut Conn {
-            client: &mut **client,
-            cache: Some(cache),
-        });
-        // An error the server did not answer (I/O, a timeout, a closed socket) says nothing
-        // good about the connection: start afresh. A server error leaves it usable.
-        if let Err(e) = &result {
-            if client.is_closed() || e.as_db_error().is_none() {
-                self.reset();
-            }
-        }
-        result
-    }
-
-    /// Closes (or returns) the connection, so the next call starts afresh.
-    pub(crate) fn reset(&mut self) {
-        if let Some((mut client, _)) = self.conn.take() {
-            if self.source.is_pool() && !client.is_closed() && !self.reset.is_empty() {
-                let _ = client.batch_execute(self.reset);
-            }
-        }
-    }
-}
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.reset();
     }
 }

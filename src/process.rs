@@ -84,7 +84,7 @@ impl Outbox {
         }
         let lease = self.lease();
         let claimed_at = Instant::now();
-        let request = ClaimRequest::simple(limit, lease, self.retry().max_attempts, self.parks());
+        let request = ClaimRequest::simple(limit, lease, self.retry().max_claims, self.parks());
         // In a transaction of its own, only to turn JIT off for it (see the relay's sessions).
         let claimed = {
             let mut tx = client.transaction()?;

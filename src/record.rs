@@ -113,18 +113,19 @@ impl Record {
     pub(crate) fn fence(&self) -> Fence {
         Fence {
             id: self.id,
-            attempt: i32::try_from(self.attempt).unwrap_or(i32::MAX),
+            attempts: i32::try_from(self.attempt.saturating_sub(1)).unwrap_or(i32::MAX),
             lease: self.lease,
         }
     }
 }
 
-/// What an outcome needs to change only the claim it belongs to: the row, the attempt it was
-/// claimed at and the lease the claim stamped. A relay whose lease ran out and whose row was
-/// claimed since matches none of them and changes nothing.
+/// What an outcome needs to change only the claim it belongs to: the row, the attempts it
+/// had when claimed (the verdicts before this one) and the lease the claim stamped. A relay
+/// whose lease ran out and whose row was claimed since matches none of them and changes
+/// nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Fence {
     pub(crate) id: i64,
-    pub(crate) attempt: i32,
+    pub(crate) attempts: i32,
     pub(crate) lease: Option<SystemTime>,
 }

@@ -41,8 +41,14 @@ impl Outcome {
 ///
 /// A message that fails its last attempt is dead (a dead letter); before that, each failure
 /// waits a capped exponential backoff with jitter: the `n`th retry waits between half and
-/// all of `min x 2^(n-1)`, at most `max`. Failures that are the world's (an outage of the
-/// broker or the database) are never counted, however long they last.
+/// all of `min x 2^(n-1)`, at most `max`. An attempt is a verdict on the message (a
+/// publisher or handler that failed it, a nack, a return as unroutable). Failures that are
+/// the world's (an outage of the broker or the database, a lost connection, a lease that ran
+/// out while the world was at fault) are never counted, however long they last.
+///
+/// One more limit guards against a crash loop, apart from attempts:
+/// [`max_claims`](Retry::max_claims), the claims in a row that end with no outcome at all
+/// (the relay crashed, or lost its connection, with the message in hand).
 ///
 /// ```
 /// use std::time::Duration;
@@ -50,21 +56,25 @@ impl Outcome {
 /// let retry = Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60));
 /// assert_eq!(retry.max_attempts(), 5);
 /// assert_eq!(Retry::default().max_attempts(), 10);
+/// assert_eq!(Retry::default().max_claims_in_a_row(), 20);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retry {
     pub(crate) max_attempts: u32,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
+    pub(crate) max_claims: u32,
 }
 
-/// 10 attempts, backing off from 500 ms up to 300 s: the relay's and `process`'s defaults.
+/// 10 attempts, backing off from 500 ms up to 300 s, and 20 claims in a row without an
+/// outcome: the relay's and `process`'s defaults.
 impl Default for Retry {
     fn default() -> Retry {
         Retry {
             max_attempts: 10,
             backoff_min: Duration::from_millis(500),
             backoff_max: Duration::from_secs(300),
+            max_claims: 20,
         }
     }
 }
@@ -86,6 +96,21 @@ impl Retry {
         self
     }
 
+    /// The crash-loop guard (default 20, at least 1): how many times in a row a message may
+    /// be claimed without any outcome being recorded before the claim makes it a dead
+    /// letter, with a reason that says so. A claim ends without an outcome only when its
+    /// relay crashed, or lost its database connection, with the message in hand (a lost
+    /// claim reply, an outage longer than the lease that another relay outlasted); any
+    /// outcome, a hand-back included, starts the count again. A message that crashes the
+    /// relay process each time it is published still ends, after this many crashes, without
+    /// an outage ever costing a message one of its [`max_attempts`](Retry::max_attempts).
+    /// Applies to relays and [`Outbox::process`](crate::Outbox::process); the RabbitMQ
+    /// consumer counts a message's failures, not claims.
+    pub fn max_claims(mut self, max_claims: u32) -> Retry {
+        self.max_claims = max_claims;
+        self
+    }
+
     /// The most tries a message gets.
     pub fn max_attempts(&self) -> u32 {
         self.max_attempts
@@ -94,6 +119,12 @@ impl Retry {
     /// The first retry's delay and the backoff's cap.
     pub fn backoff_range(&self) -> (Duration, Duration) {
         (self.backoff_min, self.backoff_max)
+    }
+
+    /// The claims in a row without an outcome after which a message is dead (see
+    /// [`max_claims`](Retry::max_claims)).
+    pub fn max_claims_in_a_row(&self) -> u32 {
+        self.max_claims
     }
 }
 
@@ -171,6 +202,7 @@ mod tests {
             max_attempts: 5,
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(1),
+            max_claims: 20,
         };
         for _ in 0..100 {
             let first = p.delay(1);

@@ -65,12 +65,28 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0008_head_probes_per_aggregate",
         template: include_str!("../sql/0008_head_probes_per_aggregate.sql"),
     },
+    Migration {
+        version: 9,
+        name: "0009_claims_apart_from_attempts",
+        template: include_str!("../sql/0009_claims_apart_from_attempts.sql"),
+    },
 ];
 
-/// The columns a claim returns, in the order `Record::from_row` reads them.
-pub(crate) const RECORD_COLUMNS: &str =
-    "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
-     t.headers, t.attempts, t.max_attempts, t.created_at, t.lease_until, t.park";
+/// The columns of a record, in the order `Record::from_row` reads them, its attempt being
+/// `{attempt}`.
+const RECORD_TEMPLATE: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
+     t.headers, {attempt}, t.max_attempts, t.created_at, t.lease_until, t.park";
+
+/// A record as an operator lists it: its attempt is the number of attempts made.
+fn record_columns() -> Result<String, RenderError> {
+    render(RECORD_TEMPLATE, &[("attempt", "t.attempts")])
+}
+
+/// A record as a claim hands it over: its attempt is the one this claim starts (`attempts`
+/// counts the verdicts so far, see migration 0009).
+fn claimed_columns() -> Result<String, RenderError> {
+    render(RECORD_TEMPLATE, &[("attempt", "t.attempts + 1")])
+}
 
 /// Whether a row that dies parks its aggregate: it has one, and its own setting, or else
 /// the caller's (`$8` in the statements that use it), says so.
@@ -179,7 +195,7 @@ impl Statements {
         let mut vars = objects(table);
         vars.extend([
             ("migrations", table.companion("_migrations")),
-            ("record_columns", RECORD_COLUMNS.to_owned()),
+            ("record_columns", record_columns()?),
             ("filter", FILTER.to_owned()),
             ("parks", PARKS.to_owned()),
             ("purge_batch", PURGE_BATCH.to_string()),
@@ -280,7 +296,8 @@ impl Statements {
                    UPDATE {table} o SET head = false FROM first f
                    WHERE o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
                      AND o.status IN ('pending', 'parked'))
-                 UPDATE {table} t SET status = 'pending', attempts = 0, available_at = now(),
+                 UPDATE {table} t SET status = 'pending', attempts = 0, claims = 0,
+                                      available_at = now(),
                                       lease_until = NULL, done_at = NULL, head = false
                  WHERE {filter}"
             )?,
@@ -385,11 +402,12 @@ impl Statements {
             )?,
             claim: claim(&t, "")?,
             claim_after: claim(&t, "AND b.aggregate_key > $4")?,
-            // Every outcome of a batch in one statement, each row fenced on id + the attempt it
-            // was claimed at + still pending + the lease its claim stamped, so a relay whose
-            // lease was lost changes nothing. The lease stamp matters when a row was reclaimed
-            // and then released: release restores the attempt count, the stamp is gone.
-            // $1 ids, $2 claimed attempts, $3 outcome ('sent' | 'retry' | 'dead' | 'release'),
+            // Every outcome of a batch in one statement, each row fenced on id + the attempts
+            // it had when claimed + still pending + the lease its claim stamped, so a relay
+            // whose lease was lost and whose row was claimed since changes nothing, however
+            // late it writes. A verdict (sent, retry, dead) counts an attempt; a hand-back
+            // does not. Any outcome ends the row's run of claims without one.
+            // $1 ids, $2 attempts at the claim, $3 outcome ('sent' | 'retry' | 'dead' | 'release'),
             // $4 retry delay in microseconds, $5 error text, $6 counter slot, $7 lease stamps,
             // $8 whether a dead row parks its aggregate, unless the row says.
             record_outcomes: values.render(
@@ -403,8 +421,9 @@ impl Statements {
                                              WHEN 'dead' THEN CASE WHEN {parks} THEN 'parked'
                                                                    ELSE 'dead' END
                                              ELSE 'pending' END,
-                     attempts = CASE o.outcome WHEN 'release' THEN t.attempts - 1
-                                               ELSE t.attempts END,
+                     attempts = CASE o.outcome WHEN 'release' THEN t.attempts
+                                               ELSE t.attempts + 1 END,
+                     claims = 0,
                      available_at = CASE o.outcome
                                       WHEN 'retry' THEN now() + o.delay_us * interval '1 microsecond'
                                       WHEN 'release' THEN now()
@@ -577,14 +596,17 @@ pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// does not fit the batch or the byte budget. That keeps the order strict whatever runs
 /// alongside.
 ///
-/// A row claimed more often than its attempt limit (`$7` unless the row sets one) allows has
-/// crashed or lost its lease that often: it becomes dead (or parked, see `PARKS`, with the
-/// caller's setting in `$8`) here instead of being published again. Every row (and the one
+/// A claim leases a row and counts one more claim without an outcome (`claims`, which any
+/// outcome sets back to 0; `attempts` counts only verdicts, see migration 0009). A row whose
+/// claims would pass `$7` (`max_claims`) has been in hand that often, in a row, when a relay
+/// crashed or lost its connection: a crash loop, maybe its own doing. It becomes dead (or
+/// parked, see `PARKS`, with the caller's setting in `$8`) here instead of being published
+/// again. Every row (and the one
 /// row of an empty claim) carries where the next claim's scan should start: after the last
 /// aggregate this claim took from the scan, else after the last one it visited, or at the
 /// first (NULL) once the scan has passed the last aggregate.
 fn claim(t: &str, after: &str) -> Result<String, RenderError> {
-    let over = "t.attempts + 1 > coalesce(t.max_attempts, $7)";
+    let over = "t.claims + 1 > $7";
     // The rows of the skip scan: those of an aggregate that were not marked as its head.
     let behind = "b.status IN ('pending', 'parked') AND b.aggregate_key IS NOT NULL AND NOT b.head";
     // A row found by the scan is due when it is pending, its time has come and no marked
@@ -697,7 +719,7 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
            WHERE rank <= $1 AND (rank = 1 OR total <= $3)),
          upd AS (
            UPDATE {table} t SET
-             attempts = t.attempts + 1,
+             claims = t.claims + 1,
              status = CASE WHEN NOT {over} THEN 'pending'
                            WHEN {parks} THEN 'parked' ELSE 'dead' END,
              available_at = CASE WHEN {over} THEN t.available_at
@@ -706,15 +728,15 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
                                 ELSE now() + $2::bigint * interval '1 microsecond' END,
              done_at = CASE WHEN {over} THEN now() END,
              last_error = CASE WHEN {over}
-                            THEN 'claimed ' || t.attempts + 1 || ' times, more than its '
-                                 || coalesce(t.max_attempts, $7) || ' attempts allow, without '
-                                 || 'an outcome being recorded (a relay crashed or lost its '
-                                 || 'lease each time)'
+                            THEN 'claimed ' || t.claims + 1 || ' times in a row without an '
+                                 || 'outcome (a relay crashed, or lost its connection, with '
+                                 || 'the message in hand each time): more than max_claims ('
+                                 || $7 || ') allows'
                             ELSE t.last_error END
            -- An id list, not a join: a join may be planned as a merge along the primary key
            -- from its first id, through every sent row.
            WHERE t.id = ANY (ARRAY(SELECT id FROM take))
-           RETURNING {record_columns}, t.status),
+           RETURNING {claimed_columns}, t.status, t.claims),
          scan AS (
            SELECT coalesce(
              (SELECT aggregate_key FROM take WHERE scanned ORDER BY rank DESC LIMIT 1),
@@ -731,7 +753,7 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
             ("bytes", bytes),
             ("over", over),
             ("parks", PARKS),
-            ("record_columns", RECORD_COLUMNS),
+            ("claimed_columns", &claimed_columns()?),
         ],
     )
 }
@@ -820,9 +842,23 @@ pub(crate) fn relay_session(table: &TableName, statement_timeout: Duration) -> S
     ))
 }
 
+/// Whether the server takes no writes: a hot standby, or a primary made read-only (as a
+/// planned switchover fences the old primary with `default_transaction_read_only`).
+pub(crate) const READ_ONLY: &str =
+    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean";
+
+/// Has the server end this connection: a pool then drops it rather than hand it out again.
+pub(crate) const END_OWN_BACKEND: &str = "SELECT pg_terminate_backend(pg_backend_pid())";
+
 /// Undoes [`relay_session`] before a pooled connection goes back.
 pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
      RESET idle_in_transaction_session_timeout; RESET jit";
+
+/// Session settings of a relay's listener connection.
+pub(crate) const LISTENER_SESSION: &str = "SET application_name = 'postgres-outbox listener'";
+
+/// Undoes [`LISTENER_SESSION`] and the LISTEN before a pooled connection goes back.
+pub(crate) const LISTENER_SESSION_RESET: &str = "UNLISTEN *; RESET application_name";
 
 /// Listens on a channel, as the migrations named it (quoted here: it may be a hash).
 pub(crate) fn listen(channel: &str) -> String {
@@ -957,6 +993,11 @@ mod tests {
                 0xddbd10632dac8a0c,
             ),
             ("0007_head_flags", 0x59ee95a2116b88ba, 0x44813de827130f89),
+            (
+                "0008_head_probes_per_aggregate",
+                0xeec1b188035b2448,
+                0xcbc069093c36ce49,
+            ),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {

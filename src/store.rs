@@ -68,33 +68,33 @@ pub(crate) fn probe(conn: &mut Conn<'_, impl GenericClient>, outbox: &Outbox) ->
 
 /// What one claim asks for.
 #[derive(Debug, Clone)]
-pub(crate) struct ClaimRequest<'a> {
+pub(crate) struct ClaimRequest {
     /// Rows at most.
     pub(crate) rows: usize,
     /// Payload bytes at most, though never fewer than one row.
     pub(crate) bytes: usize,
     pub(crate) lease: Duration,
     /// Where the aggregate scan starts: after this key, or at the first one.
-    pub(crate) after: Option<&'a str>,
+    pub(crate) after: Option<String>,
     /// How many workers share the due aggregates.
     pub(crate) workers: usize,
     /// Size runs as if at least this many aggregates were seen (the most an earlier claim
     /// of the caller's lap over the key space saw; 0: by what this claim sees).
     pub(crate) seen: i64,
-    /// The attempt limit of rows that set none.
-    pub(crate) max_attempts: u32,
+    /// Claims in a row without an outcome after which a row is dead (see `Retry::max_claims`).
+    pub(crate) max_claims: u32,
     /// Whether a row that dies here parks its aggregate, unless it says.
     pub(crate) park: bool,
 }
 
-impl ClaimRequest<'_> {
+impl ClaimRequest {
     /// One claim of `rows` rows for a lone caller, with no byte limit.
     pub(crate) fn simple(
         rows: usize,
         lease: Duration,
-        max_attempts: u32,
+        max_claims: u32,
         park: bool,
-    ) -> ClaimRequest<'static> {
+    ) -> ClaimRequest {
         ClaimRequest {
             rows,
             bytes: usize::MAX,
@@ -102,7 +102,7 @@ impl ClaimRequest<'_> {
             after: None,
             workers: 1,
             seen: 0,
-            max_attempts,
+            max_claims,
             park,
         }
     }
@@ -113,8 +113,9 @@ impl ClaimRequest<'_> {
 pub(crate) struct Claimed {
     /// Leased rows to publish, in id order.
     pub(crate) records: Vec<Record>,
-    /// Rows that became dead letters instead: claimed more often than their attempts allow.
-    pub(crate) dead: Vec<Record>,
+    /// Rows that became dead letters instead, with how many times they were claimed in a
+    /// row without an outcome: more than `max_claims` allows.
+    pub(crate) dead: Vec<(Record, i32)>,
     /// Leased rows that cannot be read into a `Record`, with the reason; the caller
     /// dead-letters them.
     pub(crate) undecodable: Vec<(Fence, String)>,
@@ -142,16 +143,16 @@ const MAX_HEADS_VISITED: i32 = 2_000;
 pub(crate) fn claim(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
-    request: &ClaimRequest<'_>,
+    request: &ClaimRequest,
 ) -> Result<Claimed> {
     let rows_max = i64::try_from(request.rows).unwrap_or(i64::MAX);
     let bytes = i64::try_from(request.bytes).unwrap_or(i64::MAX);
     let lease = micros(request.lease);
     let workers = i32::try_from(request.workers).unwrap_or(i32::MAX).max(1);
-    let max_attempts = i32::try_from(request.max_attempts).unwrap_or(i32::MAX);
+    let max_claims = i32::try_from(request.max_claims).unwrap_or(i32::MAX);
     let sql = outbox.statements();
-    let (statement, after) = match request.after {
-        Some(key) => (&sql.claim_after, key),
+    let (statement, after) = match &request.after {
+        Some(key) => (&sql.claim_after, key.as_str()),
         None => (&sql.claim, ""),
     };
     let rows = conn
@@ -164,7 +165,7 @@ pub(crate) fn claim(
                 (&after, Type::TEXT),
                 (&MAX_HEADS_VISITED, Type::INT4),
                 (&workers, Type::INT4),
-                (&max_attempts, Type::INT4),
+                (&max_claims, Type::INT4),
                 (&request.park, Type::BOOL),
                 (&request.seen, Type::INT8),
             ],
@@ -174,12 +175,12 @@ pub(crate) fn claim(
     // Each row is dropped once read, so its raw bytes and its Record are not held together.
     for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
-        claimed.cursor = row.try_get(13).map_err(Error::Db)?;
-        claimed.seen = row.try_get(14).map_err(Error::Db)?;
+        claimed.cursor = row.try_get(14).map_err(Error::Db)?;
+        claimed.seen = row.try_get(15).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };
-        // Dead or parked: claimed more often than its attempts allow.
+        // Dead or parked: claimed more often in a row than `max_claims` allows.
         let dead = row.try_get::<_, &str>(12).map_err(Error::Db)? != "pending";
         if dead {
             // Read alone: it must stop its aggregate even when the rest of the row is bad.
@@ -188,7 +189,10 @@ pub(crate) fn claim(
             }
         }
         match Record::from_row(&row) {
-            Ok(record) if dead => claimed.dead.push(record),
+            Ok(record) if dead => {
+                let claims = row.try_get(13).map_err(Error::Db)?;
+                claimed.dead.push((record, claims));
+            }
             Ok(record) => claimed.records.push(record),
             Err(_) if dead => {}
             Err(e) => {
@@ -197,7 +201,7 @@ pub(crate) fn claim(
                 }
                 let fence = Fence {
                     id,
-                    attempt: row.try_get(7).map_err(Error::Db)?,
+                    attempts: row.try_get::<_, i32>(7).map_err(Error::Db)? - 1,
                     lease: row.try_get(10).map_err(Error::Db)?,
                 };
                 claimed
@@ -240,7 +244,7 @@ pub(crate) fn storable(error: &str) -> Cow<'_, str> {
     Cow::Owned(text)
 }
 
-/// Records a batch of outcomes in one statement, each fenced on id, claimed attempt, status
+/// Records a batch of outcomes in one statement, each fenced on id, attempts at the claim, status
 /// and lease stamp. A dead row parks its aggregate if it says so, or else if `park`.
 pub(crate) fn record(
     conn: &mut Conn<'_, impl GenericClient>,
@@ -261,7 +265,7 @@ pub(crate) fn record(
     for (fence, outcome) in outcomes {
         ids.push(fence.id);
         leases.push(fence.lease);
-        attempts.push(fence.attempt);
+        attempts.push(fence.attempts);
         labels.push(outcome.label());
         match outcome {
             Outcome::Retry { delay, error } => {

@@ -18,7 +18,7 @@ use common::{count, quoted, relay_config, row_state, wait_until, Sink};
 use postgres::error::SqlState;
 use postgres::Client;
 use postgres_outbox::{
-    Filter, HandlerError, Message, Outbox, PublishError, Record, Relay, RelayConfig, Rows,
+    Filter, HandlerError, Message, Outbox, PublishError, Record, Relay, RelayConfig, Retry, Rows,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -628,7 +628,7 @@ fn a_row_that_dies_at_claim_parks_too() -> TestResult {
     let outbox = Outbox::builder()
         .table(common::unique_name("park_claim"))
         .park_on_dead(true)
-        .max_attempts(2)
+        .retry(Retry::default().max_claims(2))
         .build()?;
     let mut client = common::client();
     outbox.migrate(&mut client)?;
@@ -639,14 +639,14 @@ fn a_row_that_dies_at_claim_parks_too() -> TestResult {
     // Claimed twice already, by relays that crashed with it.
     client.execute(
         &format!(
-            "UPDATE {} SET attempts = 2 WHERE key = 'a-0'",
+            "UPDATE {} SET claims = 2 WHERE key = 'a-0'",
             common::quoted(&outbox)
         ),
         &[],
     )?;
     let sink = Sink::default();
     Relay::run_until_idle(&relay_config(&outbox, sink.collect()))?;
-    assert_eq!(row_state(&mut client, &outbox, "a-0"), ("parked".into(), 3));
+    assert_eq!(row_state(&mut client, &outbox, "a-0"), ("parked".into(), 0));
     // Its successor was claimed in the same run, and handed back unpublished.
     assert!(sink.keys().is_empty());
     assert_eq!(

@@ -216,12 +216,14 @@ fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
     wait_until("the second relay recorded it", || {
         row_state(&mut client, &outbox, &key).0 == "sent"
     });
-    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    // The first relay's lease ran out: no verdict, so the second publish is still the
+    // first attempt, and the message's one attempt is its only one.
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 1));
 
     let seen = deliveries.records();
     assert_eq!(seen[0].key, key);
     assert_eq!(seen[1].key, key);
-    assert_eq!((seen[0].attempt, seen[1].attempt), (1, 2));
+    assert_eq!((seen[0].attempt, seen[1].attempt), (1, 1));
 
     // The consumer deduplicates on the key: the first delivery is fresh, the second is not.
     let fresh: Vec<bool> = seen
@@ -241,7 +243,7 @@ fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
     let report = first.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.published, 0, "a lost lease must not be recorded");
     assert_eq!(report.abandoned, 0);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 1));
     let report = second.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.published, 1);
     assert_eq!(deliveries.len(), 2);
@@ -654,7 +656,9 @@ fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later(
     let report = relay.shutdown(Duration::from_millis(300)).unwrap();
     assert_eq!(report.abandoned, 1);
     assert_eq!((report.published, report.released), (0, 0));
-    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+    // Claimed once, without a verdict.
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 0));
+    assert_eq!(count(&mut client, &outbox, "claims = 1"), 1);
 
     // Its outcome is unknown, so once the lease runs out the row goes out again.
     wait_until("the abandoned lease has run out", || {
@@ -662,7 +666,8 @@ fn a_publish_stuck_past_the_shutdown_timeout_is_abandoned_and_republished_later(
     });
     let again = relay_config(&outbox, sink.collect());
     assert_eq!(Relay::run_until_idle(&again).unwrap(), 1);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 1));
+    assert_eq!(count(&mut client, &outbox, "claims = 0"), 1);
     assert_eq!(sink.keys(), [key.as_str(), key.as_str()]);
     stuck.open();
 }
@@ -874,14 +879,14 @@ fn a_handler_whose_lease_was_taken_changes_nothing() {
         })
         .unwrap();
     assert_eq!(report.processed, 1);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 1));
 
     // The first one wakes up: its ack is fenced off and its writes are rolled back.
     stalled.open();
     let report = first.join().unwrap();
     assert_eq!(report.lease_lost, 1);
     assert_eq!(report.processed, 0);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 2));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("sent".into(), 1));
     let who: Vec<String> = client
         .query(&format!("SELECT who FROM {effects}"), &[])
         .unwrap()
@@ -921,21 +926,21 @@ fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
         count(&mut client, &outbox, "lease_until <= now()") == 1
     });
     // Another worker claims the row and hands it back unstarted, as a shutdown does: the
-    // attempt count is back where the stale worker's claim left it.
+    // attempt count is where the stale worker's claim found it.
     client
         .batch_execute(&format!(
-            "UPDATE {t} SET attempts = attempts + 1, lease_until = now() + interval '1 minute', \
+            "UPDATE {t} SET claims = claims + 1, lease_until = now() + interval '1 minute', \
                             available_at = now() + interval '1 minute';
-             UPDATE {t} SET attempts = attempts - 1, lease_until = NULL, available_at = now();",
+             UPDATE {t} SET claims = 0, lease_until = NULL, available_at = now();",
             t = common::quoted(&outbox)
         ))
         .unwrap();
-    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 0));
 
     stalled.open();
     let report = first.join().unwrap();
     assert_eq!(report.lease_lost, 1);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 1));
+    assert_eq!(row_state(&mut client, &outbox, &key), ("pending".into(), 0));
 }
 
 /// A publisher that records the keys of every call, in order, and fails the keys in
@@ -1806,12 +1811,12 @@ fn an_undecodable_row_is_dead_lettered_with_the_reason() {
 }
 
 #[test]
-fn a_row_claimed_more_often_than_its_attempts_allow_dies_at_claim() {
+fn a_row_claimed_more_often_in_a_row_than_max_claims_allows_dies_at_claim() {
     let (outbox, mut client) = common::outbox("rl_crashloop");
     let key = enqueue_one(
         &mut client,
         &outbox,
-        Message::new("t", "p").max_attempts(2).aggregate_key("a"),
+        Message::new("t", "p").max_attempts(5).aggregate_key("a"),
     );
     let next = enqueue_one(
         &mut client,
@@ -1821,22 +1826,35 @@ fn a_row_claimed_more_often_than_its_attempts_allow_dies_at_claim() {
     // Claimed twice already, and no outcome ever recorded: the relay crashed both times.
     client
         .execute(
-            &format!("UPDATE {} SET attempts = 2 WHERE key = $1", quoted(&outbox)),
+            &format!("UPDATE {} SET claims = 2 WHERE key = $1", quoted(&outbox)),
             &[&key],
         )
         .unwrap();
     let sink = Sink::default();
     let metrics = Counters::default();
-    let config = relay_config(&outbox, sink.collect()).metrics(metrics.clone());
+    let config = relay_config(&outbox, sink.collect())
+        .max_claims(2)
+        .metrics(metrics.clone());
     // The first cycle kills it and hands back the message behind it (claimed in the same
     // run, it must not go out before the death is recorded); the next sends that one.
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 3);
     // Never handed to a publisher again; the message behind it went out.
     assert_eq!(sink.keys(), [next.as_str()]);
-    assert_eq!(row_state(&mut client, &outbox, &key), ("dead".into(), 3));
+    // Its attempts are its verdicts: none was ever given.
+    assert_eq!(row_state(&mut client, &outbox, &key), ("dead".into(), 0));
     let error = last_error(&mut client, &outbox, &key).unwrap();
-    assert!(error.contains("claimed 3 times"), "{error}");
+    assert!(
+        error.contains("claimed 3 times in a row without an outcome")
+            && error.contains("max_claims (2)"),
+        "{error}"
+    );
     assert_eq!(metrics.dead_lettered(), 1);
+    // The message behind it was handed back once and then sent: neither cost it a claim
+    // left over, nor more than its one attempt.
+    assert_eq!(
+        count(&mut client, &outbox, &format!("key = '{next}' AND claims = 0 AND attempts = 1")),
+        1
+    );
 }
 
 /// Panics in every callback it implements.

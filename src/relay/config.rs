@@ -192,6 +192,13 @@ impl RelayConfig {
         self
     }
 
+    /// Claims in a row without an outcome before a row is dead, the crash-loop guard: the
+    /// [`max_claims`](Retry::max_claims) part of [`retry`](RelayConfig::retry).
+    pub fn max_claims(mut self, max_claims: u32) -> RelayConfig {
+        self.retry = self.retry.max_claims(max_claims);
+        self
+    }
+
     /// The first retry delay and the cap of the exponential backoff: the backoff part of
     /// [`retry`](RelayConfig::retry).
     pub fn backoff(mut self, min: Duration, max: Duration) -> RelayConfig {

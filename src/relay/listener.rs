@@ -6,17 +6,21 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{at, select};
 use fallible_iterator::FallibleIterator;
-use postgres::Client;
 
 use super::shared::Shared;
+use super::worker::statement_bound;
 use crate::clock;
+use crate::error::{Error, Result};
 use crate::retry::reconnect_delay;
+use crate::session::Session;
 use crate::sql;
 
 /// How often the wait is cut short to see whether the relay is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(200);
 /// How often an idle connection is checked, to catch a peer that vanished silently.
 const LIVENESS_CHECK: Duration = Duration::from_secs(10);
+/// How long that check waits for the server's answer.
+const LIVENESS_WAIT: Duration = Duration::from_secs(5);
 
 /// Listens until the relay stops, reconnecting with capped backoff. A panic (in the driver,
 /// say) is logged and the listener starts over; polling covers the gap meanwhile.
@@ -24,21 +28,40 @@ const LIVENESS_CHECK: Duration = Duration::from_secs(10);
 /// The connection is the relay's own when `connections` or `listen_connection` was set.
 /// Otherwise it is checked out of the pool and kept for the listener's whole life, so no
 /// other borrower shares it while it LISTENs; before going back it UNLISTENs and drops its
-/// buffered notifications, so it returns clean.
+/// buffered notifications, so it returns clean. Like a worker's, it lives on a thread of its
+/// own (see `session.rs`), so a connection that stops answering is given up after a bound
+/// instead of holding the listener, and `Relay::is_listening` says false meanwhile.
 pub(crate) fn run(shared: &Shared) {
-    let table = shared.config.outbox.table();
+    let config = &shared.config;
+    let table = config.outbox.table();
+    let mut session = Session::new(
+        config.listener_source(),
+        sql::LISTENER_SESSION.to_owned(),
+        sql::LISTENER_SESSION_RESET,
+        statement_bound(config.lease),
+        &format!("{table} listener"),
+    );
     let mut failures = 0u32;
     while !shared.stopping() {
         let outcome = catch_unwind(AssertUnwindSafe(|| {
-            connect_and_listen(shared, &mut failures)
+            listen(shared, &mut session, &mut failures)
         }));
         shared.listening.store(false, Ordering::SeqCst);
-        if outcome.is_err() {
-            log::error!("outbox {table}: the listener panicked; starting it again");
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => log::warn!("outbox {table}: listener connection lost: {e}"),
+            Err(_) => log::error!("outbox {table}: the listener panicked; starting it again"),
         }
+        // Nobody hears a notification now: the relay's waiting row goes if it can (if not,
+        // enqueue ignores it within a minute).
+        let statements = config.outbox.statements();
+        shared
+            .waiting
+            .forget(statements, &mut |sql, relay| execute(&mut session, sql, relay));
         if shared.stopping() {
             break;
         }
+        session.reset();
         failures += 1;
         select! {
             recv(shared.stop.receiver()) -> _ => {},
@@ -48,47 +71,23 @@ pub(crate) fn run(shared: &Shared) {
     shared.listening.store(false, Ordering::SeqCst);
 }
 
-fn connect_and_listen(shared: &Shared, failures: &mut u32) {
-    let table = shared.config.outbox.table();
-    match shared.config.listener_source().connect() {
-        Ok(mut conn) => {
-            if let Err(e) = listen(shared, &mut conn, failures) {
-                log::warn!("outbox {table}: listener connection lost: {e}");
-            }
-            shared.listening.store(false, Ordering::SeqCst);
-            let sql = shared.config.outbox.statements();
-            shared.waiting.forget(sql, &mut |sql, relay| {
-                if conn.is_closed() {
-                    return Ok(());
-                }
-                execute(&mut conn, sql, relay)
-            });
-            if !conn.is_closed() {
-                let _ = conn.batch_execute("UNLISTEN *; RESET application_name");
-                let _ = conn.notifications().iter().count();
-            }
-        }
-        Err(e) => log::warn!("outbox {table}: listener cannot get a connection: {e}"),
-    }
-}
-
-fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<(), String> {
+fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<()> {
     let config = &shared.config;
-    let db = |e: postgres::Error| crate::Error::Db(e).to_string();
-    // The channel the producers' migrations rendered, whatever this relay calls the table.
-    let channel: String = client
-        .query_one(&config.outbox.statements().channel, &[])
-        .map_err(db)?
-        .get(0);
-    let listen = &sql::listen(&channel);
-    client
-        .batch_execute("SET application_name = 'postgres-outbox listener'")
-        .map_err(db)?;
     let sql = config.outbox.statements();
+    // The channel the producers' migrations rendered, whatever this relay calls the table.
+    let channel_sql = sql.channel.clone();
+    let channel: String = session.run(move |conn| {
+        Ok(conn
+            .client
+            .query_one(&channel_sql, &[])
+            .map_err(Error::Db)?
+            .get(0))
+    })?;
+    let listen = sql::listen(&channel);
     shared
         .waiting
-        .start(sql, &mut |sql, relay| execute(client, sql, relay));
-    client.batch_execute(listen).map_err(db)?;
+        .start(sql, &mut |sql, relay| execute(session, sql, relay));
+    run_batch(session, &listen)?;
     shared.listening.store(true, Ordering::SeqCst);
     *failures = 0;
     log::info!(
@@ -101,47 +100,62 @@ fn listen(shared: &Shared, client: &mut Client, failures: &mut u32) -> Result<()
     while !shared.stopping() {
         let ran = shared
             .waiting
-            .upkeep(sql, &mut |sql, relay| execute(client, sql, relay));
+            .upkeep(sql, &mut |sql, relay| execute(session, sql, relay));
         if ran {
             // LISTEN again (a no-op), so it stays the last statement pg_stat_activity shows.
-            client.batch_execute(listen).map_err(db)?;
+            run_batch(session, &listen)?;
         }
-        let mut woken = false;
-        {
-            let mut notifications = client.notifications();
-            if notifications
-                .timeout_iter(STOP_CHECK)
-                .next()
-                .map_err(db)?
-                .is_some()
-            {
-                woken = true;
-            }
-            // Take whatever else has arrived without waiting again.
-            let mut queued = notifications.iter();
-            while queued.next().map_err(db)?.is_some() {}
-        }
-        if woken {
+        if session.run_for(STOP_CHECK, notified)? {
             shared.wake_one();
         }
-        // The iterator ends quietly on a closed connection as well as on a timeout.
-        if client.is_closed() {
-            return Err("connection closed".into());
-        }
         if last_check.elapsed() >= LIVENESS_CHECK {
-            client.is_valid(Duration::from_secs(5)).map_err(db)?;
-            // Re-issuing LISTEN (a no-op) keeps it the last statement pg_stat_activity shows.
-            client.batch_execute(listen).map_err(db)?;
+            let listen = listen.clone();
+            session.run_for(LIVENESS_WAIT, move |conn| {
+                conn.client.is_valid(LIVENESS_WAIT).map_err(Error::Db)?;
+                // Re-issuing LISTEN (a no-op) keeps it the last statement pg_stat_activity
+                // shows.
+                conn.client.batch_execute(&listen).map_err(Error::Db)
+            })?;
             last_check = Instant::now();
         }
     }
     Ok(())
 }
 
+/// Waits up to `STOP_CHECK` for a notification, then takes whatever else has arrived
+/// without waiting again. True if any came.
+fn notified(conn: &mut crate::store::Conn<'_, postgres::Client>) -> Result<bool> {
+    let client = &mut *conn.client;
+    let woken = {
+        let mut notifications = client.notifications();
+        let woken = notifications
+            .timeout_iter(STOP_CHECK)
+            .next()
+            .map_err(Error::Db)?
+            .is_some();
+        let mut queued = notifications.iter();
+        while queued.next().map_err(Error::Db)?.is_some() {}
+        woken
+    };
+    // The iterator ends quietly on a closed connection as well as on a timeout.
+    if client.is_closed() {
+        client.check_connection().map_err(Error::Db)?;
+    }
+    Ok(woken)
+}
+
+fn run_batch(session: &mut Session, statement: &str) -> Result<()> {
+    let statement = statement.to_owned();
+    session.run(move |conn| conn.client.batch_execute(&statement).map_err(Error::Db))
+}
+
 /// Runs a statement whose one parameter is the relay's id.
-fn execute(client: &mut Client, sql: &str, relay: &str) -> crate::Result<()> {
-    client
-        .execute(sql, &[&relay])
-        .map(drop)
-        .map_err(crate::Error::Db)
+fn execute(session: &mut Session, sql: &str, relay: &str) -> Result<()> {
+    let (sql, relay) = (sql.to_owned(), relay.to_owned());
+    session.run(move |conn| {
+        conn.client
+            .execute(&sql, &[&relay])
+            .map(drop)
+            .map_err(Error::Db)
+    })
 }

@@ -34,7 +34,7 @@ pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 use crate::clock;
 use crate::error::{Error, Result};
 use crate::lifecycle::Threads;
-use crate::pool::Session;
+use crate::session::Session;
 use crate::retry::reconnect_delay;
 use crate::store;
 use shared::Shared;
@@ -103,15 +103,27 @@ impl Relay {
     pub fn spawn(config: RelayConfig) -> Result<Relay> {
         config.validate()?;
         let needed = config.connections_needed();
-        if let Some(size) = config.source.pool_size().filter(|size| *size < needed) {
-            return Err(Error::InvalidConfig(format!(
-                "the pool holds {size} connections; the relay keeps {needed} checked out (one \
-                 per worker and the listener's), or open them outside it with \
-                 Connections::open"
-            )));
+        match config.source.pool_size() {
+            Some(size) if size < needed => {
+                return Err(Error::InvalidConfig(format!(
+                    "the pool holds {size} connections; the relay keeps {needed} checked out \
+                     (one per worker and the listener's), or open them outside it with \
+                     Connections::open"
+                )));
+            }
+            Some(size) if size == needed => log::warn!(
+                "outbox {}: the pool holds {size} connections and the relay keeps all of them \
+                 checked out: anything else getting a connection from it waits for ever. Give \
+                 the relay a pool (or Connections::open) of its own, or a larger one",
+                config.outbox.table()
+            ),
+            _ => {}
         }
-        Session::new(config.worker_source(), String::new(), "")
-            .run(|conn| store::probe(conn, &config.outbox))?;
+        let outbox = config.outbox.clone();
+        let bound = worker::statement_bound(config.lease);
+        let name = format!("{} start", outbox.table());
+        Session::new(config.worker_source(), String::new(), "", bound, &name)
+            .run(move |conn| store::probe(conn, &outbox))?;
 
         let shared = Arc::new(Shared::new(config));
         let config = &shared.config;
@@ -131,9 +143,10 @@ impl Relay {
         }
         for i in 0..config.concurrency {
             let shared = shared.clone();
+            let name = format!("worker-{i}");
             relay
                 .workers
-                .spawn(&format!("worker-{i}"), move || run_worker(&shared))
+                .spawn(&name.clone(), move || run_worker(&shared, &name))
                 .map_err(failed)?;
         }
         log::info!(
@@ -228,7 +241,7 @@ impl Relay {
     pub fn run_once(config: &RelayConfig) -> Result<usize> {
         config.validate()?;
         let publisher = (config.factory)().map_err(Error::Publisher)?;
-        let mut worker = Worker::new(config, Some(publisher));
+        let mut worker = Worker::new(config, Some(publisher), "run_once");
         once(&mut worker)
     }
 
@@ -238,7 +251,7 @@ impl Relay {
     pub fn run_until_idle(config: &RelayConfig) -> Result<usize> {
         config.validate()?;
         let publisher = (config.factory)().map_err(Error::Publisher)?;
-        let mut worker = Worker::new(config, Some(publisher));
+        let mut worker = Worker::new(config, Some(publisher), "run_until_idle");
         let mut total = 0;
         loop {
             match once(&mut worker)? {
@@ -269,10 +282,10 @@ impl Drop for Relay {
 /// poll (jittered, so relays started together drift apart) or a pause to pass. A panic that
 /// escapes a cycle is contained: the worker starts over with a fresh connection and
 /// publisher, and only after several in a row stops the relay with an error.
-fn run_worker(shared: &Shared) {
+fn run_worker(shared: &Shared, name: &str) {
     let config = &shared.config;
     let table = config.outbox.table();
-    let mut worker = Worker::new(config, None);
+    let mut worker = Worker::new(config, None, name);
     let mut panics = 0u32;
     while !shared.stopping() {
         let next = match catch_unwind(AssertUnwindSafe(|| worker.cycle(shared))) {

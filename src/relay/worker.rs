@@ -14,7 +14,7 @@ use super::config::RelayConfig;
 use super::rounds::in_round_order;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
-use crate::pool::Session;
+use crate::session::Session;
 use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
@@ -87,9 +87,10 @@ pub(crate) struct Worker<'a> {
 }
 
 /// Session settings of a relay connection. The statement timeout (a quarter of the lease,
-/// between 1 and 30 s) bounds a statement stuck behind a lock, or a server that stopped
-/// answering on a live socket: it is cancelled and retried, several times within one lease,
-/// rather than holding the worker's batch until the lease is gone. The application name
+/// between 1 and 30 s) bounds a statement stuck behind a lock: the server cancels it and the
+/// worker retries, several times within one lease, rather than hold its batch until the
+/// lease is gone. (A server that stopped answering altogether, or a stalled socket, is the
+/// session's own deadline's to catch: see `session.rs`.) The application name
 /// carries the table, so `pg_stat_activity` tells which outbox a backend serves. JIT is off:
 /// the claim's recursive scan is estimated above `jit_above_cost`, and compiling it took
 /// 35 ms of every 6 ms claim.
@@ -105,14 +106,29 @@ pub(crate) fn statement_timeout(lease: Duration) -> Duration {
     (lease / 4).clamp(Duration::from_secs(1), Duration::from_secs(30))
 }
 
+/// How long a relay waits for the database's answer to one statement before it gives the
+/// connection up as stalled: the statement timeout, after which a live server answers with
+/// an error, and a margin of half that, at least two seconds.
+pub(crate) fn statement_bound(lease: Duration) -> Duration {
+    let timeout = statement_timeout(lease);
+    timeout + (timeout / 2).max(Duration::from_secs(2))
+}
+
 impl<'a> Worker<'a> {
-    pub(crate) fn new(config: &'a RelayConfig, publisher: Option<Box<dyn Publisher>>) -> Self {
+    /// A worker on `config`, named `name` in its logs and its connection's thread.
+    pub(crate) fn new(
+        config: &'a RelayConfig,
+        publisher: Option<Box<dyn Publisher>>,
+        name: &str,
+    ) -> Self {
         Worker {
             config,
             session: Session::new(
                 config.worker_source(),
                 session_setup(config),
                 sql::RELAY_SESSION_RESET,
+                statement_bound(config.lease),
+                &format!("{} {name}", config.outbox.table()),
             ),
             publisher,
             cursor: None,
@@ -125,9 +141,10 @@ impl<'a> Worker<'a> {
 
     /// Runs a statement whose one parameter is `value`, on the worker's connection.
     pub(crate) fn execute(&mut self, sql: &str, value: &str) -> Result<()> {
-        self.session.run(|conn| {
+        let (sql, value) = (sql.to_owned(), value.to_owned());
+        self.session.run(move |conn| {
             conn.client
-                .execute(sql, &[&value])
+                .execute(&sql, &[&value])
                 .map(drop)
                 .map_err(crate::Error::Db)
         })
@@ -190,7 +207,7 @@ impl<'a> Worker<'a> {
         if claimed_ordered {
             self.confirm_bound = published_at.elapsed() > published_at - claimed_at;
         }
-        self.record(&outcomes, deadline, control)?;
+        self.record(&outcomes, control)?;
         // Heads just recorded make their aggregates' next messages due: an idle worker can
         // take some of them while this one claims again.
         if claimed_ordered {
@@ -215,16 +232,17 @@ impl<'a> Worker<'a> {
                 rows: config.batch_size,
                 bytes: config.worker_bytes(),
                 lease: config.lease,
-                after: self.cursor.as_deref(),
+                after: self.cursor.clone(),
                 workers: config.concurrency,
                 seen: if self.confirm_bound { self.lap_seen } else { 0 },
-                max_attempts: config.retry.max_attempts,
+                max_claims: config.retry.max_claims,
                 park: config.park,
             };
             let from_start = request.after.is_none();
+            let outbox = config.outbox.clone();
             let claimed = self
                 .session
-                .run(|conn| store::claim(conn, &config.outbox, &request))?;
+                .run(move |conn| store::claim(conn, &outbox, &request))?;
             // Past the last aggregate, the next claim starts a new lap.
             self.lap_seen = match claimed.cursor {
                 Some(_) => self.lap_seen.max(claimed.seen),
@@ -239,21 +257,22 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Rows the claim finished itself (dead after too many claims) and rows that cannot be
-    /// read: the latter become dead letters with the reason.
+    /// Rows the claim finished itself (dead after too many claims in a row without an
+    /// outcome: a crash loop) and rows that cannot be read: the latter become dead letters
+    /// with the reason.
     fn finish_unpublishable(&self, claimed: &Claimed) -> Vec<(Fence, Outcome)> {
         let config = self.config;
         let table = config.outbox.table();
-        for record in &claimed.dead {
+        for (record, claims) in &claimed.dead {
             let parked = if record.parks(config.park) {
                 " (its aggregate is parked)"
             } else {
                 ""
             };
             log::error!(
-                "outbox {table}: {} dead{parked}: claimed {} times without an outcome",
+                "outbox {table}: {} dead{parked}: claimed {claims} times in a row without an \
+                 outcome, more than max_claims allows (a crash loop?)",
                 record.key,
-                record.attempt
             );
             config.metrics.dead_lettered(record);
         }
@@ -389,110 +408,111 @@ impl<'a> Worker<'a> {
         reconnect_delay(self.outages).max(Duration::from_millis(500))
     }
 
-    /// Records the batch's outcomes, retrying through database trouble while the lease
-    /// could still hold. If the batched statement is refused for its data, the outcomes are
-    /// written one by one, so one bad outcome never costs the others theirs.
-    fn record(
-        &mut self,
-        outcomes: &[(Fence, Outcome)],
-        deadline: Instant,
-        control: &dyn Control,
-    ) -> Result<()> {
+    /// Records the batch's outcomes, retrying through database trouble for as long as it
+    /// lasts: each outcome is fenced on the claim's lease stamp, so one written after the
+    /// lease ran out changes nothing if the row was claimed since, and is right if it was
+    /// not (a message published during an outage longer than the lease stays published, at
+    /// the attempt it was). Only a relay shutting down past its deadline gives up; its rows
+    /// are claimed again when their leases run out, at no attempt's cost. If the batched
+    /// statement is refused for its data, the outcomes are written one by one, so one bad
+    /// outcome never costs the others theirs.
+    fn record(&mut self, outcomes: &[(Fence, Outcome)], control: &dyn Control) -> Result<()> {
+        let config = self.config;
+        let table = config.outbox.table();
+        let refused = match self.write(outcomes, control)? {
+            Written::Done(recorded) => {
+                control.recorded(recorded.sent);
+                let lost = outcomes.len() as u64 - recorded.changed;
+                if lost > 0 {
+                    log::warn!(
+                        "outbox {table}: {lost} outcomes not recorded: their leases ran out \
+                         and the rows were claimed again"
+                    );
+                }
+                return Ok(());
+            }
+            Written::GaveUp => return Ok(()),
+            Written::Refused(e) => e,
+        };
+        log::warn!(
+            "outbox {table}: the batch of {} outcomes was refused ({refused}); recording them \
+             one by one",
+            outcomes.len()
+        );
+        for (fence, outcome) in outcomes {
+            let refused = match self.write(&[(*fence, outcome.clone())], control)? {
+                Written::Done(recorded) => {
+                    control.recorded(recorded.sent);
+                    continue;
+                }
+                Written::GaveUp => return Ok(()),
+                Written::Refused(e) => e,
+            };
+            let reason = format!("the outcome of this attempt could not be stored: {refused}");
+            log::error!("outbox {table}: row {} dead: {reason}", fence.id);
+            let dead = [(*fence, Outcome::Dead { error: reason })];
+            match self.write(&dead, control)? {
+                Written::Done(_) | Written::GaveUp => {}
+                Written::Refused(e) => log::error!(
+                    "outbox {table}: row {} cannot be dead-lettered either; it stays leased \
+                     until its lease runs out: {e}",
+                    fence.id
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes outcomes in one statement, waiting out the world's faults with capped backoff
+    /// until the database answers, or a relay shutting down is past its deadline.
+    fn write(&mut self, outcomes: &[(Fence, Outcome)], control: &dyn Control) -> Result<Written> {
         let config = self.config;
         let table = config.outbox.table();
         let mut failures = 0;
         loop {
+            let (outbox, batch, park) = (config.outbox.clone(), outcomes.to_vec(), config.park);
             match self
                 .session
-                .run(|conn| store::record(conn, &config.outbox, outcomes, config.park))
+                .run(move |conn| store::record(conn, &outbox, &batch, park))
             {
                 Ok(recorded) => {
-                    control.recorded(recorded.sent);
-                    let lost = outcomes.len() as u64 - recorded.changed;
-                    if lost > 0 {
-                        log::warn!(
-                            "outbox {table}: {lost} outcomes not recorded: their leases ran out \
-                             and the rows were claimed again"
-                        );
+                    if failures > 0 {
+                        log::info!("outbox {table}: outcomes recorded after {failures} failures");
                     }
-                    return Ok(());
+                    return Ok(Written::Done(recorded));
                 }
                 Err(e) if e.is_not_migrated() => return Err(e),
-                Err(e) if Fault::of(&e) != Fault::World => {
-                    log::warn!(
-                        "outbox {table}: the batch of {} outcomes was refused ({}); recording \
-                         them one by one",
-                        outcomes.len(),
-                        e
-                    );
-                    return self.record_one_by_one(outcomes, control);
-                }
+                Err(e) if Fault::of(&e) != Fault::World => return Ok(Written::Refused(e)),
                 Err(e) => {
                     failures += 1;
-                    let pause = reconnect_delay(failures);
-                    if control.out_of_time() || Instant::now() + pause >= deadline {
+                    if control.out_of_time() {
                         log::error!(
-                            "outbox {table}: giving up recording {} outcomes; the rows will be \
-                             claimed again when their leases run out: {e}",
+                            "outbox {table}: shutting down: giving up recording {} outcomes; \
+                             the rows will be claimed again when their leases run out, at no \
+                             attempt's cost: {e}",
                             outcomes.len()
                         );
-                        return Ok(());
+                        return Ok(Written::GaveUp);
                     }
+                    let pause = reconnect_delay(failures);
                     log::warn!(
-                        "outbox {table}: recording outcomes failed, retrying in {pause:?}: {e}"
+                        "outbox {table}: recording {} outcomes failed, retrying in {pause:?}: {e}",
+                        outcomes.len()
                     );
                     sleep_unless_out_of_time(pause, control);
                 }
             }
         }
     }
+}
 
-    /// One statement per outcome; an outcome the database refuses makes its row a dead
-    /// letter with the database's reason, and if even that is refused the row is left to its
-    /// lease (and to the claim's attempt limit).
-    fn record_one_by_one(
-        &mut self,
-        outcomes: &[(Fence, Outcome)],
-        control: &dyn Control,
-    ) -> Result<()> {
-        let config = self.config;
-        let table = config.outbox.table();
-        for (fence, outcome) in outcomes {
-            let one = |session: &mut Session, outcome: Outcome| {
-                session.run(|conn| {
-                    store::record(conn, &config.outbox, &[(*fence, outcome)], config.park)
-                })
-            };
-            let refused = match one(&mut self.session, outcome.clone()) {
-                Ok(recorded) => {
-                    control.recorded(recorded.sent);
-                    continue;
-                }
-                Err(e) if e.is_not_migrated() => return Err(e),
-                Err(e) if Fault::of(&e) == Fault::World => {
-                    log::error!(
-                        "outbox {table}: giving up recording outcomes; the rows will be claimed \
-                         again when their leases run out: {e}"
-                    );
-                    return Ok(());
-                }
-                Err(e) => e,
-            };
-            let reason = format!(
-                "the outcome of this attempt could not be stored: {}",
-                refused
-            );
-            log::error!("outbox {table}: row {} dead: {reason}", fence.id);
-            if let Err(e) = one(&mut self.session, Outcome::Dead { error: reason }) {
-                log::error!(
-                    "outbox {table}: row {} cannot be dead-lettered either; it stays leased \
-                     until its lease runs out: {e}",
-                    fence.id
-                );
-            }
-        }
-        Ok(())
-    }
+/// How writing outcomes ended.
+enum Written {
+    Done(store::Recorded),
+    /// The relay is shutting down and out of time.
+    GaveUp,
+    /// The database refused the statement for its data.
+    Refused(crate::Error),
 }
 
 /// Counts a batch as held until its outcomes are recorded, or given up, or a panic unwinds.

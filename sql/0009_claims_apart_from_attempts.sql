@@ -1,0 +1,12 @@
+-- Claims counted apart from attempts.
+--
+-- A claim used to count as an attempt, and a release gave it back. So a claim that never got
+-- an outcome recorded (a relay crashed, lost the claim's reply, or could not write the
+-- outcome before its lease ran out, as during a database outage longer than the lease) cost
+-- the message an attempt, and a message allowed one attempt was dead although the broker had
+-- it, or although it was never published. Now `attempts` counts the verdicts on a message (a
+-- publisher's or a handler's: sent, failed, refused), and `claims` the claims in a row that
+-- ended without any outcome: the claim adds one, any outcome (a hand-back included) sets it
+-- back to 0. Only a crash loop makes it grow, and the claim ends a message whose claims pass
+-- the relay's `max_claims` (a separate, generous limit) as a dead letter with its own reason.
+ALTER TABLE {table} ADD COLUMN claims integer NOT NULL DEFAULT 0;
