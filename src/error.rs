@@ -133,7 +133,12 @@ impl Error {
 fn fmt_db(e: &postgres::Error, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     match e.as_db_error() {
         Some(db) => write!(f, "{} (SQLSTATE {})", db.message(), db.code().code()),
-        None => write!(f, "{e}"),
+        // "error connecting to server", say: what went wrong is its source (an I/O error,
+        // "database does not allow writes"), which carries no row.
+        None => match e.source() {
+            Some(source) => write!(f, "{e}: {source}"),
+            None => write!(f, "{e}"),
+        },
     }
 }
 

@@ -10,6 +10,7 @@
 //! | `outbox_dead_lettered_total` | counter | `table`, `topic` | records that became dead letters |
 //! | `outbox_released_rows_total` | counter | `table` | claimed rows handed back unpublished |
 //! | `outbox_publisher_up` | gauge | `table` | 1 while the relay's publishers publish, 0 while they cannot reach the broker |
+//! | `outbox_database_stalls_total` | counter | `table` | relay connections given up because the database did not answer in time |
 //! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead`, `outbox_parked` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
@@ -136,6 +137,10 @@ impl Metrics for OutboxMetrics {
 
     fn publisher_up(&self) {
         gauge!("outbox_publisher_up", "table" => self.table.clone()).set(1.0);
+    }
+
+    fn database_stalled(&self, _waited: Duration) {
+        counter!("outbox_database_stalls_total", "table" => self.table.clone()).increment(1);
     }
 }
 

@@ -74,6 +74,7 @@ mod session;
 mod sql;
 mod store;
 mod table;
+mod wire;
 
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;

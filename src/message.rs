@@ -1,8 +1,10 @@
 //! What a producer enqueues, and the checks it passes before any SQL runs.
 
+use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
+use crate::wire::{fits_one_frame, properties_size, FRAME_MAX};
 
 /// AMQP short strings (routing key, message id, content type, header names) carry at most
 /// this many bytes; a longer one makes the broker close the whole connection.
@@ -153,10 +155,18 @@ impl Message {
         if let Some(content_type) = &self.content_type {
             short_string("content type", content_type)?;
         }
+        let mut names = HashSet::with_capacity(self.headers.len());
         for (name, value) in &self.headers {
             short_string("header name", name)?;
             if name.is_empty() {
                 return Err(Error::invalid("header name", "must not be empty"));
+            }
+            // AMQP headers are a table: of two values under one name only one would arrive.
+            if !names.insert(name.as_str()) {
+                return Err(Error::invalid(
+                    "header name",
+                    format!("{name:?} is given twice; a header name carries one value"),
+                ));
             }
             if name.starts_with("x-outbox-") {
                 return Err(Error::invalid(
@@ -171,6 +181,23 @@ impl Message {
             return Err(Error::invalid(
                 "headers",
                 format!("take {header_bytes} bytes; at most {MAX_HEADER_BYTES} are accepted"),
+            ));
+        }
+        // Many small headers can stay under that and still not fit the one AMQP frame
+        // their encoding travels in: the broker would close the channel at every attempt.
+        let properties = properties_size(
+            &key,
+            self.content_type.as_deref(),
+            self.aggregate_key.as_deref(),
+            &self.headers,
+        );
+        if !fits_one_frame(properties) {
+            return Err(Error::invalid(
+                "headers",
+                format!(
+                    "take about {properties} bytes as AMQP properties with the key and \
+                     content type; one frame carries at most {FRAME_MAX}"
+                ),
             ));
         }
         match self.when {
@@ -274,6 +301,27 @@ mod tests {
     }
 
     #[test]
+    fn headers_that_would_not_fit_one_amqp_frame_are_refused_under_the_byte_limit() {
+        // 13,000 headers of at most 5 bytes: under MAX_HEADER_BYTES, but about 140 KB as
+        // AMQP encodes them.
+        let many = (0..13_000).fold(Message::new("t", "p"), |m, i| {
+            m.header(format!("{i:x}"), "v")
+        });
+        let bytes: usize = many.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        assert!(bytes <= MAX_HEADER_BYTES, "{bytes}");
+        let e = many.validate().unwrap_err();
+        assert!(
+            e.to_string().contains("one frame carries at most 131072"),
+            "{e}"
+        );
+        // A header set that fits is taken.
+        let fits = (0..1_000).fold(Message::new("t", "p"), |m, i| {
+            m.header(format!("h{i}"), "v")
+        });
+        assert!(fits.validate().is_ok());
+    }
+
+    #[test]
     fn each_field_is_checked() {
         let long = "x".repeat(256);
         assert_eq!(field_of(Message::new("", "p")), "topic");
@@ -311,6 +359,14 @@ mod tests {
         assert_eq!(
             field_of(Message::new("t", "p").header("big", "v".repeat(MAX_HEADER_BYTES))),
             "headers"
+        );
+        assert_eq!(
+            field_of(
+                Message::new("t", "p")
+                    .header("tenant", "a")
+                    .header("tenant", "b")
+            ),
+            "header name"
         );
         assert_eq!(
             field_of(Message::new("t", "p").delay(MAX_DELAY * 2)),

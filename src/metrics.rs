@@ -43,6 +43,10 @@ pub trait Metrics: Send + Sync {
     fn publisher_down(&self, _cause: &(dyn StdError + 'static)) {}
     /// A publisher published: the first time, and again after each outage.
     fn publisher_up(&self) {}
+    /// The database did not answer one of the relay's statements within `waited` (the
+    /// statement timeout and a margin): the connection was given up as stalled and another
+    /// opened. Nothing is charged to any message.
+    fn database_stalled(&self, _waited: Duration) {}
 }
 
 /// The default: observe nothing.
@@ -92,5 +96,8 @@ impl<M: Metrics> Metrics for Guarded<M> {
     }
     fn publisher_up(&self) {
         self.call("publisher_up", |m| m.publisher_up());
+    }
+    fn database_stalled(&self, waited: Duration) {
+        self.call("database_stalled", |m| m.database_stalled(waited));
     }
 }

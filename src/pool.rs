@@ -201,6 +201,20 @@ impl std::fmt::Debug for Connections {
     }
 }
 
+/// A connection that could not be opened: [`Error::ReadOnly`] when every host answered
+/// but none takes writes (`target_session_attrs=read-write`, which connections of our own
+/// ask for); otherwise the driver's error.
+fn refused(e: postgres::Error) -> Error {
+    // The driver says so only in its error's text.
+    let read_only = std::error::Error::source(&e)
+        .is_some_and(|source| source.to_string() == "database does not allow writes");
+    if read_only {
+        Error::ReadOnly
+    } else {
+        Error::Db(e)
+    }
+}
+
 /// Where a session's connections come from.
 #[derive(Clone)]
 pub(crate) enum Source {
@@ -212,7 +226,7 @@ impl Source {
     pub(crate) fn connect(&self) -> Result<Pooled> {
         match self {
             Source::Pool(pool) => pool.get(),
-            Source::Own(connect) => Ok(Box::new(Dedicated(connect().map_err(Error::Db)?))),
+            Source::Own(connect) => Ok(Box::new(Dedicated(connect().map_err(refused)?))),
         }
     }
 

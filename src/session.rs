@@ -19,12 +19,13 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{at, bounded, never, select, unbounded, Receiver, Sender};
 use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
 use crate::error::{Error, Result};
 use crate::lifecycle;
+use crate::metrics::Metrics;
 use crate::pool::{Pooled, Source};
 use crate::sql;
 use crate::store::{Conn, StatementCache};
@@ -39,8 +40,8 @@ const CLOSE_WAIT: Duration = Duration::from_secs(2);
 /// back.
 pub(crate) struct Session {
     source: Source,
-    /// Run on every new connection, as one simple query.
-    setup: Arc<str>,
+    /// Run on every new connection.
+    setup: Setup,
     /// Run before a pooled connection goes back.
     reset: &'static str,
     /// How long a statement may take before its connection is given up as stalled.
@@ -48,6 +49,8 @@ pub(crate) struct Session {
     /// Names the connection's thread: `outbox-db-{name}`.
     name: String,
     line: Option<Line>,
+    /// Told of every connection given up as stalled.
+    metrics: Arc<dyn Metrics>,
 }
 
 /// The thread that holds the connection, and the way to it.
@@ -62,10 +65,24 @@ struct Line {
 
 type Job = Box<dyn FnOnce(&mut Held) + Send>;
 
+/// Session settings, applied to every new connection.
+pub(crate) type Setup = Arc<dyn Fn(&mut Client) -> Result<(), postgres::Error> + Send + Sync>;
+
+/// Settings given as SQL, run as one simple query.
+pub(crate) fn sql_setup(sql: String) -> Setup {
+    Arc::new(move |client: &mut Client| {
+        if sql.is_empty() {
+            Ok(())
+        } else {
+            client.batch_execute(&sql)
+        }
+    })
+}
+
 /// What the connection's thread holds.
 struct Held {
     source: Source,
-    setup: Arc<str>,
+    setup: Setup,
     reset: &'static str,
     conn: Option<(Pooled, StatementCache)>,
 }
@@ -79,18 +96,20 @@ impl Session {
     /// pool, and whose statements are given up after `bound`.
     pub(crate) fn new(
         source: Source,
-        setup: String,
+        setup: Setup,
         reset: &'static str,
         bound: Duration,
         name: &str,
+        metrics: Arc<dyn Metrics>,
     ) -> Session {
         Session {
             source,
-            setup: setup.into(),
+            setup,
             reset,
             bound,
             name: name.to_owned(),
             line: None,
+            metrics,
         }
     }
 
@@ -111,6 +130,25 @@ impl Session {
         expected: Duration,
         f: impl FnOnce(&mut Conn<'_, Client>) -> Result<R> + Send + 'static,
     ) -> Result<R> {
+        self.call(expected, move |conn, _| f(conn))
+    }
+
+    /// As [`run`](Session::run), for a call that runs code of the application's in between
+    /// its statements (a handler in the transaction): the bound holds for the statements,
+    /// while what `f` runs through [`Watch::unbounded`] may take as long as it takes.
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) fn run_watched<R: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut Conn<'_, Client>, &Watch) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        self.call(Duration::ZERO, f)
+    }
+
+    fn call<R: Send + 'static>(
+        &mut self,
+        expected: Duration,
+        f: impl FnOnce(&mut Conn<'_, Client>, &Watch) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
         let line = match self.line.take() {
             Some(line) => line,
             None => self.start()?,
@@ -120,8 +158,10 @@ impl Session {
             bound = bound.saturating_add(self.source.connect_bound());
         }
         let (reply_to, reply) = bounded::<Reply<R>>(1);
+        let (phase_to, phases) = unbounded::<bool>();
         let job: Job = Box::new(move |held: &mut Held| {
-            let result = catch_unwind(AssertUnwindSafe(|| held.run(f)));
+            let watch = Watch(phase_to);
+            let result = catch_unwind(AssertUnwindSafe(|| held.run(|conn| f(conn, &watch))));
             if result.is_err() {
                 held.let_go();
             }
@@ -133,24 +173,43 @@ impl Session {
                 self.name
             )));
         }
-        match reply.recv_timeout(bound) {
-            Ok((result, connected)) => {
+        let mut deadline = Some(crate::clock::deadline(bound));
+        let mut phases = Some(phases);
+        let outcome = loop {
+            let timer = match deadline {
+                Some(deadline) => at(deadline),
+                None => never(),
+            };
+            let watched = phases.clone().unwrap_or_else(never);
+            select! {
+                recv(reply) -> answer => break answer.ok(),
+                recv(watched) -> phase => match phase {
+                    // Code of the application's runs: no bound until our statements again.
+                    Ok(false) => deadline = None,
+                    Ok(true) => deadline = Some(crate::clock::deadline(self.bound)),
+                    Err(_) => phases = None,
+                },
+                recv(timer) -> _ => {
+                    // Dropping `line` lets the thread end once its wait does.
+                    log::warn!(
+                        "outbox {}: the database did not answer within {bound:?}; giving that \
+                         connection up as stalled and opening another",
+                        self.name
+                    );
+                    self.metrics.database_stalled(bound);
+                    return Err(Error::Stalled(bound));
+                }
+            }
+        };
+        match outcome {
+            Some((result, connected)) => {
                 self.line = Some(Line { connected, ..line });
                 match result {
                     Ok(result) => result,
                     Err(panic) => resume_unwind(panic),
                 }
             }
-            Err(RecvTimeoutError::Timeout) => {
-                // Dropping `line` lets the thread end once its wait does.
-                log::warn!(
-                    "outbox {}: the database did not answer within {bound:?}; giving that \
-                     connection up as stalled and opening another",
-                    self.name
-                );
-                Err(Error::Stalled(bound))
-            }
-            Err(RecvTimeoutError::Disconnected) => Err(Error::RelayDied(format!(
+            None => Err(Error::RelayDied(format!(
                 "the database connection's thread of {} ended",
                 self.name
             ))),
@@ -185,6 +244,23 @@ impl Session {
             connected: false,
             ended,
         })
+    }
+}
+
+/// What a call's code tells the session: when it runs code of the application's, which
+/// no bound holds.
+#[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))]
+pub(crate) struct Watch(Sender<bool>);
+
+#[cfg(feature = "rabbitmq")]
+impl Watch {
+    /// Runs `f` without the session's bound: the caller waits for it as long as it takes,
+    /// and the bound starts again after it.
+    pub(crate) fn unbounded<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _ = self.0.send(false);
+        let result = f();
+        let _ = self.0.send(true);
+        result
     }
 }
 
@@ -226,9 +302,7 @@ impl Held {
     /// A new connection with the session's settings, on a server that takes writes.
     fn open(&self) -> Result<Pooled> {
         let mut client = self.source.connect()?;
-        if !self.setup.is_empty() {
-            client.batch_execute(&self.setup).map_err(Error::Db)?;
-        }
+        (self.setup)(&mut client).map_err(Error::Db)?;
         let read_only: bool = client
             .query_one(sql::READ_ONLY, &[])
             .map_err(Error::Db)?

@@ -865,6 +865,14 @@ pub(crate) fn listen(channel: &str) -> String {
     checked(render("LISTEN {channel}", &[("channel", &quote(channel))]))
 }
 
+/// Names a session for `pg_stat_activity`, the name bound as `$1`.
+#[cfg(feature = "rabbitmq")]
+pub(crate) const SET_APPLICATION_NAME: &str = "SELECT set_config('application_name', $1, false)";
+
+/// Undoes a consumer's session settings before a pooled connection goes back.
+#[cfg(feature = "rabbitmq")]
+pub(crate) const CONSUMER_SESSION_RESET: &str = "RESET statement_timeout; RESET application_name";
+
 /// The statement timeout of a consumer's handler sessions.
 #[cfg(feature = "rabbitmq")]
 pub(crate) fn consumer_session(statement_timeout: Duration) -> String {

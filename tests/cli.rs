@@ -386,6 +386,75 @@ fn relay_publishes_and_stops_cleanly_on_sigterm() {
     channel.exchange_delete(exchange.as_str(), false).unwrap();
 }
 
+/// A RabbitMQ user of the test's own, deleted when dropped.
+struct BrokerUser(String);
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = StdCommand::new("rabbitmqctl")
+            .args(["-q", "delete_user", &self.0])
+            .status();
+    }
+}
+
+#[test]
+fn relay_logs_at_trace_level_quote_neither_password() {
+    let (outbox, mut client) = outbox("cli_secrets");
+    let (user, amqp_password, db_password) = (
+        unique_name("outbox_log_user"),
+        "amqp-Pw-7f3c91",
+        "db-Pw-5e82a4",
+    );
+    common::broker::rabbitmqctl(&["-q", "add_user", &user, amqp_password]);
+    let _user = BrokerUser(user.clone());
+    common::broker::rabbitmqctl(&["-q", "set_permissions", "-p", "/", &user, ".*", ".*", ".*"]);
+    let address = common::proxy::broker_address(&amqp_url());
+    let amqp = format!("amqp://{user}:{amqp_password}@{address}");
+    // The test database trusts local connections, so the password is never needed: what is
+    // tested is that nothing writes the URL out.
+    let database = database_url().replacen("postgres@", &format!("postgres:{db_password}@"), 1);
+    let (exchange, queue) = (unique_name("x_cli_secrets"), unique_name("q_cli_secrets"));
+    let broker = common::broker::Broker::new();
+    broker.exchange(&exchange);
+    broker.queue(&queue, &exchange, Default::default());
+    let mut tx = client.transaction().unwrap();
+    for i in 0..5 {
+        outbox
+            .enqueue(&mut tx, Message::new("orders", "x").key(format!("k{i}")))
+            .unwrap();
+    }
+    tx.commit().unwrap();
+
+    let binary = assert_cmd::cargo::cargo_bin("postgres-outbox");
+    let relay = StdCommand::new(binary)
+        .env("DATABASE_URL", &database)
+        .env("RUST_LOG", "trace")
+        .args(["--table", outbox.table(), "relay", "--exchange", &exchange])
+        .args(["--amqp-url", &amqp, "--poll-interval", "200ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("every row is sent", || {
+        count(&mut client, &outbox, "status = 'sent'") == 5
+    });
+    let terminated = StdCommand::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(terminated.success());
+    let output = relay.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("TRACE"), "logged at trace level: {log}");
+    for secret in [amqp_password, db_password] {
+        let quoting: Vec<&str> = log.lines().filter(|l| l.contains(secret)).collect();
+        assert!(quoting.is_empty(), "the log quotes a password: {quoting:?}");
+    }
+    broker.delete_queue(&queue);
+    broker.delete_exchange(&exchange);
+}
+
 #[test]
 fn relay_refuses_an_exchange_that_does_not_exist_at_once() {
     let (outbox, _client) = outbox("cli_no_exchange");

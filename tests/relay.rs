@@ -10,13 +10,13 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
 use common::{
-    count, quoted, relay_config, relay_config_with_pool, row_state, wait_until, Counters, Sink,
-    RELAY_POOL,
+    count, quoted, relay_config, relay_config_with_pool, row_state, wait_until, Counters, Gate,
+    Sink, RELAY_POOL,
 };
 use postgres::Client;
 use postgres_outbox::{
@@ -27,41 +27,6 @@ use postgres_outbox::{
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// A gate publishers (or handlers) block at until the test opens it; it counts who waits.
-#[derive(Clone, Default)]
-struct Gate(Arc<GateInner>);
-
-#[derive(Default)]
-struct GateInner {
-    open: Mutex<bool>,
-    opened: Condvar,
-    waiting: AtomicUsize,
-}
-
-impl Gate {
-    /// Blocks until the gate is open.
-    fn pass(&self) {
-        let mut open = self.0.open.lock().unwrap();
-        if !*open {
-            self.0.waiting.fetch_add(1, Ordering::SeqCst);
-            while !*open {
-                open = self.0.opened.wait(open).unwrap();
-            }
-            self.0.waiting.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    fn open(&self) {
-        *self.0.open.lock().unwrap() = true;
-        self.0.opened.notify_all();
-    }
-
-    /// How many are blocked at the gate right now.
-    fn waiting(&self) -> usize {
-        self.0.waiting.load(Ordering::SeqCst)
-    }
-}
 
 /// Enqueues `messages` in one committed transaction; returns their keys.
 fn enqueue(client: &mut Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
@@ -1852,7 +1817,11 @@ fn a_row_claimed_more_often_in_a_row_than_max_claims_allows_dies_at_claim() {
     // The message behind it was handed back once and then sent: neither cost it a claim
     // left over, nor more than its one attempt.
     assert_eq!(
-        count(&mut client, &outbox, &format!("key = '{next}' AND claims = 0 AND attempts = 1")),
+        count(
+            &mut client,
+            &outbox,
+            &format!("key = '{next}' AND claims = 0 AND attempts = 1")
+        ),
         1
     );
 }
@@ -2302,9 +2271,9 @@ fn an_unavailable_destination_costs_no_attempt_and_is_reported_once_per_outage()
     assert!(e.to_string().contains("broker down"), "{e}");
 
     let relay = Relay::spawn(config).unwrap();
-    // Ten times the whole backlog, across the workers' backoffs.
-    wait_until("the relay has tried many times", || {
-        tries.load(Ordering::SeqCst) >= 200
+    // The backlog, and then a batch at each probe of the destination, three times over.
+    wait_until("the relay has tried again and again", || {
+        tries.load(Ordering::SeqCst) >= 60
     });
     assert_eq!(count(&mut client, &outbox, "status <> 'pending'"), 0);
     assert_eq!(count(&mut client, &outbox, "attempts > 1"), 0);

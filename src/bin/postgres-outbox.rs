@@ -202,11 +202,14 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    // The PostgreSQL driver logs every statement's parameters (payloads) at debug level:
-    // never above info here, whatever RUST_LOG asks for.
+    // The PostgreSQL driver logs every statement's parameters (payloads) at debug level, and
+    // the AMQP client its handshake (the password): never above info here, whatever
+    // RUST_LOG asks for.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default_level))
         .filter_module("tokio_postgres", log::LevelFilter::Info)
         .filter_module("postgres", log::LevelFilter::Info)
+        // amiquip logs the AMQP handshake at debug level, the PLAIN password included.
+        .filter_module("amiquip", log::LevelFilter::Info)
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

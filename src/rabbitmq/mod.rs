@@ -11,6 +11,7 @@ mod consumer;
 mod error;
 mod publisher;
 
+pub use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 pub use connect::Endpoints;
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, QueueType,
@@ -18,4 +19,4 @@ pub use consumer::{
     DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 pub use error::Error;
-pub use publisher::{RabbitPublisher, AGGREGATE_HEADER, ATTEMPT_HEADER, DEFAULT_MAX_MESSAGE_SIZE};
+pub use publisher::{RabbitPublisher, DEFAULT_MAX_MESSAGE_SIZE};

@@ -15,15 +15,7 @@ use super::error::Error;
 use crate::message::MAX_SHORT_STRING;
 use crate::publish::{PublishError, Publisher};
 use crate::record::Record;
-
-/// The header carrying the attempt number (1 on the first try).
-pub const ATTEMPT_HEADER: &str = "x-outbox-attempt";
-/// The header carrying the aggregate key, when the message has one.
-pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
-
-/// The frame size RabbitMQ offers by default (`frame_max`). A message's properties travel in
-/// one frame, so headers larger than that make the broker close the channel.
-const FRAME_MAX: usize = 131_072;
+use crate::wire::{fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX};
 
 /// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
@@ -79,6 +71,9 @@ pub struct RabbitPublisher {
     max_message_size: usize,
     /// `None` only while being closed.
     connection: Option<Connection>,
+    /// Set when the broker closed the channel for a message over its size limit and a new
+    /// channel took its place: the records in flight on the old one were not confirmed.
+    resized: bool,
     channel: Channel,
     confirms: Receiver<Confirm>,
     returns: Receiver<Return>,
@@ -155,11 +150,7 @@ impl RabbitPublisher {
         }
         let opened = (|| {
             let blocking = connection.listen_for_connection_blocked()?;
-            let channel = connection.open_channel(None)?;
-            // Listen first: confirms that arrive before anyone listens are dropped.
-            let confirms = channel.listen_for_publisher_confirms()?;
-            let returns = channel.listen_for_returns()?;
-            channel.enable_publisher_confirms()?;
+            let (channel, confirms, returns) = confirming_channel(&mut connection)?;
             Ok::<_, amiquip::Error>((channel, confirms, returns, blocking))
         })();
         let (channel, confirms, returns, blocking) = match opened {
@@ -180,6 +171,7 @@ impl RabbitPublisher {
             confirm_timeout: Duration::from_secs(10),
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connection: Some(connection),
+            resized: false,
             channel,
             confirms,
             returns,
@@ -350,7 +342,15 @@ impl RabbitPublisher {
         unconfirmed: impl Iterator<Item = u64>,
     ) {
         let why = match failed {
-            RecvTimeoutError::Disconnected => self.why_closed(),
+            RecvTimeoutError::Disconnected => match self.why_closed() {
+                Closed::Oversize(limit) if self.reopen(limit) => return,
+                Closed::Oversize(limit) => format!(
+                    "{} closed the channel for a message over its limit of {limit} bytes, and \
+                     no new channel could be opened",
+                    self.endpoint
+                ),
+                Closed::Why(why) => why,
+            },
             RecvTimeoutError::Timeout => {
                 self.read_notes();
                 if self.blocked.is_some() {
@@ -407,19 +407,97 @@ impl RabbitPublisher {
     }
 
     /// Why the channel closed. On a closed channel amiquip answers a passive declare at once
-    /// with the broker's reason (a missing exchange, refused access) without sending
-    /// anything; only called once the channel is known to be closed.
-    fn why_closed(&self) -> String {
+    /// with the broker's reason (a missing exchange, refused access, a message over the size
+    /// limit) without sending anything; only called once the channel is known to be closed.
+    fn why_closed(&self) -> Closed {
         let probe = if self.exchange.is_empty() {
             "amq.direct"
         } else {
             &self.exchange
         };
         match self.channel.exchange_declare_passive(probe) {
-            Err(e) => format!("the channel to {} was closed: {e}", self.endpoint),
-            Ok(_) => format!("the connection to {} was lost", self.endpoint),
+            Err(e) => match size_limit(&e) {
+                Some(limit) => Closed::Oversize(limit),
+                None => Closed::Why(format!("the channel to {} was closed: {e}", self.endpoint)),
+            },
+            Ok(_) => Closed::Why(format!("the connection to {} was lost", self.endpoint)),
         }
     }
+
+    /// The broker closed the channel because a message was larger than `limit`, its
+    /// `max_message_size`: that message's own fault, not an outage. Remembers the limit
+    /// (such a record now fails permanently before it is sent) and opens a new channel on
+    /// the same connection. False if none could be opened (the publisher is then broken).
+    fn reopen(&mut self, limit: usize) -> bool {
+        if limit >= self.max_message_size {
+            // A record within the limit known was refused: not a size this can learn.
+            return false;
+        }
+        log::warn!(
+            "rabbitmq: {} refused a message over its max_message_size of {limit} bytes; larger \
+             ones now fail permanently before they are sent",
+            self.endpoint
+        );
+        self.max_message_size = self.max_message_size.min(limit);
+        let Some(connection) = self.connection.as_mut() else {
+            return false;
+        };
+        match confirming_channel(connection) {
+            Ok((channel, confirms, returns)) => {
+                self.channel = channel;
+                self.confirms = confirms;
+                self.returns = returns;
+                // Tags start again at 1 on the new channel; the old one's mean nothing.
+                self.next_tag = 1;
+                self.owed.clear();
+                self.resized = true;
+                true
+            }
+            Err(e) => {
+                log::warn!(
+                    "rabbitmq: cannot open a new channel on {}: {e}",
+                    self.endpoint
+                );
+                false
+            }
+        }
+    }
+}
+
+/// Why a channel closed.
+enum Closed {
+    /// The broker refused a message larger than this many bytes.
+    Oversize(usize),
+    Why(String),
+}
+
+/// The size limit a broker gave as its reason for closing a channel (RabbitMQ: `406
+/// PRECONDITION_FAILED - message size 2097152 is larger than configured max size 1048576`).
+fn size_limit(error: &amiquip::Error) -> Option<usize> {
+    match error {
+        amiquip::Error::ServerClosedChannel {
+            code: 406, message, ..
+        } => {
+            let (_, rest) = message.split_once("larger than configured max size ")?;
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        }
+        _ => None,
+    }
+}
+
+/// A channel that confirms, with its confirms and returns listened to.
+fn confirming_channel(
+    connection: &mut Connection,
+) -> Result<(Channel, Receiver<Confirm>, Receiver<Return>), amiquip::Error> {
+    let channel = connection.open_channel(None)?;
+    // Listen first: confirms that arrive before anyone listens are dropped.
+    let confirms = channel.listen_for_publisher_confirms()?;
+    let returns = channel.listen_for_returns()?;
+    channel.enable_publisher_confirms()?;
+    Ok((channel, confirms, returns))
 }
 
 /// A confirm's payload, and the outcome it gives the messages it covers.
@@ -494,6 +572,18 @@ impl<'b> Stream<'b> {
         }
     }
 
+    /// Forgets what was in flight on a channel that closed, and returns those records, to
+    /// be handed over again, in batch order.
+    fn restart(&mut self) -> Vec<usize> {
+        let mut again: Vec<usize> = std::mem::take(&mut self.unconfirmed)
+            .into_values()
+            .collect();
+        again.sort_unstable();
+        self.by_key.clear();
+        self.returned.clear();
+        again
+    }
+
     fn sent(&mut self, tag: u64, i: usize) {
         self.unconfirmed.insert(tag, i);
         self.by_key.insert(self.batch[i].key.as_str(), i);
@@ -557,33 +647,19 @@ fn check_limits(record: &Record, max_body: usize) -> Result<(), PublishError> {
             record.payload.len()
         )));
     }
-    let properties = properties_size(record);
-    // The content header frame also carries the class, weight, body size and flags.
-    if properties + 64 > FRAME_MAX {
+    let properties = properties_size(
+        &record.key,
+        record.content_type.as_deref(),
+        record.aggregate_key.as_deref(),
+        &record.headers,
+    );
+    if !fits_one_frame(properties) {
         return Err(PublishError::permanent(format!(
             "the properties and headers take about {properties} bytes; one AMQP frame \
              carries at most {FRAME_MAX}"
         )));
     }
     Ok(())
-}
-
-/// About how many bytes the message's properties take on the wire: each header is a name
-/// (length byte and bytes), a type byte and a long string (four length bytes and bytes).
-fn properties_size(record: &Record) -> usize {
-    let header = |name: usize, value: usize| 1 + name + 1 + 4 + value;
-    let headers: usize = record
-        .headers
-        .iter()
-        .map(|(name, value)| header(name.len(), value.len()))
-        .sum();
-    let ours = header(ATTEMPT_HEADER.len(), 8)
-        + record
-            .aggregate_key
-            .as_ref()
-            .map_or(0, |a| header(AGGREGATE_HEADER.len(), a.len()));
-    let fixed = 1 + record.key.len() + record.content_type.as_ref().map_or(0, |c| 1 + c.len()) + 16;
-    4 + headers + ours + fixed
 }
 
 impl Publisher for RabbitPublisher {
@@ -620,6 +696,15 @@ impl Publisher for RabbitPublisher {
             let (key, why) = unroutable(&returned);
             if let Some(&i) = key.and_then(|key| by_key.get(key)) {
                 results[i] = Some(Err(PublishError::transient(why)));
+            }
+        }
+        if std::mem::take(&mut self.resized) {
+            // A record over the limit closed the channel under the others: it now fails
+            // alone, before it is sent, and they go again on the new channel.
+            let again: Vec<usize> = (0..batch.len()).filter(|&i| results[i].is_none()).collect();
+            let records: Vec<Record> = again.iter().map(|&i| batch[i].clone()).collect();
+            for (i, result) in again.into_iter().zip(self.publish(&records)) {
+                results[i] = Some(result);
             }
         }
         // Not confirmed: the connection failed, or the broker blocks it. Not the records'
@@ -696,7 +781,14 @@ impl Publisher for RabbitPublisher {
                 }
                 Err(failed) => {
                     self.confirms_failed(failed, stream.unconfirmed.keys().copied());
-                    break;
+                    if !std::mem::take(&mut self.resized) {
+                        break;
+                    }
+                    // A record over the limit closed the channel: what was in flight goes
+                    // again on the new one, each record still its aggregate's next, and the
+                    // one too large fails alone when it is sent.
+                    due.extend(stream.restart());
+                    handing_over = true;
                 }
             }
         }

@@ -12,7 +12,7 @@ use super::worker::statement_bound;
 use crate::clock;
 use crate::error::{Error, Result};
 use crate::retry::reconnect_delay;
-use crate::session::Session;
+use crate::session::{sql_setup, Session};
 use crate::sql;
 
 /// How often the wait is cut short to see whether the relay is stopping.
@@ -36,10 +36,11 @@ pub(crate) fn run(shared: &Shared) {
     let table = config.outbox.table();
     let mut session = Session::new(
         config.listener_source(),
-        sql::LISTENER_SESSION.to_owned(),
+        sql_setup(sql::LISTENER_SESSION.to_owned()),
         sql::LISTENER_SESSION_RESET,
         statement_bound(config.lease),
         &format!("{table} listener"),
+        config.metrics.clone(),
     );
     let mut failures = 0u32;
     while !shared.stopping() {
@@ -55,9 +56,9 @@ pub(crate) fn run(shared: &Shared) {
         // Nobody hears a notification now: the relay's waiting row goes if it can (if not,
         // enqueue ignores it within a minute).
         let statements = config.outbox.statements();
-        shared
-            .waiting
-            .forget(statements, &mut |sql, relay| execute(&mut session, sql, relay));
+        shared.waiting.forget(statements, &mut |sql, relay| {
+            execute(&mut session, sql, relay)
+        });
         if shared.stopping() {
             break;
         }

@@ -34,8 +34,8 @@ pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 use crate::clock;
 use crate::error::{Error, Result};
 use crate::lifecycle::Threads;
-use crate::session::Session;
 use crate::retry::reconnect_delay;
+use crate::session::{sql_setup, Session};
 use crate::store;
 use shared::Shared;
 use worker::{Alone, Cycle, Worker};
@@ -122,7 +122,9 @@ impl Relay {
         let outbox = config.outbox.clone();
         let bound = worker::statement_bound(config.lease);
         let name = format!("{} start", outbox.table());
-        Session::new(config.worker_source(), String::new(), "", bound, &name)
+        let metrics = config.metrics.clone();
+        let setup = sql_setup(String::new());
+        Session::new(config.worker_source(), setup, "", bound, &name, metrics)
             .run(move |conn| store::probe(conn, &outbox))?;
 
         let shared = Arc::new(Shared::new(config));
@@ -268,6 +270,8 @@ fn once(worker: &mut Worker<'_>) -> Result<usize> {
         Cycle::Idle => Ok(0),
         Cycle::Worked(n) => Ok(n),
         Cycle::Pause(_, cause) => Err(cause),
+        // A lone caller's publisher is never held back by others: no relay-wide state.
+        Cycle::Wait(_) => Ok(0),
     }
 }
 
@@ -316,9 +320,13 @@ fn run_worker(shared: &Shared, name: &str) {
                 )
             }
         };
-        let wait = match next {
+        // A pause or a wait for the publisher's destination is sat out whole: wake-ups
+        // (other workers', producers' notifications) must not hurry a worker back to a
+        // database or a broker that is in trouble.
+        let until = match next {
             Cycle::Worked(_) => continue,
-            Cycle::Pause(pause, _) => pause,
+            Cycle::Pause(pause, _) => clock::deadline(pause),
+            Cycle::Wait(until) => until,
             Cycle::Idle => {
                 if config.notify && !shared.stopping() {
                     let sql = config.outbox.statements();
@@ -329,16 +337,21 @@ fn run_worker(shared: &Shared, name: &str) {
                         continue;
                     }
                 }
-                config
+                let poll = config
                     .poll_interval
-                    .mul_f64(rand::thread_rng().gen_range(0.5..=1.0))
+                    .mul_f64(rand::thread_rng().gen_range(0.5..=1.0));
+                let _idle = shared.waiting.idle();
+                select! {
+                    recv(shared.stop.receiver()) -> _ => {},
+                    recv(shared.wake) -> _ => {},
+                    recv(at(clock::deadline(poll))) -> _ => {},
+                }
+                continue;
             }
         };
-        let _idle = shared.waiting.idle();
         select! {
             recv(shared.stop.receiver()) -> _ => {},
-            recv(shared.wake) -> _ => {},
-            recv(at(clock::deadline(wait))) -> _ => {},
+            recv(at(until)) -> _ => {},
         }
     }
 }

@@ -3,11 +3,12 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::config::RelayConfig;
-use super::health::Health;
+use super::health::{Access, Health};
 use super::waiting::Waiting;
 use super::worker::Control;
 use crate::error::Error;
@@ -103,15 +104,23 @@ impl Control for Shared {
         self.wake_one();
     }
 
-    fn publisher_down(&self, cause: &(dyn std::error::Error + 'static)) {
+    fn access(&self) -> Access {
+        self.health.access()
+    }
+
+    fn publisher_down(&self, cause: &(dyn std::error::Error + 'static), probe: bool) -> Duration {
         let config = &self.config;
         self.health
-            .down(config.outbox.table(), cause, config.metrics.as_ref());
+            .down(config.outbox.table(), cause, probe, config.metrics.as_ref())
     }
 
     fn publisher_up(&self) {
         let config = &self.config;
         self.health
             .up(config.outbox.table(), config.metrics.as_ref());
+    }
+
+    fn probe_ended(&self) {
+        self.health.probe_ended();
     }
 }

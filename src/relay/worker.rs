@@ -11,13 +11,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use super::config::RelayConfig;
+use super::health::Access;
 use super::rounds::in_round_order;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
-use crate::session::Session;
 use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
+use crate::session::{sql_setup, Session};
 use crate::sql;
 use crate::store::{self, ClaimRequest, Claimed};
 
@@ -40,11 +41,20 @@ pub(crate) trait Control {
     fn released(&self, _n: usize) {}
     /// A claim came back full: more may be due, so another idle worker should look too.
     fn more_due(&self) {}
+    /// Whether to claim now, and whether to probe a destination that is down.
+    fn access(&self) -> Access {
+        Access::Go
+    }
     /// The publisher could not reach its destination (or could not be built): nobody's
-    /// message's fault.
-    fn publisher_down(&self, _cause: &(dyn StdError + 'static)) {}
-    /// The publisher published.
+    /// message's fault. `probe`: this cycle was the probe. Returns how long until the next
+    /// try.
+    fn publisher_down(&self, _cause: &(dyn StdError + 'static), _probe: bool) -> Duration {
+        Duration::ZERO
+    }
+    /// The publisher published (or a probe found its destination answering).
     fn publisher_up(&self) {}
+    /// A probe ended, with or without a verdict.
+    fn probe_ended(&self) {}
 }
 
 /// A lone caller: never stopping, counting nothing.
@@ -62,6 +72,9 @@ pub(crate) enum Cycle {
     /// The database, the publisher factory or the publisher's destination is in trouble
     /// (`cause`, already logged or reported): wait this long first.
     Pause(Duration, crate::Error),
+    /// The publisher's destination is down and another worker probes it, or the backoff
+    /// has not passed: claim nothing before then.
+    Wait(Instant),
 }
 
 pub(crate) struct Worker<'a> {
@@ -81,9 +94,6 @@ pub(crate) struct Worker<'a> {
     /// cost, and long runs of the aggregates after the cursor fill a batch per claim.
     confirm_bound: bool,
     db_failures: u32,
-    /// Publishing failed for the world's reasons this many times in a row (a factory that
-    /// failed, a destination unavailable): the backoff before the next try.
-    outages: u32,
 }
 
 /// Session settings of a relay connection. The statement timeout (a quarter of the lease,
@@ -125,17 +135,17 @@ impl<'a> Worker<'a> {
             config,
             session: Session::new(
                 config.worker_source(),
-                session_setup(config),
+                sql_setup(session_setup(config)),
                 sql::RELAY_SESSION_RESET,
                 statement_bound(config.lease),
                 &format!("{} {name}", config.outbox.table()),
+                config.metrics.clone(),
             ),
             publisher,
             cursor: None,
             lap_seen: 0,
             confirm_bound: false,
             db_failures: 0,
-            outages: 0,
         }
     }
 
@@ -165,6 +175,20 @@ impl<'a> Worker<'a> {
             return Ok(Cycle::Idle);
         }
         let config = self.config;
+        let probe = match control.access() {
+            Access::Wait(until) => return Ok(Cycle::Wait(until)),
+            Access::Probe => true,
+            Access::Go => false,
+        };
+        let _probe = probe.then(|| Probing(control));
+        if probe {
+            // The one connection attempt of this probe, before anything is claimed: a
+            // publisher kept from before the outage may not know yet that it is broken.
+            self.publisher = None;
+            if let Err((pause, cause)) = self.publisher(control, true) {
+                return Ok(Cycle::Pause(pause, cause));
+            }
+        }
         let claimed_at = Instant::now();
         let claimed = match self.claim() {
             Ok(claimed) => claimed,
@@ -182,6 +206,10 @@ impl<'a> Worker<'a> {
         self.db_failures = 0;
         let n = claimed.len();
         if n == 0 {
+            if probe {
+                // The destination answered and nothing is due to try it further.
+                control.publisher_up();
+            }
             return Ok(Cycle::Idle);
         }
         log::debug!("outbox {}: claimed {n} rows", config.outbox.table());
@@ -199,8 +227,8 @@ impl<'a> Worker<'a> {
         let pause = self.publish(
             claimed.records,
             claimed.ended,
-            claimed_at,
-            deadline,
+            (claimed_at, deadline),
+            probe,
             control,
             &mut outcomes,
         );
@@ -303,8 +331,8 @@ impl<'a> Worker<'a> {
         &mut self,
         records: Vec<Record>,
         ended: HashSet<String>,
-        claimed_at: Instant,
-        deadline: Instant,
+        (claimed_at, deadline): (Instant, Instant),
+        probe: bool,
         control: &dyn Control,
         outcomes: &mut Vec<(Fence, Outcome)>,
     ) -> Option<(Duration, crate::Error)> {
@@ -327,7 +355,7 @@ impl<'a> Worker<'a> {
         if !going.is_empty() && !proceed() {
             release.extend(going.iter().map(Record::fence));
         } else if !going.is_empty() {
-            match self.publisher(control) {
+            match self.publisher(control, probe) {
                 Err(unavailable) => {
                     pause = Some(unavailable);
                     release.extend(going.iter().map(Record::fence));
@@ -353,13 +381,11 @@ impl<'a> Worker<'a> {
                         self.publisher = None;
                     }
                     if let Some(cause) = attempted.outage {
-                        control.publisher_down(&cause);
                         pause = Some((
-                            self.outage_pause(),
+                            control.publisher_down(&cause, probe),
                             crate::Error::Unavailable(Box::new(cause)),
                         ));
                     } else if attempted.published {
-                        self.outages = 0;
                         control.publisher_up();
                     }
                 }
@@ -374,11 +400,13 @@ impl<'a> Worker<'a> {
         pause
     }
 
-    /// The worker's publisher, built by the factory when there is none. A factory that fails
-    /// (or panics) costs no attempt: the rows go back and the worker waits before trying again.
+    /// The worker's publisher, built by the factory when there is none (or it is broken).
+    /// A factory that fails (or panics) costs no attempt: the rows go back and the relay
+    /// waits before trying again. `probe`: this is the probe of a destination that is down.
     fn publisher(
         &mut self,
         control: &dyn Control,
+        probe: bool,
     ) -> Result<&mut Box<dyn Publisher>, (Duration, crate::Error)> {
         let config = self.config;
         let publisher = match self.publisher.take() {
@@ -388,8 +416,7 @@ impl<'a> Worker<'a> {
             {
                 Ok(publisher) => publisher,
                 Err(e) => {
-                    control.publisher_down(e.as_ref());
-                    let pause = self.outage_pause();
+                    let pause = control.publisher_down(e.as_ref(), probe);
                     log::debug!(
                         "outbox {}: could not build a publisher, retrying in {pause:?}: {}",
                         config.outbox.table(),
@@ -400,12 +427,6 @@ impl<'a> Worker<'a> {
             },
         };
         Ok(self.publisher.insert(publisher))
-    }
-
-    /// One more outage in a row, and how long to wait before publishing again.
-    fn outage_pause(&mut self) -> Duration {
-        self.outages += 1;
-        reconnect_delay(self.outages).max(Duration::from_millis(500))
     }
 
     /// Records the batch's outcomes, retrying through database trouble for as long as it
@@ -513,6 +534,15 @@ enum Written {
     GaveUp,
     /// The database refused the statement for its data.
     Refused(crate::Error),
+}
+
+/// Marks a cycle as the probe of a destination that is down, until it ends however it ends.
+struct Probing<'c>(&'c dyn Control);
+
+impl Drop for Probing<'_> {
+    fn drop(&mut self) {
+        self.0.probe_ended();
+    }
 }
 
 /// Counts a batch as held until its outcomes are recorded, or given up, or a panic unwinds.

@@ -3,8 +3,12 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
+pub mod faulty;
+pub mod pg_node;
 #[cfg(feature = "rabbitmq")]
 pub mod proxy;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbit_node;
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -12,7 +16,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use postgres::{Client, NoTls};
 use postgres_outbox::{
@@ -263,6 +267,23 @@ mod containers {
     }
 }
 
+/// Whether the tests run as root: the servers they start of their own then run as their
+/// own users (`postgres`, `rabbitmq`).
+pub fn as_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// A port of 127.0.0.1 nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
 pub fn client() -> Client {
     Client::connect(&database_url(), NoTls).expect("connect to PostgreSQL")
 }
@@ -413,6 +434,41 @@ pub fn relay_config_with(
     })
 }
 
+/// A gate publishers (or handlers) block at until the test opens it; it counts who waits.
+#[derive(Clone, Default)]
+pub struct Gate(Arc<GateInner>);
+
+#[derive(Default)]
+pub struct GateInner {
+    open: Mutex<bool>,
+    opened: Condvar,
+    waiting: AtomicUsize,
+}
+
+impl Gate {
+    /// Blocks until the gate is open.
+    pub fn pass(&self) {
+        let mut open = self.0.open.lock().unwrap();
+        if !*open {
+            self.0.waiting.fetch_add(1, Ordering::SeqCst);
+            while !*open {
+                open = self.0.opened.wait(open).unwrap();
+            }
+            self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    pub fn open(&self) {
+        *self.0.open.lock().unwrap() = true;
+        self.0.opened.notify_all();
+    }
+
+    /// How many are blocked at the gate right now.
+    pub fn waiting(&self) -> usize {
+        self.0.waiting.load(Ordering::SeqCst)
+    }
+}
+
 /// Every record a publisher was handed, in the order it was handed over.
 #[derive(Clone, Default)]
 pub struct Sink(Arc<Mutex<Vec<Record>>>);
@@ -461,6 +517,7 @@ pub struct CountersInner {
     released: AtomicUsize,
     downs: AtomicUsize,
     ups: AtomicUsize,
+    stalls: AtomicUsize,
 }
 
 impl Counters {
@@ -485,6 +542,9 @@ impl Counters {
     pub fn ups(&self) -> usize {
         self.0.ups.load(Ordering::SeqCst)
     }
+    pub fn stalls(&self) -> usize {
+        self.0.stalls.load(Ordering::SeqCst)
+    }
 }
 
 impl Metrics for Counters {
@@ -508,5 +568,8 @@ impl Metrics for Counters {
     }
     fn publisher_up(&self) {
         self.0.ups.fetch_add(1, Ordering::SeqCst);
+    }
+    fn database_stalled(&self, _waited: Duration) {
+        self.0.stalls.fetch_add(1, Ordering::SeqCst);
     }
 }

@@ -113,7 +113,7 @@ fn pipe(from: &TcpStream, to: &TcpStream) {
 }
 
 /// `host:port` of an AMQP URL.
-fn broker_address(url: &str) -> String {
+pub fn broker_address(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     let rest = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
     let host_port = rest.split(['/', '?']).next().unwrap_or(rest);

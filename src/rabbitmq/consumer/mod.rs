@@ -200,7 +200,7 @@ impl Consumer {
         let (tasks_tx, tasks_rx) = unbounded();
         let (results_tx, results_rx) = unbounded();
         for n in 0..shared.config.concurrency {
-            let worker = Worker::new(shared.clone());
+            let worker = Worker::new(shared.clone(), &format!("handler-{n}"));
             let (tasks, results) = (tasks_rx.clone(), results_tx.clone());
             consumer
                 .handlers

@@ -14,9 +14,10 @@ use super::lanes::Tag;
 use super::shared::Shared;
 use crate::error::describe;
 use crate::fault::Fault;
-use crate::pool::Pooled;
+use crate::metrics::NoMetrics;
 use crate::publish::HandlerError;
 use crate::retry::reconnect_delay;
+use crate::session::{Session, Setup, Watch};
 use crate::sql;
 use crate::store::storable;
 
@@ -98,14 +99,33 @@ impl Failure {
 
 pub(super) struct Worker {
     shared: Arc<Shared>,
-    /// The worker's connection, kept between deliveries and dropped after any error the
-    /// server did not answer.
-    conn: Option<Pooled>,
+    /// The worker's connection, held on a thread of its own (see `session.rs`): kept
+    /// between deliveries, given up after any error the server did not answer, and after a
+    /// statement of the consumer's own (not the handler's) that goes unanswered past the
+    /// statement timeout and a margin.
+    session: Session,
 }
 
 impl Worker {
-    pub(super) fn new(shared: Arc<Shared>) -> Worker {
-        Worker { shared, conn: None }
+    pub(super) fn new(shared: Arc<Shared>, name: &str) -> Worker {
+        let config = &shared.config;
+        let (timeout, app) = (
+            config.statement_timeout,
+            format!("outbox consumer {}", config.name),
+        );
+        let setup: Setup = Arc::new(move |client: &mut postgres::Client| {
+            client.batch_execute(&sql::consumer_session(timeout))?;
+            client.execute(sql::SET_APPLICATION_NAME, &[&app]).map(drop)
+        });
+        let session = Session::new(
+            shared.source.clone(),
+            setup,
+            sql::CONSUMER_SESSION_RESET,
+            statement_bound(timeout),
+            &format!("consumer {} {name}", config.name),
+            Arc::new(NoMetrics),
+        );
+        Worker { shared, session }
     }
 
     /// Works until the dispatcher hangs up.
@@ -123,7 +143,7 @@ impl Worker {
                         break;
                     }
                 }
-                Task::Forget(key) => self.forget(&key),
+                Task::Forget(key) => self.forget(key),
             }
         }
         self.release();
@@ -205,61 +225,15 @@ impl Worker {
     }
 
     /// One transaction: dedupe, the handler, and for a suspect delivery its failure count's
-    /// deletion. A suspect delivery already given up on is not handled again.
+    /// deletion, on the worker's connection. The consumer's own statements are bounded; the
+    /// handler takes as long as it takes.
     fn attempt(&mut self, job: &Job) -> Result<Outcome, Failure> {
-        let started = Instant::now();
-        let shared = self.shared.clone();
-        let conn = self.connection().map_err(Failure::Database)?;
-        if job.suspect {
-            let sql = shared.outbox.statements();
-            let given_up = conn
-                .query_typed(
-                    &sql.failure_state,
-                    &[
-                        (&shared.config.name, Type::TEXT),
-                        (&job.delivery.key, Type::TEXT),
-                    ],
-                )
-                .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
-            if let Some(row) = given_up.first() {
-                let (failures, last_error): (i32, String) = (row.get(0), row.get(1));
-                return Ok(Outcome::Failed {
-                    error: HandlerError::permanent(last_error),
-                    failures: u32::try_from(failures).unwrap_or(0),
-                    dead: true,
-                });
-            }
-        }
-        let mut tx = conn.transaction().map_err(Failure::db)?;
-        let delivery = &*job.delivery;
-        let fresh = shared
-            .outbox
-            .dedupe(&mut tx, &shared.config.name, &delivery.key)
-            .map_err(Failure::classify)?;
-        if !fresh {
-            return Ok(Outcome::Duplicate);
-        }
-        catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
-            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
-            .map_err(|e| {
-                if e.is_unavailable() {
-                    Failure::Unavailable(e)
-                } else {
-                    Failure::Handler(e)
-                }
-            })?;
-        if job.suspect {
-            tx.execute_typed(
-                &shared.outbox.statements().forget_failures,
-                &[
-                    (&shared.config.name, Type::TEXT),
-                    (&delivery.key, Type::TEXT),
-                ],
-            )
-            .map_err(Failure::db)?;
-        }
-        tx.commit().map_err(Failure::db)?;
-        Ok(Outcome::Committed(started.elapsed()))
+        let (shared, delivery, suspect) = (self.shared.clone(), job.delivery.clone(), job.suspect);
+        self.session
+            .run_watched(move |conn, watch| {
+                Ok(attempt_on(conn.client, watch, &shared, &delivery, suspect))
+            })
+            .unwrap_or_else(|e| Err(Failure::classify(e)))
     }
 
     /// Adds one to the message's failure count, in a statement of its own after the
@@ -270,82 +244,124 @@ impl Worker {
         job: &Job,
         error: &HandlerError,
     ) -> Result<(u32, bool), crate::Error> {
-        let shared = &*self.shared;
-        let text = describe(error);
-        let text = storable(&text);
+        let shared = self.shared.clone();
+        let text = storable(&describe(error)).into_owned();
+        let (key, permanent) = (job.delivery.key.clone(), error.is_permanent());
         // Counted on the connection the handler used, even a closed one: if the connection
         // died under the handler, counting fails too, and the failure is the database's,
         // not the message's.
-        let conn = match self.conn.take() {
-            Some(conn) => conn,
-            None => self.open()?,
-        };
-        let conn = self.conn.insert(conn);
-        let max_failures = i32::try_from(shared.config.retry.max_attempts).unwrap_or(i32::MAX);
-        let row = conn
-            .query_one(
-                &shared.outbox.statements().count_failure,
-                &[
-                    &shared.config.name,
-                    &job.delivery.key,
-                    &text.as_ref(),
-                    &error.is_permanent(),
-                    &max_failures,
-                ],
-            )
-            .map_err(|e| shared.outbox.db_error(e))?;
-        let failures: i32 = row.get(0);
-        Ok((u32::try_from(failures).unwrap_or(0), row.get(1)))
+        self.session.run(move |conn| {
+            let config = &shared.config;
+            let max_failures = i32::try_from(config.retry.max_attempts).unwrap_or(i32::MAX);
+            let row = conn
+                .client
+                .query_one(
+                    &shared.outbox.statements().count_failure,
+                    &[&config.name, &key, &text, &permanent, &max_failures],
+                )
+                .map_err(|e| shared.outbox.db_error(e))?;
+            let failures: i32 = row.get(0);
+            Ok((u32::try_from(failures).unwrap_or(0), row.get(1)))
+        })
     }
 
-    fn forget(&mut self, key: &str) {
+    fn forget(&mut self, key: String) {
         let shared = self.shared.clone();
-        let result = self.connection().and_then(|conn| {
-            conn.execute(
-                &shared.outbox.statements().forget_failures,
-                &[&shared.config.name, &key],
-            )
-            .map_err(crate::Error::Db)
+        let forgot = self.session.run(move |conn| {
+            conn.client
+                .execute(
+                    &shared.outbox.statements().forget_failures,
+                    &[&shared.config.name, &key],
+                )
+                .map(drop)
+                .map_err(crate::Error::Db)
         });
-        if let Err(e) = result {
+        if let Err(e) = forgot {
             self.release();
             // Harmless: a redriven copy would just get fewer tries; Purge::Inbox clears it.
             log::warn!(
-                "rabbitmq consumer {}: cannot delete the failure count of dead-lettered {key}: {e}",
-                shared.config.name
+                "rabbitmq consumer {}: cannot delete the failure count of a dead-lettered \
+                 message: {e}",
+                self.shared.config.name
             );
         }
     }
 
-    fn connection(&mut self) -> Result<&mut postgres::Client, crate::Error> {
-        if self.conn.as_ref().is_some_and(|c| c.is_closed()) {
-            self.conn = None;
-        }
-        let conn = match self.conn.take() {
-            Some(conn) => conn,
-            None => self.open()?,
-        };
-        Ok(&mut **self.conn.insert(conn))
-    }
-
-    /// A new connection, with the consumer's session settings.
-    fn open(&self) -> Result<Pooled, crate::Error> {
-        let config = &self.shared.config;
-        let mut conn = self.shared.source.connect()?;
-        conn.batch_execute(&sql::consumer_session(config.statement_timeout))?;
-        conn.execute(
-            "SELECT set_config('application_name', $1, false)",
-            &[&format!("outbox consumer {}", config.name)],
-        )?;
-        Ok(conn)
-    }
-
     /// Lets the connection go: back to the pool with its settings reset, or closed.
     fn release(&mut self) {
-        if let Some(mut conn) = self.conn.take() {
-            if self.shared.source.is_pool() && !conn.is_closed() {
-                let _ = conn.batch_execute("RESET statement_timeout; RESET application_name");
-            }
+        self.session.reset();
+    }
+}
+
+/// The statement bound of a handler session: its statement timeout and half as much again,
+/// at least two seconds more; a minute without a statement timeout.
+fn statement_bound(timeout: Duration) -> Duration {
+    if timeout.is_zero() {
+        return Duration::from_secs(60);
+    }
+    timeout + (timeout / 2).max(Duration::from_secs(2))
+}
+
+/// One transaction of [`Worker::attempt`], on the connection's thread. A suspect delivery
+/// already given up on is not handled again.
+fn attempt_on(
+    client: &mut postgres::Client,
+    watch: &Watch,
+    shared: &Shared,
+    delivery: &Delivery,
+    suspect: bool,
+) -> Result<Outcome, Failure> {
+    let started = Instant::now();
+    if suspect {
+        let sql = shared.outbox.statements();
+        let given_up = client
+            .query_typed(
+                &sql.failure_state,
+                &[
+                    (&shared.config.name, Type::TEXT),
+                    (&delivery.key, Type::TEXT),
+                ],
+            )
+            .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
+        if let Some(row) = given_up.first() {
+            let (failures, last_error): (i32, String) = (row.get(0), row.get(1));
+            return Ok(Outcome::Failed {
+                error: HandlerError::permanent(last_error),
+                failures: u32::try_from(failures).unwrap_or(0),
+                dead: true,
+            });
         }
     }
+    let mut tx = client.transaction().map_err(Failure::db)?;
+    let fresh = shared
+        .outbox
+        .dedupe(&mut tx, &shared.config.name, &delivery.key)
+        .map_err(Failure::classify)?;
+    if !fresh {
+        return Ok(Outcome::Duplicate);
+    }
+    watch
+        .unbounded(|| {
+            catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
+                .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
+        })
+        .map_err(|e| {
+            if e.is_unavailable() {
+                Failure::Unavailable(e)
+            } else {
+                Failure::Handler(e)
+            }
+        })?;
+    if suspect {
+        tx.execute_typed(
+            &shared.outbox.statements().forget_failures,
+            &[
+                (&shared.config.name, Type::TEXT),
+                (&delivery.key, Type::TEXT),
+            ],
+        )
+        .map_err(Failure::db)?;
+    }
+    tx.commit().map_err(Failure::db)?;
+    Ok(Outcome::Committed(started.elapsed()))
 }

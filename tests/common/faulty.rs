@@ -1,0 +1,156 @@
+//! A TCP proxy that misbehaves on demand, in front of any server: it stalls with its sockets
+//! open (a hung pooler), forwards requests but drops the replies (a lost answer), or refuses
+//! connections (a server that is down), and counts the connections made through it.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forwards both ways.
+    Pass,
+    /// Forwards nothing either way, the sockets left open: whatever is sent waits.
+    Stall,
+    /// Forwards what clients send; what the server answers is read and thrown away.
+    DropReplies,
+    /// Closes every connection it holds, and every new one as soon as it is accepted.
+    Refuse,
+}
+
+pub struct Faulty {
+    port: u16,
+    state: Arc<State>,
+}
+
+struct State {
+    mode: Mutex<Mode>,
+    changed: Condvar,
+    /// Connections accepted, refused ones included.
+    accepted: AtomicUsize,
+    /// Both ends of every connection, to cut them when refusing.
+    open: Mutex<Vec<TcpStream>>,
+}
+
+impl Faulty {
+    /// A proxy to `target` (`host:port`) on a port of its own on 127.0.0.1, passing.
+    pub fn to(target: &str) -> Faulty {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a proxy port");
+        let port = listener.local_addr().expect("proxy address").port();
+        let state = Arc::new(State {
+            mode: Mutex::new(Mode::Pass),
+            changed: Condvar::new(),
+            accepted: AtomicUsize::new(0),
+            open: Mutex::new(Vec::new()),
+        });
+        let (target, shared) = (target.to_owned(), state.clone());
+        thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                shared.accepted.fetch_add(1, Ordering::SeqCst);
+                if shared.mode() == Mode::Refuse {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(&target) else {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
+                    shared.open.lock().unwrap().extend([c, s]);
+                }
+                pipe(&shared, &client, &server, false);
+                pipe(&shared, &server, &client, true);
+            }
+        });
+        Faulty { port, state }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:<port>` of the proxy.
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Connections accepted so far, refused ones included.
+    pub fn accepted(&self) -> usize {
+        self.state.accepted.load(Ordering::SeqCst)
+    }
+
+    pub fn set(&self, mode: Mode) {
+        *self.state.mode.lock().unwrap() = mode;
+        if mode == Mode::Refuse {
+            for stream in self.state.open.lock().unwrap().drain(..) {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        self.state.changed.notify_all();
+    }
+}
+
+impl Drop for Faulty {
+    fn drop(&mut self) {
+        self.set(Mode::Refuse);
+    }
+}
+
+impl State {
+    fn mode(&self) -> Mode {
+        *self.mode.lock().unwrap()
+    }
+
+    /// The mode once it is no longer `Stall`.
+    fn unstalled(&self) -> Mode {
+        let mut mode = self.mode.lock().unwrap();
+        while *mode == Mode::Stall {
+            mode = self.changed.wait(mode).unwrap();
+        }
+        *mode
+    }
+}
+
+/// Copies from one socket to the other as the mode says, until either end closes; then
+/// closes both. `reply` is the server-to-client direction.
+fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
+    let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
+        return;
+    };
+    let state = state.clone();
+    // Reads wake up now and then, so a stall takes hold even while nothing is sent.
+    let _ = from.set_read_timeout(Some(Duration::from_millis(50)));
+    thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            if state.unstalled() == Mode::Refuse {
+                break;
+            }
+            let n = match from.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    continue
+                }
+                Err(_) => break,
+            };
+            // What was read while a stall began waits for it to end.
+            match state.unstalled() {
+                Mode::Refuse => break,
+                Mode::DropReplies if reply => continue,
+                _ => {}
+            }
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = from.shutdown(Shutdown::Both);
+        let _ = to.shutdown(Shutdown::Both);
+    });
+}
