@@ -2,8 +2,11 @@
 //! ordered and unordered messages (some rolled back; one by one, in batches, and now and
 //! then in a batch written by COPY), and faults all along: relay processes
 //! killed with SIGKILL and restarted, their PostgreSQL backends terminated, their broker
-//! connections closed, the exchange deleted for a while (a broker outage), 10% of publishes
-//! failing and 1% of confirms lost.
+//! connections closed, the exchange deleted for a while (a broker outage), the database
+//! restarted (`-m immediate`), made read-only for a while (a switchover's fence), a relay's
+//! backend stopped past its statement bound (a stalled connection), 10% of publishes
+//! failing and 1% of confirms lost. The database is a PostgreSQL server of the soak's own
+//! (tests/common/pg_node.rs).
 //!
 //! At the end it checks what a consumer of the queue saw: every committed message delivered,
 //! no rolled-back one, no aggregate out of order, duplicates within what the faults explain,
@@ -38,7 +41,8 @@ use amiquip::{
     AmqpValue, Connection, ConsumerMessage, ConsumerOptions, ExchangeDeclareOptions, ExchangeType,
     FieldTable, QueueDeclareOptions,
 };
-use common::{amqp_url, client, database_url, quoted, schema, SCHEMA_VAR};
+use common::pg_node::{PgNode, Stopped};
+use common::{amqp_url, quoted};
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{RabbitPublisher, AGGREGATE_HEADER};
 use postgres_outbox::{Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig};
@@ -79,6 +83,13 @@ const COPIED_BATCH: usize = 80;
 const FAULT_EVERY: Duration = Duration::from_millis(2500);
 /// How long the exchange stays deleted in a broker outage.
 const OUTAGE: Duration = Duration::from_secs(2);
+/// How long the database is down when it restarts.
+const DATABASE_DOWN: Duration = Duration::from_secs(1);
+/// How long the database takes no writes in a read-only window.
+const READ_ONLY: Duration = Duration::from_secs(2);
+/// How long a relay's backend is stopped: past its statement bound (a 2 s lease gives a
+/// 1 s statement timeout and a 3 s bound).
+const STALL: Duration = Duration::from_secs(5);
 
 // ---------------------------------------------------------------------------------------
 // The relay process
@@ -174,12 +185,18 @@ fn run_relay_process() -> ! {
 
 /// What a relay process's publishers injected and returned, kept in a file rewritten
 /// (atomically, by rename) after every batch, so a killed process loses at most its last one.
-/// And the keys handed to the broker but given back to the relay as unavailable (the
-/// connection failed before their confirm): each may arrive once without costing an attempt.
+/// And three lists of keys, appended to unbuffered: those handed to the broker but given
+/// back to the relay as unavailable (the connection failed before their confirm), each of
+/// which may arrive once more; those about to be handed to the broker, written before they
+/// are, so a process killed mid-publish has listed every key it may have delivered; and
+/// every verdict returned to the relay (a success or a failure, not an outage), the only
+/// thing that may cost a message an attempt.
 struct Tally {
     path: PathBuf,
     counts: Mutex<Counts>,
     handed_back: Mutex<File>,
+    handing: Mutex<File>,
+    verdicts: Mutex<File>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -223,26 +240,33 @@ impl Counts {
 impl Tally {
     fn new(dir: &Path) -> Tally {
         let pid = std::process::id();
-        let handed_back = File::create(dir.join(format!("handed-back-{pid}.txt")))
-            .expect("create the handed-back file");
+        let list = |name: &str| {
+            Mutex::new(
+                File::create(dir.join(format!("{name}-{pid}.txt"))).expect("create a list of keys"),
+            )
+        };
         Tally {
             path: dir.join(format!("counts-{pid}.txt")),
             counts: Mutex::new(Counts::default()),
-            handed_back: Mutex::new(handed_back),
+            handed_back: list("handed-back"),
+            handing: list("handing"),
+            verdicts: list("verdicts"),
         }
     }
 
     /// Written at once, unbuffered: a killed process loses no key it returned.
     fn handed_back(&self, keys: &[&str]) {
-        if keys.is_empty() {
-            return;
-        }
-        let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
-        self.handed_back
-            .lock()
-            .expect("tally lock")
-            .write_all(text.as_bytes())
-            .expect("append to the handed-back file");
+        append(&self.handed_back, keys);
+    }
+
+    /// Before the keys go to the broker.
+    fn handing(&self, keys: &[&str]) {
+        append(&self.handing, keys);
+    }
+
+    /// Before the verdicts go back to the relay.
+    fn verdicts(&self, keys: &[&str]) {
+        append(&self.verdicts, keys);
     }
 
     fn add(&self, more: Counts) {
@@ -257,6 +281,33 @@ impl Tally {
         fs::write(&tmp, text).expect("write the counts file");
         fs::rename(&tmp, &self.path).expect("replace the counts file");
     }
+}
+
+/// Appends a line per key, at once.
+fn append(file: &Mutex<File>, keys: &[&str]) {
+    if keys.is_empty() {
+        return;
+    }
+    let text: String = keys.iter().map(|k| format!("{k}\n")).collect();
+    file.lock()
+        .expect("tally lock")
+        .write_all(text.as_bytes())
+        .expect("append to a list of keys");
+}
+
+/// The keys of the records whose outcome is a verdict (not an outage, not left unset).
+fn verdicts<'r>(
+    batch: &'r [Record],
+    outcomes: impl IntoIterator<Item = Option<&'r Result<(), PublishError>>>,
+) -> Vec<&'r str> {
+    batch
+        .iter()
+        .zip(outcomes)
+        .filter(|(_, o)| {
+            o.is_some_and(|o| o.as_ref().is_ok() || !o.as_ref().is_err_and(|e| e.is_unavailable()))
+        })
+        .map(|(record, _)| record.key.as_str())
+        .collect()
 }
 
 /// Wraps the RabbitMQ publisher: 10% of records fail without being published, 1% are
@@ -288,6 +339,8 @@ impl Publisher for FaultyPublisher {
         if !passed.is_empty() {
             let sub: Vec<Record> = passed.iter().map(|&(i, _)| batch[i].clone()).collect();
             counts.handed_to_broker += sub.len() as u64;
+            let keys: Vec<&str> = sub.iter().map(|r| r.key.as_str()).collect();
+            self.tally.handing(&keys);
             let outcomes = self.inner.publish(&sub);
             let handed_back: Vec<&str> = sub
                 .iter()
@@ -317,10 +370,13 @@ impl Publisher for FaultyPublisher {
             }
         }
         self.tally.add(counts);
-        results
+        let results: Vec<Result<(), PublishError>> = results
             .into_iter()
             .map(|r| r.unwrap_or_else(|| Err(PublishError::transient("soak: no outcome"))))
-            .collect()
+            .collect();
+        self.tally
+            .verdicts(&verdicts(batch, results.iter().map(Some)));
+        results
     }
 
     /// The relay's path: the same faults around `RabbitPublisher`'s stream. A record picked
@@ -358,6 +414,8 @@ impl Publisher for FaultyPublisher {
         let mut streamed: Vec<Option<Result<(), PublishError>>> =
             sub.iter().map(|_| None).collect();
         if !sub.is_empty() {
+            let keys: Vec<&str> = sub.iter().map(|r| r.key.as_str()).collect();
+            self.tally.handing(&keys);
             self.inner.publish_in_order(&sub, &mut streamed, proceed);
         }
         counts.handed_to_broker += streamed.iter().filter(|o| o.is_some()).count() as u64;
@@ -405,6 +463,8 @@ impl Publisher for FaultyPublisher {
             }
         }
         self.tally.add(counts);
+        self.tally
+            .verdicts(&verdicts(batch, outcomes.iter().map(Option::as_ref)));
     }
 
     fn is_broken(&self) -> bool {
@@ -487,7 +547,6 @@ impl Relays {
                 "--test-threads=1",
             ])
             .env(ROLE_VAR, "relay")
-            .env(SCHEMA_VAR, schema())
             .env("SOAK_SEED", self.started.to_string())
             .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
@@ -541,15 +600,29 @@ struct Produced {
     copied: u64,
 }
 
-fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBool) -> Produced {
-    let mut client = client();
+fn produce(
+    id: usize,
+    url: &str,
+    outbox: &Outbox,
+    ordered: bool,
+    seed: u64,
+    stop: &AtomicBool,
+) -> Produced {
+    let connect = || loop {
+        match postgres::Client::connect(url, NoTls) {
+            Ok(client) => return client,
+            // The database restarts now and then.
+            Err(_) => thread::sleep(Duration::from_millis(100)),
+        }
+    };
+    let mut client = connect();
     let mut rng = StdRng::seed_from_u64(seed);
     // Each producer owns its aggregates, so enqueue order is each aggregate's intended order.
     let owned: Vec<usize> = (0..AGGREGATES).filter(|a| a % PRODUCERS == id).collect();
     let mut next_seq = [0u64; AGGREGATES];
     let mut produced = Produced::default();
+    let mut n_keys = 0u64;
     while !stop.load(Ordering::SeqCst) {
-        let mut tx = client.transaction().expect("begin");
         // Mostly a few messages, now and then a batch large enough to go in by COPY; a
         // transaction of several writes them one by one or in one `enqueue_all`.
         let n = if rng.gen_bool(0.02) {
@@ -558,7 +631,11 @@ fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBo
             rng.gen_range(1..=4)
         };
         let mut messages = Vec::with_capacity(n);
+        let mut sent = Vec::with_capacity(n);
         for _ in 0..n {
+            // Keys known before the write: a transaction a fault interrupts is looked up.
+            let key = format!("p{id}-{n_keys}");
+            n_keys += 1;
             let (message, order) = if ordered && rng.gen_bool(0.5) {
                 let a = owned[rng.gen_range(0..owned.len())];
                 let seq = next_seq[a];
@@ -572,30 +649,67 @@ fn produce(id: usize, outbox: &Outbox, ordered: bool, seed: u64, stop: &AtomicBo
             } else {
                 (Message::new(TOPIC_UNORDERED, format!("u:{id}")), None)
             };
-            messages.push((message.max_attempts(MAX_ATTEMPTS), order));
+            messages.push(message.key(key.clone()).max_attempts(MAX_ATTEMPTS));
+            sent.push(Sent {
+                key,
+                ordered: order,
+            });
         }
-        let (messages, orders): (Vec<Message>, Vec<_>) = messages.into_iter().unzip();
-        let keys = if n > 1 && rng.gen_bool(0.5) {
-            produced.batches += 1;
-            produced.copied += u64::from(n == COPIED_BATCH);
-            outbox.enqueue_all(&mut tx, messages).expect("enqueue_all")
-        } else {
-            messages
-                .into_iter()
-                .map(|message| outbox.enqueue(&mut tx, message).expect("enqueue"))
-                .collect()
+        let batch = n > 1 && rng.gen_bool(0.5);
+        let roll_back = rng.gen_bool(ROLLBACK_RATE);
+        let written = (|| -> Result<(), Box<dyn std::error::Error>> {
+            let mut tx = client.transaction()?;
+            if batch {
+                outbox.enqueue_all(&mut tx, messages)?;
+            } else {
+                for message in messages {
+                    outbox.enqueue(&mut tx, message)?;
+                }
+            }
+            if roll_back {
+                tx.rollback()?;
+            } else {
+                tx.commit()?;
+            }
+            Ok(())
+        })();
+        let committed = match written {
+            Ok(()) => !roll_back,
+            // A restart, a read-only window or a terminated backend: whether it committed is
+            // for the database to say, once it answers again.
+            Err(_) => {
+                client = connect();
+                let keys: Vec<&str> = sent.iter().map(|s| s.key.as_str()).collect();
+                let found: i64 = loop {
+                    match client.query_one(
+                        &format!(
+                            "SELECT count(*) FROM {} WHERE key = ANY($1)",
+                            quoted(outbox)
+                        ),
+                        &[&keys],
+                    ) {
+                        Ok(row) => break row.get(0),
+                        Err(_) => {
+                            thread::sleep(Duration::from_millis(100));
+                            client = connect();
+                        }
+                    }
+                };
+                assert!(
+                    found == 0 || found == n as i64,
+                    "a transaction committed in part: {found} of {n}"
+                );
+                found > 0
+            }
         };
-        let sent: Vec<Sent> = keys
-            .into_iter()
-            .zip(orders)
-            .map(|(key, ordered)| Sent { key, ordered })
-            .collect();
-        if rng.gen_bool(ROLLBACK_RATE) {
-            tx.rollback().expect("roll back");
-            produced.rolled_back.extend(sent);
-        } else {
-            tx.commit().expect("commit");
+        if committed {
             produced.committed.extend(sent);
+            if batch {
+                produced.batches += 1;
+                produced.copied += u64::from(n == COPIED_BATCH);
+            }
+        } else {
+            produced.rolled_back.extend(sent);
         }
         thread::sleep(PRODUCER_PAUSE);
     }
@@ -799,12 +913,13 @@ fn soak() {
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).expect("create the soak directory");
 
-    // The outbox, in a schema of its own.
-    let mut admin = client();
+    // The outbox, in a schema of its own, on a server of the soak's own: it is restarted
+    // and made read-only.
+    let node = PgNode::start();
+    let database = node.url();
+    let mut admin = node.client();
     admin
-        .batch_execute(&format!(
-            "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-        ))
+        .batch_execute(&format!("CREATE SCHEMA {schema}"))
         .expect("create the schema");
     let outbox = Outbox::new(&format!("{schema}.outbox")).expect("valid table name");
     outbox.migrate(&mut admin).expect("migrate");
@@ -835,8 +950,6 @@ fn soak() {
         .close()
         .expect("close the setup connection");
 
-    let database = database_url();
-    let separator = if database.contains('?') { '&' } else { '?' };
     let mut relays = Relays {
         children: Vec::new(),
         env: vec![
@@ -844,7 +957,7 @@ fn soak() {
             ("SOAK_AMQP_URL", amqp.clone()),
             (
                 "SOAK_DATABASE_URL",
-                format!("{database}{separator}application_name={relay_app}"),
+                format!("{database}?application_name={relay_app}"),
             ),
             ("SOAK_DIR", dir.display().to_string()),
         ],
@@ -862,9 +975,9 @@ fn soak() {
     let producers_stop = Arc::new(AtomicBool::new(false));
     let producers: Vec<_> = (0..PRODUCERS)
         .map(|id| {
-            let (outbox, stop) = (outbox.clone(), producers_stop.clone());
+            let (outbox, stop, url) = (outbox.clone(), producers_stop.clone(), database.clone());
             let (ordered, seed) = (settings.ordered, settings.seed.wrapping_add(id as u64));
-            thread::spawn(move || produce(id, &outbox, ordered, seed, &stop))
+            thread::spawn(move || produce(id, &url, &outbox, ordered, seed, &stop))
         })
         .collect();
 
@@ -880,21 +993,54 @@ fn soak() {
         relays.children.push(child);
     }
 
-    // Faults, in turn, at random intervals, while the producers write.
+    // Faults, in turn, at random intervals, while the producers write: the database's take
+    // turns with the others, so that even the short soak meets most kinds.
     let mut rng = StdRng::seed_from_u64(settings.seed);
     let (mut kills, mut terminations, mut terminated_backends, mut broker_closes) = (0, 0, 0, 0);
-    let mut outages = 0;
+    let (mut outages, mut restarts, mut read_only_windows, mut stalls) = (0, 0, 0, 0);
     let mut next_fault = Instant::now() + FAULT_EVERY.mul_f64(rng.gen_range(0.5..1.5));
     let mut fault = 0;
     while Instant::now() < traffic_end {
         relays.check();
         if Instant::now() >= next_fault {
-            match fault % 4 {
-                0 => {
+            match fault % 7 {
+                1 => {
                     relays.kill(rng.gen_range(0..RELAYS));
                     kills += 1;
                 }
-                1 => {
+                0 => {
+                    // The database goes down hard, and comes back.
+                    node.stop();
+                    thread::sleep(DATABASE_DOWN);
+                    node.start_again();
+                    admin = node.client();
+                    restarts += 1;
+                }
+                2 => {
+                    // As a planned switchover fences the old primary.
+                    node.read_only(true);
+                    thread::sleep(READ_ONLY);
+                    node.read_only(false);
+                    read_only_windows += 1;
+                }
+                4 => {
+                    // A relay worker's backend stops answering, its socket open.
+                    let backend: Option<i32> = admin
+                        .query_opt(
+                            "SELECT pid FROM pg_stat_activity WHERE application_name = $1
+                             ORDER BY random() LIMIT 1",
+                            &[&format!("outbox relay {}", outbox.table())],
+                        )
+                        .expect("find a relay's backend")
+                        .map(|row| row.get(0));
+                    if let Some(backend) = backend {
+                        let stopped = Stopped::stop(backend);
+                        thread::sleep(STALL);
+                        drop(stopped);
+                        stalls += 1;
+                    }
+                }
+                5 => {
                     let n: i64 = admin
                         .query_one(
                             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -913,7 +1059,7 @@ fn soak() {
                     terminations += 1;
                     terminated_backends += n;
                 }
-                2 => {
+                3 => {
                     rabbitmqctl(&["close_all_connections", "-p", &vhost, "soak fault"]);
                     broker_closes += 1;
                 }
@@ -980,7 +1126,9 @@ fn soak() {
     drop(relays);
 
     let counts = read_counts(&dir);
-    let handed_back = read_handed_back(&dir);
+    let handed_back = read_keys(&dir, "handed-back-");
+    let handings = read_keys(&dir, "handing-");
+    let verdicts = read_keys(&dir, "verdicts-");
     let log = consumer_log.lock().expect("consumer log");
     let a = analyse(&log.deliveries);
     let rows: HashMap<String, (String, i32)> = admin
@@ -1011,7 +1159,9 @@ fn soak() {
     // Publishes the relay was told succeeded but did not record as sent (its write failed,
     // or its lease ran out first): each may be published again.
     let unrecorded_oks = counts.ok_returned.saturating_sub(sent_rows);
-    let fault_units = (kills + died) + (terminations + broker_closes) * RELAYS;
+    let fault_units = (kills + died)
+        + (terminations + broker_closes + restarts + read_only_windows) * RELAYS
+        + stalls;
     let budget =
         fault_units * CONCURRENCY * BATCH + counts.lost_confirms as usize + unrecorded_oks as usize;
     let ordered_committed = produced
@@ -1026,7 +1176,9 @@ fn soak() {
          rolled_back={} delivered={} distinct={} duplicates={} duplicate_budget={budget} \
          broker_redeliveries={} consumer_reconnects={} kills={kills} relay_deaths={died} \
          terminations={terminations} (backends {terminated_backends}) \
-         broker_closes={broker_closes} outages={outages} injected_failures={} lost_confirms={} \
+         broker_closes={broker_closes} outages={outages} database_restarts={restarts} \
+         read_only_windows={read_only_windows} stalled_backends={stalls} \
+         injected_failures={} lost_confirms={} \
          unrecorded_oks={unrecorded_oks} handed_to_broker={} handed_back={} \
          drained={drained} drain={:.1}s \
          order_violations={} stats={last_stats:?}",
@@ -1113,16 +1265,22 @@ fn soak() {
         charged.is_empty(),
         "faults of the world were charged to messages: {charged:?}"
     );
-    // Each delivery is one attempt (a claim bumps the count, and a claim publishes a record
-    // at most once), or one hand-back of a record the broker may have taken before its
-    // connection failed (which restores the count).
+    // Each delivery came from a record handed to the broker (each listed before it was), and
+    // each attempt from a verdict a publisher gave: a killed relay, a terminated or stalled
+    // backend, a restart or a read-only window, a closed connection or a deleted exchange
+    // cost no message an attempt.
     for (key, n) in &a.per_key {
-        let attempts = rows.get(key).map_or(0, |(_, attempts)| *attempts);
-        let allowed = u64::try_from(attempts).unwrap_or(0) + handed_back.get(key).unwrap_or(&0);
+        let handed = handings.get(key).copied().unwrap_or(0);
         assert!(
-            *n <= allowed,
-            "{key} delivered {n} times in {attempts} attempts and {} hand-backs",
-            allowed - u64::try_from(attempts).unwrap_or(0)
+            *n <= handed,
+            "{key} delivered {n} times, handed over {handed}"
+        );
+    }
+    for (key, (_, attempts)) in &rows {
+        let given = verdicts.get(key).copied().unwrap_or(0);
+        assert!(
+            u64::try_from(*attempts).unwrap_or(0) <= given,
+            "{key} charged {attempts} attempts for {given} verdicts"
         );
     }
     assert!(
@@ -1159,14 +1317,14 @@ fn declare_exchange(channel: &amiquip::Channel) {
         .expect("declare the exchange");
 }
 
-/// How many times each key was handed back after reaching the broker, by every relay process.
-fn read_handed_back(dir: &Path) -> HashMap<String, u64> {
+/// How many times each key is listed in the relay processes' lists named `prefix<pid>`.
+fn read_keys(dir: &Path, prefix: &str) -> HashMap<String, u64> {
     let mut keys = HashMap::new();
     for entry in fs::read_dir(dir).expect("read the soak directory") {
         let path = entry.expect("directory entry").path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("handed-back-") {
-            let text = fs::read_to_string(&path).expect("read a handed-back file");
+        if name.starts_with(prefix) {
+            let text = fs::read_to_string(&path).expect("read a list of keys");
             for key in text.lines() {
                 *keys.entry(key.to_owned()).or_default() += 1;
             }
