@@ -47,7 +47,8 @@
 //!
 //! Faults of the world are never charged to a message: a publisher that cannot reach its
 //! broker says [`PublishError::unavailable`], and the relay hands the records back with
-//! their attempts restored and tries again until the broker is back.
+//! no attempt charged, and tries again until the broker is back. So does a database outage,
+//! however long: an attempt is a verdict on the message, never a lease that ran out.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

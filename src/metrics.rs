@@ -34,7 +34,7 @@ pub trait Metrics: Send + Sync {
     fn failed(&self, _record: &Record, _error: &PublishError) {}
     /// A record ran out of attempts or failed permanently, and is now a dead letter.
     fn dead_lettered(&self, _record: &Record) {}
-    /// `n` claimed rows were handed back unpublished, their attempts restored (at shutdown,
+    /// `n` claimed rows were handed back unpublished, uncharged (at shutdown,
     /// a lease too short to use, or the publisher down).
     fn released(&self, _n: usize) {}
     /// The relay's publishers cannot reach their destination (a broker down or refusing, a

@@ -18,7 +18,7 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 /// [`PublishError::transient`] or [`PublishError::permanent`]. When the destination or the
 /// way to it is down (a lost connection, a refused login, a missing exchange, a broker that
 /// stopped taking messages), return [`PublishError::unavailable`] for the records it
-/// concerns: the relay hands them back with their attempts restored, backs off, and tries
+/// concerns: the relay hands them back uncharged, backs off, and tries
 /// again, however long the outage lasts. A publisher that reports itself broken after a
 /// call is taken at its word too: that call's transient failures are the break's, not the
 /// records', and cost nothing.

@@ -19,7 +19,7 @@ pub(crate) enum Outcome {
     Dead {
         error: String,
     },
-    /// Handed back unattempted: due at once, its attempt count restored.
+    /// Handed back unattempted: due at once, no attempt charged.
     Release,
 }
 

@@ -122,7 +122,8 @@ fn a_memory_alarm_costs_no_attempt_and_publishing_resumes_when_it_clears() {
     let alarm = MemoryAlarm::raise();
     enqueue(&mut client, "during");
     wait_until("the relay sees the outage", || metrics.downs() == 1);
-    // Long enough for several rounds of claims handed back: none of them costs an attempt.
+    // Long enough for a few probes of the blocked connection (one batch claimed and handed
+    // back at each, on the relay's backoff): none of them costs an attempt.
     let released = metrics.released();
     wait_until("rows are handed back again and again", || {
         metrics.released() >= released + 40

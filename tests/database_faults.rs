@@ -49,6 +49,14 @@ fn enqueue(client: &mut Client, outbox: &Outbox, n: usize) -> Vec<String> {
     keys
 }
 
+/// Relays that say they wait for work.
+fn count_waiting(client: &mut Client) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM faults_waiting", &[])
+        .expect("count waiting relays")
+        .get(0)
+}
+
 fn count(client: &mut Client, filter: &str) -> i64 {
     client
         .query_one(&format!("SELECT count(*) FROM faults WHERE {filter}"), &[])
@@ -154,23 +162,32 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
     let proxy = Faulty::to(&node.address());
     let lost = Held::new();
     lost.gate.open();
+    // The worker's connection goes through the proxy; the listener's does not, so the
+    // worker claims only when a notification wakes it (hourly polls), never mid-switch.
     let first = Relay::spawn(
         relay_to(
             &format!("postgres://postgres@{}/postgres", proxy.address()),
             &outbox,
             lost.clone(),
         )
-        .notify(false)
-        .poll_interval(Duration::from_millis(100))
+        .listen_connection(node.url().parse().unwrap(), NoTls)
+        .poll_interval(Duration::from_secs(3600))
         .concurrency(1),
     )
     .unwrap();
-
-    // Once its worker is connected (and has claimed, finding nothing), the server takes
-    // the next claim and commits it; its answer never reaches the relay.
-    wait_until("the first relay's worker is connected", || {
-        backends_of(&mut client, "outbox relay faults").len() == 1
+    wait_until("the first relay's worker waits for work", || {
+        count_waiting(&mut client) == 1
+            && client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                     WHERE application_name = 'outbox relay faults' AND state = 'idle'",
+                    &[],
+                )
+                .map(|row| row.get::<_, i64>(0) == 1)
+                .unwrap_or(false)
     });
+
+    // The server takes the next claim and commits it; its answer never reaches the relay.
     proxy.set(Mode::DropReplies);
     enqueue(&mut client, &outbox, 10);
     wait_until(
@@ -234,6 +251,9 @@ fn a_read_only_window_mid_batch_charges_nothing() {
     });
     relay.shutdown(Duration::from_secs(10)).unwrap();
     assert_all_sent_once(&mut client, 10);
+    // The outcomes waited for the window to close: nothing was left to its lease and
+    // published again.
+    assert_eq!(publisher.sink.len(), 10);
 }
 
 #[test]

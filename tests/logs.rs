@@ -205,3 +205,33 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
     );
     assert_nothing_quotes_the_payload("the library", &lines);
 }
+
+#[test]
+fn a_relay_that_would_take_every_connection_of_its_pool_says_so_at_spawn() {
+    let capture = capture();
+    let (outbox, _client) = outbox("logs_pool");
+    let warned = || {
+        capture
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with("WARN") && l.contains(outbox.table()))
+            .filter(|l| l.contains("keeps all of them checked out"))
+            .count()
+    };
+    let factory = || Ok::<_, std::convert::Infallible>(publisher_fn(|_record| Ok(())));
+    // One more than the relay keeps: nothing to say.
+    let relay = Relay::spawn(RelayConfig::new(
+        outbox.clone(),
+        pool(RELAY_POOL + 1),
+        factory,
+    ))
+    .unwrap();
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(warned(), 0);
+    // Exactly what it keeps: the application would wait for ever for one.
+    let relay = Relay::spawn(RelayConfig::new(outbox.clone(), pool(RELAY_POOL), factory)).unwrap();
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert_eq!(warned(), 1);
+}

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use amiquip::{Auth, Connection, ConnectionOptions, ConnectionTuning};
+use amiquip::{Auth, Channel, Connection, ConnectionOptions, ConnectionTuning};
 use rand::seq::SliceRandom;
 
 use super::error::Error;
@@ -388,11 +388,14 @@ fn percent_encoding_decode(s: &str) -> Option<String> {
         .map(|s| s.into_owned())
 }
 
-/// Closes a connection, waiting at most `bound`: amiquip's close joins its I/O thread, which
-/// can hang on a dead peer. Past the bound the close finishes on its own thread.
-pub(crate) fn close_within(connection: Connection, bound: Duration) {
+/// Closes a connection (and first `channel`, one of its channels), waiting at most `bound`:
+/// amiquip's close joins its I/O thread, which can hang on a dead peer, and closing a channel
+/// waits for the broker's answer, which a broker that blocks the connection (a resource
+/// alarm) does not send. Past the bound the close finishes on its own thread.
+pub(crate) fn close_within(connection: Connection, channel: Option<Channel>, bound: Duration) {
     let (done_tx, done_rx) = mpsc::channel();
     let spawned = lifecycle::spawn("amqp-close", move || {
+        drop(channel);
         let _ = connection.close();
         let _ = done_tx.send(());
     });

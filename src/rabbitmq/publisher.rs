@@ -2,13 +2,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::Mutex;
 use std::time::{Duration, UNIX_EPOCH};
 
 use amiquip::{
     AmqpProperties, AmqpValue, Channel, Confirm, ConfirmPayload, Connection,
     ConnectionBlockedNotification, FieldTable, Publish, Return,
 };
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::connect::{close_within, Endpoint, Endpoints};
 use super::error::Error;
@@ -71,14 +72,19 @@ pub struct RabbitPublisher {
     max_message_size: usize,
     /// `None` only while being closed.
     connection: Option<Connection>,
+    /// `None` only while being closed: it goes with the connection, as closing it may wait.
+    channel: Option<Channel>,
     /// Set when the broker closed the channel for a message over its size limit and a new
     /// channel took its place: the records in flight on the old one were not confirmed.
     resized: bool,
-    channel: Channel,
     confirms: Receiver<Confirm>,
     returns: Receiver<Return>,
-    /// The broker's `connection.blocked` and `connection.unblocked` notifications.
+    /// The broker's `connection.blocked` and `connection.unblocked` notifications; it
+    /// disconnects once the connection's I/O thread has ended (the connection is lost).
     blocking: Receiver<ConnectionBlockedNotification>,
+    /// Notifications read by `is_broken`, which looks through a shared reference, and not yet
+    /// taken note of.
+    notes: Mutex<Vec<ConnectionBlockedNotification>>,
     /// The broker's reason, while it blocks this connection.
     blocked: Option<String>,
     /// Tags published before the broker blocked the connection, whose confirms were not
@@ -141,7 +147,7 @@ impl RabbitPublisher {
                 .open_channel(None)
                 .and_then(|probe| probe.exchange_declare_passive(exchange).map(drop));
             if let Err(e) = checked {
-                close_within(connection, CLOSE_BOUND);
+                close_within(connection, None, CLOSE_BOUND);
                 return Err(Error::broker(
                     format!("exchange {exchange:?} cannot be published to on {endpoint}"),
                     e,
@@ -156,7 +162,7 @@ impl RabbitPublisher {
         let (channel, confirms, returns, blocking) = match opened {
             Ok(parts) => parts,
             Err(e) => {
-                close_within(connection, CLOSE_BOUND);
+                close_within(connection, None, CLOSE_BOUND);
                 return Err(Error::broker("cannot open a confirming channel", e));
             }
         };
@@ -172,10 +178,11 @@ impl RabbitPublisher {
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connection: Some(connection),
             resized: false,
-            channel,
+            channel: Some(channel),
             confirms,
             returns,
             blocking,
+            notes: Mutex::new(Vec::new()),
             blocked: None,
             owed: BTreeMap::new(),
             next_tag: 1,
@@ -222,8 +229,14 @@ impl RabbitPublisher {
 
     /// Closes the connection, waiting at most two seconds.
     pub fn close(mut self) {
+        self.let_go();
+    }
+
+    /// Closes the channel and the connection on a thread of their own, waiting at most two
+    /// seconds: a connection the broker blocks never answers a channel's close.
+    fn let_go(&mut self) {
         if let Some(connection) = self.connection.take() {
-            close_within(connection, CLOSE_BOUND);
+            close_within(connection, self.channel.take(), CLOSE_BOUND);
         }
     }
 
@@ -271,10 +284,30 @@ impl RabbitPublisher {
         (self.broken.is_some() || self.blocked.is_some()).then(|| self.not_confirmed())
     }
 
-    /// Takes note of the block notifications received so far.
+    /// Takes note of the block notifications received so far, and of a connection lost.
     fn read_notes(&mut self) {
-        while let Ok(notification) = self.blocking.try_recv() {
+        let gone = self.lost();
+        let notes = std::mem::take(self.notes.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for notification in notes {
             self.note(notification);
+        }
+        if gone && self.broken.is_none() {
+            let why = format!("the connection to {} was lost", self.endpoint);
+            log::warn!("rabbitmq: {why}");
+            self.break_off(why);
+        }
+    }
+
+    /// Moves the notifications received into `notes`; true once the connection's I/O thread
+    /// has ended.
+    fn lost(&self) -> bool {
+        let mut notes = self.notes.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.blocking.try_recv() {
+                Ok(notification) => notes.push(notification),
+                Err(TryRecvError::Empty) => return false,
+                Err(TryRecvError::Disconnected) => return true,
+            }
         }
     }
 
@@ -380,7 +413,11 @@ impl RabbitPublisher {
             immediate: false,
             properties: self.properties(record),
         };
-        if let Err(e) = self.channel.basic_publish(self.exchange.as_str(), publish) {
+        let published = match &self.channel {
+            Some(channel) => channel.basic_publish(self.exchange.as_str(), publish),
+            None => Err(amiquip::Error::ClientClosedChannel),
+        };
+        if let Err(e) = published {
             let why = format!("publishing to {} failed: {e}", self.endpoint);
             log::warn!("rabbitmq: {why}; reconnecting");
             self.break_off(why);
@@ -415,7 +452,11 @@ impl RabbitPublisher {
         } else {
             &self.exchange
         };
-        match self.channel.exchange_declare_passive(probe) {
+        let checked = match &self.channel {
+            Some(channel) => channel.exchange_declare_passive(probe).map(drop),
+            None => Err(amiquip::Error::ClientClosedChannel),
+        };
+        match checked {
             Err(e) => match size_limit(&e) {
                 Some(limit) => Closed::Oversize(limit),
                 None => Closed::Why(format!("the channel to {} was closed: {e}", self.endpoint)),
@@ -444,7 +485,8 @@ impl RabbitPublisher {
         };
         match confirming_channel(connection) {
             Ok((channel, confirms, returns)) => {
-                self.channel = channel;
+                // The closed channel's close needs no answer.
+                self.channel = Some(channel);
                 self.confirms = confirms;
                 self.returns = returns;
                 // Tags start again at 1 on the new channel; the old one's mean nothing.
@@ -716,8 +758,10 @@ impl Publisher for RabbitPublisher {
             .collect()
     }
 
+    /// Broken once a failure said so, or once the connection's I/O thread has ended (a
+    /// connection lost while nothing was published on it).
     fn is_broken(&self) -> bool {
-        self.broken.is_some()
+        self.broken.is_some() || self.lost()
     }
 
     /// One channel: the broker puts each queue's messages in the order they were published.
@@ -803,8 +847,6 @@ impl Publisher for RabbitPublisher {
 
 impl Drop for RabbitPublisher {
     fn drop(&mut self) {
-        if let Some(connection) = self.connection.take() {
-            close_within(connection, CLOSE_BOUND);
-        }
+        self.let_go();
     }
 }

@@ -50,7 +50,7 @@ const MAX_PANICS_IN_A_ROW: u32 = 5;
 pub struct ShutdownReport {
     /// Records published and recorded as sent over the relay's life.
     pub published: u64,
-    /// Claimed records handed back unpublished, attempt counts restored.
+    /// Claimed records handed back unpublished, at no attempt's cost.
     pub released: u64,
     /// Claimed records whose outcome was not recorded when the timeout ran out (their
     /// worker was still inside a publisher, or still writing). Their outcome is unknown:
@@ -174,7 +174,7 @@ impl Relay {
     }
 
     /// Stops the relay: no more claims; claimed rows not yet handed to a publisher are
-    /// released with their attempt counts restored (the publisher is asked before it hands
+    /// released at no attempt's cost (the publisher is asked before it hands
     /// anything more over; idle workers hold none); publishes under way get until
     /// `timeout` (any duration; `Duration::MAX` waits as long as it takes) to finish and be
     /// recorded; then every thread is joined.

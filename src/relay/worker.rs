@@ -182,9 +182,15 @@ impl<'a> Worker<'a> {
         };
         let _probe = probe.then(|| Probing(control));
         if probe {
-            // The one connection attempt of this probe, before anything is claimed: a
-            // publisher kept from before the outage may not know yet that it is broken.
-            self.publisher = None;
+            // Before anything is claimed: a broken publisher is rebuilt (the probe's one
+            // connection attempt); one that is not (a connection the broker blocks in a
+            // resource alarm, say) is tried as it is.
+            let broken = self.publisher.as_ref().is_some_and(|publisher| {
+                catch_unwind(AssertUnwindSafe(|| publisher.is_broken())).unwrap_or(true)
+            });
+            if broken {
+                self.publisher = None;
+            }
             if let Err((pause, cause)) = self.publisher(control, true) {
                 return Ok(Cycle::Pause(pause, cause));
             }
@@ -323,7 +329,7 @@ impl<'a> Worker<'a> {
     /// next record goes out once the one before it is confirmed (see
     /// [`Publisher::publish_in_order`]), or, with pipelined runs, the whole batch in one
     /// call. A failed record ends its aggregate's run: the rest of that run goes back
-    /// unpublished, attempts restored, as do the runs of the aggregates in `ended` (whose
+    /// unpublished, uncharged, as do the runs of the aggregates in `ended` (whose
     /// heads died at the claim). So do all records not yet handed over when the relay stops,
     /// when the lease is nearly over, or when the publisher breaks. Returns a pause, and
     /// why, when no publisher could be built or the destination is unavailable.

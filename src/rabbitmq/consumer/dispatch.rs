@@ -154,7 +154,7 @@ impl Dispatcher {
             self.endpoints.lost(at);
         }
         // Closing hands every delivery not acked back to the queue.
-        close_within(connection, Duration::from_secs(2));
+        close_within(connection, None, Duration::from_secs(2));
         ended
     }
 

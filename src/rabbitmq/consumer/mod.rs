@@ -274,7 +274,7 @@ fn check_broker(mut connection: amiquip::Connection, config: &ConsumerConfig) ->
         result = dead_letter::ensure_queue(&mut connection, dead, config.dead_letter_queue_type)
             .map_err(|e| Error::broker(format!("cannot declare dead-letter queue {dead:?}"), e));
     }
-    close_within(connection, Duration::from_secs(2));
+    close_within(connection, None, Duration::from_secs(2));
     result
 }
 
