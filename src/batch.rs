@@ -33,6 +33,8 @@ pub(crate) struct Batch {
     delays: Vec<i64>,
     max_attempts: Vec<Option<i32>>,
     parks: Vec<Option<bool>>,
+    /// Every key is the crate's own (a fresh UUIDv7), so none can be in the table already.
+    generated: bool,
 }
 
 impl Batch {
@@ -51,6 +53,7 @@ impl Batch {
             delays: Vec::with_capacity(n),
             max_attempts: Vec::with_capacity(n),
             parks: Vec::with_capacity(n),
+            generated: messages.iter().all(|m| m.key.is_none()),
         };
         let mut seen = std::collections::HashSet::with_capacity(n);
         let mut repeated = Vec::new();
@@ -124,7 +127,7 @@ impl Batch {
 
     /// One round trip: the batch enqueue function.
     fn insert(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
-        let params: [(&(dyn ToSql + Sync), Type); 13] = [
+        let params: [(&(dyn ToSql + Sync), Type); 14] = [
             (&self.keys, Type::TEXT_ARRAY),
             (&self.topics, Type::TEXT_ARRAY),
             (&self.aggregate_keys, Type::TEXT_ARRAY),
@@ -138,6 +141,7 @@ impl Batch {
             (&self.header_lens, Type::INT4_ARRAY),
             (&self.parks, Type::BOOL_ARRAY),
             (&notify, Type::BOOL),
+            (&self.generated, Type::BOOL),
         ];
         // NULL when all went in; otherwise the keys that exist, with nothing written.
         let existing: Option<Vec<String>> = tx
@@ -150,55 +154,18 @@ impl Batch {
         }
     }
 
-    /// A binary `COPY` inside a savepoint, so an existing key (which fails the whole copy)
-    /// rolls back only the copy (and the aggregate locks taken for it); then the
-    /// notification, if a relay waits.
+    /// A binary `COPY`, after one statement that locks the batch's aggregates, asks for
+    /// the notification (if a relay waits) and names the aggregates that cannot take a new
+    /// head. Keys the caller gave go in inside a savepoint, so an existing one (which fails
+    /// the whole copy) rolls back only the copy, its locks and its notification; keys of
+    /// the crate's own cannot exist, and need none.
     fn copy(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
-        let types = [
-            Type::TEXT,
-            Type::TEXT,
-            Type::TEXT,
-            Type::BYTEA,
-            Type::TEXT,
-            Type::TEXT_ARRAY,
-            Type::INT4,
-            Type::BOOL,
-            Type::BOOL,
-        ];
+        if self.generated {
+            return self.copy_in(sql, notify, tx).map_err(|e| sql.db_error(e));
+        }
         let mut savepoint = tx.savepoint("outbox_enqueue_all")?;
-        // Locking the aggregates tells which of them have rows pending: the first row of
-        // each other one is its head (see migration 0007).
-        let busy: std::result::Result<Vec<String>, postgres::Error> =
-            if self.aggregate_keys.iter().any(Option::is_some) {
-                savepoint
-                    .query_typed_one(&sql.lock_heads, &[(&self.aggregate_keys, Type::TEXT_ARRAY)])
-                    .and_then(|row| row.try_get(0))
-            } else {
-                Ok(Vec::new())
-            };
-        let copied = busy.and_then(|busy| {
-            let heads = self.heads(busy);
-            let sink = savepoint.copy_in(&sql.copy_in)?;
-            let mut writer = BinaryCopyInWriter::new(sink, &types);
-            for (i, head) in heads.iter().enumerate() {
-                let start = self.header_offsets[i] as usize;
-                let headers = &self.headers[start..start + self.header_lens[i] as usize];
-                writer.write(&[
-                    &self.keys[i],
-                    &self.topics[i],
-                    &self.aggregate_keys[i],
-                    &self.payloads[i],
-                    &self.content_types[i],
-                    &headers,
-                    &self.max_attempts[i],
-                    &self.parks[i],
-                    head,
-                ])?;
-            }
-            writer.finish()
-        });
-        match copied {
-            Ok(_) => savepoint.commit()?,
+        match self.copy_in(sql, notify, &mut savepoint) {
+            Ok(()) => savepoint.commit()?,
             Err(e) if e.code() == Some(&SqlState::UNIQUE_VIOLATION) => {
                 savepoint.rollback()?;
                 let mut existing: Vec<String> = tx
@@ -220,10 +187,59 @@ impl Batch {
                 return Err(sql.db_error(e));
             }
         }
-        if notify {
-            tx.execute(&sql.notify_if_waiting, &[])
-                .map_err(|e| sql.db_error(e))?;
+        Ok(())
+    }
+
+    /// The locks, the notification and the copy itself (see [`Batch::copy`]).
+    fn copy_in(
+        &self,
+        sql: &Statements,
+        notify: bool,
+        tx: &mut Transaction<'_>,
+    ) -> std::result::Result<(), postgres::Error> {
+        let types = [
+            Type::TEXT,
+            Type::TEXT,
+            Type::TEXT,
+            Type::BYTEA,
+            Type::TEXT,
+            Type::TEXT_ARRAY,
+            Type::INT4,
+            Type::BOOL,
+            Type::BOOL,
+        ];
+        // Locking the aggregates tells which of them have rows pending: the first row of
+        // each other one is its head (see migration 0007).
+        let ordered = self.aggregate_keys.iter().any(Option::is_some);
+        let busy: Vec<String> = if ordered || notify {
+            let keys = ordered.then_some(&self.aggregate_keys);
+            tx.query_typed_one(
+                &sql.lock_heads,
+                &[(&keys, Type::TEXT_ARRAY), (&notify, Type::BOOL)],
+            )?
+            .try_get(0)?
+        } else {
+            Vec::new()
+        };
+        let heads = self.heads(busy);
+        let sink = tx.copy_in(&sql.copy_in)?;
+        let mut writer = BinaryCopyInWriter::new(sink, &types);
+        for (i, head) in heads.iter().enumerate() {
+            let start = self.header_offsets[i] as usize;
+            let headers = &self.headers[start..start + self.header_lens[i] as usize];
+            writer.write(&[
+                &self.keys[i],
+                &self.topics[i],
+                &self.aggregate_keys[i],
+                &self.payloads[i],
+                &self.content_types[i],
+                &headers,
+                &self.max_attempts[i],
+                &self.parks[i],
+                head,
+            ])?;
         }
+        writer.finish()?;
         Ok(())
     }
 }

@@ -371,7 +371,8 @@ impl Outbox {
         let headers = message.headers_flat();
         let max_attempts = message.max_attempts_param();
         let notify = self.inner.notify;
-        let params: [(&(dyn ToSql + Sync), Type); 11] = [
+        let generated = message.key.is_none();
+        let params: [(&(dyn ToSql + Sync), Type); 12] = [
             (&key, Type::TEXT),
             (&message.topic, Type::TEXT),
             (&message.aggregate_key, Type::TEXT),
@@ -383,6 +384,7 @@ impl Outbox {
             (&max_attempts, Type::INT4),
             (&message.park, Type::BOOL),
             (&notify, Type::BOOL),
+            (&generated, Type::BOOL),
         ];
         let inserted: bool = tx
             .query_typed_one(&self.statements().enqueue, &params)

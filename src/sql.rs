@@ -70,6 +70,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0009_claims_apart_from_attempts",
         template: include_str!("../sql/0009_claims_apart_from_attempts.sql"),
     },
+    Migration {
+        version: 10,
+        name: "0010_leaner_enqueue",
+        template: include_str!("../sql/0010_leaner_enqueue.sql"),
+    },
 ];
 
 /// The columns of a record, in the order `Record::from_row` reads them, its attempt being
@@ -112,14 +117,14 @@ pub(crate) struct Statements {
     pub(crate) create_schema: Option<String>,
     /// Bounds the wait of a migration for its locks, see `MIGRATION_LOCK_TIMEOUT`.
     pub(crate) migration_lock_timeout: String,
-    /// Calls the enqueue function (migration 0005, marking heads since 0007): $1..$10 the
-    /// message, $11 notify.
+    /// Calls the enqueue function (migration 0010): $1..$10 the message, $11 notify, $12
+    /// whether the key is the crate's own.
     pub(crate) enqueue: String,
-    /// Calls the batch enqueue function (migration 0005, marking heads since 0007): $1..$12
-    /// the columns, $13 notify.
+    /// Calls the batch enqueue function (migration 0010): $1..$12 the columns, $13 notify,
+    /// $14 whether every key is the crate's own.
     pub(crate) enqueue_all: String,
-    /// Locks the aggregates of a batch ($1) before it is copied in; returns those that
-    /// cannot take a new head (see migrations 0007 and 0008).
+    /// Before a batch is copied in: locks its aggregates ($1), notifies if $2 and a relay
+    /// waits, and returns the aggregates that cannot take a new head (migration 0010).
     pub(crate) lock_heads: String,
     /// A large batch due at once: binary COPY of the columns that have no default, and
     /// whether each row is its aggregate's head.
@@ -215,15 +220,16 @@ impl Statements {
                 "COPY {table} (key, topic, aggregate_key, payload, content_type, headers, \
                  max_attempts, park, head) FROM STDIN (FORMAT binary)"
             )?,
-            lock_heads: values.render("SELECT {lock_heads_fn}($1)")?,
+            lock_heads: values.render("SELECT {lock_heads_fn}($1, $2)")?,
             existing_keys: values
                 .render("SELECT key FROM {table} WHERE key = ANY($1) ORDER BY key")?,
             notify_if_waiting: values.render("SELECT {notify_fn}()")?,
             enqueue: values.render(
-                "SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
+                "SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
             )?,
             enqueue_all: values.render(
-                "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+                "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+                 $14)"
             )?,
             dedupe: values.render(
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
@@ -803,6 +809,7 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
     let mut vars = objects(table);
     vars.extend([
         ("channel", table.channel()),
+        ("busy_fn", table.companion("_busy")),
         ("table_lock_text", table.ordered_lock_key().to_string()),
         ("table_lock", bigint(table.ordered_lock_key())),
         ("lock_seed", bigint(table.aggregate_lock_seed())),
