@@ -60,9 +60,10 @@ END
 $fn$;
 
 -- The aggregates of a batch that cannot take a new head (all of them outside READ
--- COMMITTED): one scan of {ordered_idx} for every key at once.
+-- COMMITTED): one scan of {ordered_idx} for every key at once. Without the settings the
+-- planner may take a bitmap of the index's head column alone and filter every pending row.
 CREATE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
-LANGUAGE plpgsql SET enable_seqscan = off AS $fn$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k WHERE k IS NOT NULL);
