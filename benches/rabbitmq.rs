@@ -31,6 +31,18 @@
 //!   database server's is not counted), `broker_cpu_us=` the broker's while the consumer
 //!   drains (`?` when no `beam.smp` runs on this machine).
 //!
+//! - `latency`: an idle `Relay` (default settings, notify on) and an amiquip consumer on the
+//!   queue; 300 single-message commits, one at a time: `p50= p90= p99= max=` in ms from
+//!   COMMIT returned to the consumer holding the delivery, beside `notify_p50= notify_p99=`,
+//!   the floor: COMMIT of a bare `pg_notify` to its receipt on a listening connection, in the
+//!   same run. Then each stage's median and 99th percentile, `p50/p99` (from
+//!   `RelayConfig::metrics`' `notified` and `cycle`):
+//!   `stage_notified=` (COMMIT returned to the listener hearing it; negative when it heard it
+//!   first), `stage_woken=` (to the worker's claim being sent), `stage_claim=`,
+//!   `stage_publish=` (confirm included), `stage_delivered=` (confirm to delivery; negative
+//!   when the delivery came first) and `stage_record=` (after the delivery: it delays the next
+//!   message, not this one).
+//!
 //! Messages are persistent, 512 bytes, into a durable queue, purged before each measurement.
 //! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
 //! OUTBOX_BENCH_ROWS (default 100000), OUTBOX_BENCH_ORDERED_ROWS (backlog per `ordered`
@@ -44,6 +56,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amiquip::{
@@ -55,7 +68,7 @@ use common::{
 };
 use postgres::{Client, NoTls};
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, RabbitPublisher, AGGREGATE_HEADER};
-use postgres_outbox::{Message, Outbox, RelayConfig};
+use postgres_outbox::{CycleTimes, Message, Metrics, Outbox, Relay, RelayConfig};
 use r2d2_postgres::PostgresConnectionManager;
 
 const EXCHANGE: &str = "outbox.bench";
@@ -226,6 +239,10 @@ fn main() -> Result<()> {
             println!("{line}");
             drop_outbox(&mut client, &outbox)?;
         }
+    }
+    if wanted("latency") {
+        broker.purge()?;
+        latency(&mut client, &db_url, &amqp_url, 300)?;
     }
     if wanted("consumer") {
         for round in 1..=2 {
@@ -720,4 +737,194 @@ fn await_confirms(
         settle(open, confirms.recv()?);
     }
     Ok(())
+}
+
+/// A hook call and when: a notification heard (`None`) or a cycle ended.
+type Seen = (Instant, Option<CycleTimes>);
+
+/// What the relay's metrics hooks saw.
+#[derive(Clone, Default)]
+struct Stages(Arc<Mutex<Vec<Seen>>>);
+
+impl Metrics for Stages {
+    fn notified(&self) {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.push((Instant::now(), None));
+        }
+    }
+    fn cycle(&self, times: &CycleTimes) {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.push((Instant::now(), Some(*times)));
+        }
+    }
+}
+
+/// `latency`: see the crate docs above.
+fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) -> Result<()> {
+    const WAIT: Duration = Duration::from_secs(10);
+    let floor = notify_floor(client, db_url, commits)?;
+
+    let table = format!("bench_rmq_latency_{}", std::process::id());
+    let outbox = Outbox::builder().table(table).build()?;
+    drop_outbox(client, &outbox)?;
+    outbox.migrate(client)?;
+    let stages = Stages::default();
+    let config =
+        rabbit_relay(db_url, amqp_url, &outbox, DEFAULT_RELAY_POOL_SIZE)?.metrics(stages.clone());
+    let relay = Relay::spawn(config)?;
+
+    // The consumer: every delivery's key and when it arrived.
+    let (delivered_tx, delivered) = crossbeam_channel::unbounded::<(String, Instant)>();
+    let (ready_tx, ready) = crossbeam_channel::bounded::<std::result::Result<(), String>>(1);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = Arc::clone(&stop);
+    let receiving = std::thread::spawn(move || -> Result<()> {
+        let mut connection = Broker::connect()?.connection;
+        let channel = connection.open_channel(None)?;
+        let options = amiquip::ConsumerOptions {
+            no_ack: true,
+            ..amiquip::ConsumerOptions::default()
+        };
+        let consumer = channel.basic_consume(QUEUE, options)?;
+        let _ = ready_tx.send(Ok(()));
+        while !stopped.load(Ordering::SeqCst) {
+            match consumer.receiver().recv_timeout(Duration::from_millis(100)) {
+                Ok(amiquip::ConsumerMessage::Delivery(delivery)) => {
+                    let at = Instant::now();
+                    let key = delivery.properties.message_id().clone().unwrap_or_default();
+                    let _ = delivered_tx.send((key, at));
+                }
+                Ok(_) => return Err("the consumer was cancelled".into()),
+                Err(_) => {}
+            }
+        }
+        connection.close()?;
+        Ok(())
+    });
+    ready.recv_timeout(WAIT)??;
+    let listening = Instant::now();
+    while !relay.is_listening() {
+        if listening.elapsed() > WAIT {
+            return Err("the relay did not listen within 10 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let payload = vec![b'x'; PAYLOAD];
+    let mut totals = Vec::with_capacity(commits);
+    let mut parts: [Vec<f64>; 6] = Default::default();
+    for i in 0..commits {
+        // Idle again: the last cycle recorded, the worker back on its wait.
+        std::thread::sleep(Duration::from_millis(20));
+        stages.0.lock().map_err(|_| "poisoned")?.clear();
+        let key = format!("latency-{i}");
+        let mut tx = client.transaction()?;
+        outbox.enqueue(
+            &mut tx,
+            Message::new("bench.latency", payload.clone()).key(&key),
+        )?;
+        tx.commit()?;
+        let committed = Instant::now();
+        let arrived = loop {
+            let (got, at) = delivered.recv_timeout(WAIT)?;
+            if got == key {
+                break at;
+            }
+        };
+        totals.push(ms(arrived - committed));
+        // The cycle's hook runs after its record: wait for it.
+        let waited = Instant::now();
+        let seen = loop {
+            let seen = stages.0.lock().map_err(|_| "poisoned")?.clone();
+            if seen.iter().any(|(_, cycle)| cycle.is_some()) || waited.elapsed() > WAIT {
+                break seen;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let heard = seen.iter().find(|(_, cycle)| cycle.is_none()).map(|s| s.0);
+        if let Some((ended, Some(cycle))) = seen.iter().find(|(_, cycle)| cycle.is_some()) {
+            let recorded = *ended - cycle.record;
+            let published = recorded - cycle.publish;
+            let claim_sent = published - cycle.claim;
+            if let Some(heard) = heard {
+                parts[0].push(signed_ms(committed, heard));
+                parts[1].push(signed_ms(heard, claim_sent));
+            }
+            parts[2].push(ms(cycle.claim));
+            parts[3].push(ms(cycle.publish));
+            parts[4].push(signed_ms(recorded, arrived));
+            parts[5].push(ms(cycle.record));
+        }
+    }
+    relay.shutdown(Duration::from_secs(10))?;
+    stop.store(true, Ordering::SeqCst);
+    receiving.join().map_err(|_| "the consumer panicked")??;
+    drop_outbox(client, &outbox)?;
+
+    let woken_by_notify = parts[0].len();
+    let [p50, p90, p99, max] = percentiles(&mut totals);
+    let [floor50, _, floor99, _] = percentiles(&mut floor.clone());
+    let mut line = format!(
+        "bench=latency commits={commits} p50={p50:.2} p90={p90:.2} p99={p99:.2} max={max:.2} \
+         notify_p50={floor50:.2} notify_p99={floor99:.2} woken_by_notify={woken_by_notify}"
+    );
+    for (name, values) in [
+        "notified",
+        "woken",
+        "claim",
+        "publish",
+        "delivered",
+        "record",
+    ]
+    .iter()
+    .zip(parts.iter_mut())
+    {
+        let [p50, _, p99, _] = percentiles(values);
+        line.push_str(&format!(" stage_{name}={p50:.2}/{p99:.2}"));
+    }
+    println!("{line}");
+    Ok(())
+}
+
+/// COMMIT of a bare `pg_notify` to its receipt on a listening connection, in ms, `commits`
+/// times: the floor under any relay woken by notifications.
+fn notify_floor(client: &mut Client, db_url: &str, commits: usize) -> Result<Vec<f64>> {
+    let mut listener = Client::connect(db_url, NoTls)?;
+    listener.batch_execute("LISTEN bench_notify_floor")?;
+    let mut took = Vec::with_capacity(commits);
+    for _ in 0..commits {
+        let mut tx = client.transaction()?;
+        tx.execute("SELECT pg_notify('bench_notify_floor', '')", &[])?;
+        tx.commit()?;
+        let committed = Instant::now();
+        let mut notifications = listener.notifications();
+        let mut waiting = notifications.timeout_iter(Duration::from_secs(10));
+        if fallible_iterator::FallibleIterator::next(&mut waiting)?.is_none() {
+            return Err("a notification did not arrive within 10 s".into());
+        }
+        took.push(ms(committed.elapsed()));
+    }
+    Ok(took)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `to - from` in ms, negative when `to` came first.
+fn signed_ms(from: Instant, to: Instant) -> f64 {
+    match to.checked_duration_since(from) {
+        Some(d) => ms(d),
+        None => -ms(from - to),
+    }
+}
+
+/// Median, 90th and 99th percentiles and maximum (0 for none).
+fn percentiles(values: &mut [f64]) -> [f64; 4] {
+    if values.is_empty() {
+        return [0.0; 4];
+    }
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize];
+    [at(0.5), at(0.9), at(0.99), values[values.len() - 1]]
 }

@@ -11,8 +11,13 @@
 //! | `outbox_released_rows_total` | counter | `table` | claimed rows handed back unpublished |
 //! | `outbox_publisher_up` | gauge | `table` | 1 while the relay's publishers publish, 0 while they cannot reach the broker |
 //! | `outbox_database_stalls_total` | counter | `table` | relay connections given up because the database did not answer in time |
+//! | `outbox_notifications_total` | counter | `table` | producers' notifications that woke the relay |
+//! | `outbox_cycle_seconds` | histogram | `table`, `stage` | a worker cycle's `claim`, `publish` (confirms included) and `record` |
 //! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead`, `outbox_parked` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
+//! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
+//! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
+//! | `outbox_inactive_slots_wal_bytes`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
 //! | `outbox_consumer_duplicates_total` | counter | `queue`, `consumer` | redeliveries skipped |
@@ -26,7 +31,8 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::metrics::Metrics;
+use crate::health::Health;
+use crate::metrics::{CycleTimes, Metrics};
 use crate::operate::Stats;
 use crate::outbox::Outbox;
 use crate::publish::PublishError;
@@ -68,6 +74,46 @@ impl OutboxMetrics {
         OutboxMetrics {
             table: outbox.table().to_owned(),
         }
+    }
+
+    /// Sets the gauges from a [`Health`] diagnosis (see [`Outbox::health`]): dead and
+    /// live tuples per relation, the ages of the oldest transaction, prepared transaction
+    /// and due row (0 when none), the WAL the slots nothing reads from keep, and the number
+    /// of findings.
+    pub fn record_health(&self, health: &Health) {
+        let table = self.table.clone();
+        for (relation, figures) in [
+            ("outbox", &health.outbox_table),
+            ("inbox", &health.inbox_table),
+        ] {
+            let labels = [("table", table.clone()), ("relation", relation.to_owned())];
+            gauge!("outbox_dead_tuples", &labels).set(figures.dead_tuples as f64);
+            gauge!("outbox_live_tuples", &labels).set(figures.live_tuples as f64);
+        }
+        let ages = [
+            (
+                "outbox_oldest_transaction_age_seconds",
+                health.oldest_transaction.as_ref().map(|h| h.age),
+            ),
+            (
+                "outbox_oldest_prepared_transaction_age_seconds",
+                health.oldest_prepared.as_ref().map(|h| h.age),
+            ),
+            ("outbox_oldest_due_age_seconds", health.oldest_due_age),
+        ];
+        for (name, age) in ages {
+            let secs = age.map_or(0.0, |a| a.as_secs_f64());
+            gauge!(name, "table" => table.clone()).set(secs);
+        }
+        let idle_slots_wal: u64 = health
+            .slots
+            .iter()
+            .filter(|s| !s.active)
+            .map(|s| s.wal_bytes)
+            .sum();
+        gauge!("outbox_inactive_slots_wal_bytes", "table" => table.clone())
+            .set(idle_slots_wal as f64);
+        gauge!("outbox_health_findings", "table" => table).set(health.findings.len() as f64);
     }
 
     /// Sets the gauges from a [`Stats`] snapshot (see [`Outbox::stats`]).
@@ -141,6 +187,21 @@ impl Metrics for OutboxMetrics {
 
     fn database_stalled(&self, _waited: Duration) {
         counter!("outbox_database_stalls_total", "table" => self.table.clone()).increment(1);
+    }
+
+    fn notified(&self) {
+        counter!("outbox_notifications_total", "table" => self.table.clone()).increment(1);
+    }
+
+    fn cycle(&self, times: &CycleTimes) {
+        for (stage, took) in [
+            ("claim", times.claim),
+            ("publish", times.publish),
+            ("record", times.record),
+        ] {
+            histogram!("outbox_cycle_seconds", "table" => self.table.clone(), "stage" => stage)
+                .record(took.as_secs_f64());
+        }
     }
 }
 
@@ -302,6 +363,95 @@ mod tests {
                 ),
             ]
         );
+    }
+
+    #[test]
+    fn notifications_count_and_cycles_become_a_histogram_per_stage() {
+        let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
+        let seen = reported(|| {
+            metrics.notified();
+            metrics.cycle(&CycleTimes {
+                rows: 3,
+                claim: Duration::from_millis(1),
+                publish: Duration::from_millis(2),
+                record: Duration::from_millis(4),
+            });
+        });
+        let table = "table=orders_outbox".to_owned();
+        let stage = |name: &str, seconds: f64| {
+            (
+                MetricKind::Histogram,
+                "outbox_cycle_seconds".to_owned(),
+                vec![format!("stage={name}"), table.clone()],
+                DebugValue::Histogram(vec![seconds.into()]),
+            )
+        };
+        assert_eq!(
+            seen,
+            [
+                stage("claim", 0.001),
+                stage("publish", 0.002),
+                stage("record", 0.004),
+                (
+                    MetricKind::Counter,
+                    "outbox_notifications_total".into(),
+                    vec![table.clone()],
+                    DebugValue::Counter(1)
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn health_becomes_gauges() {
+        use crate::health::{Check, Finding, Holder, TableHealth};
+        let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
+        let health = Health {
+            outbox_table: TableHealth {
+                live_tuples: 10,
+                dead_tuples: 20_000,
+                since_vacuum: None,
+                since_analyze: None,
+            },
+            inbox_table: TableHealth::default(),
+            oldest_transaction: Some(Holder {
+                id: "42".into(),
+                age: Duration::from_secs(400),
+                what: "app, idle in transaction".into(),
+            }),
+            oldest_prepared: None,
+            slots: Vec::new(),
+            oldest_due_age: Some(Duration::from_millis(1500)),
+            findings: vec![Finding {
+                check: Check::DeadTuples,
+                problem: "p".into(),
+                remedy: "r".into(),
+            }],
+        };
+        let seen = reported(|| metrics.record_health(&health));
+        let gauge = |name: &str, labels: &[&str], value: f64| {
+            (
+                MetricKind::Gauge,
+                name.to_owned(),
+                labels.iter().map(|l| (*l).to_owned()).collect::<Vec<_>>(),
+                DebugValue::Gauge(value.into()),
+            )
+        };
+        let table = "table=orders_outbox";
+        for expected in [
+            gauge("outbox_dead_tuples", &["relation=outbox", table], 20_000.0),
+            gauge("outbox_dead_tuples", &["relation=inbox", table], 0.0),
+            gauge("outbox_oldest_transaction_age_seconds", &[table], 400.0),
+            gauge(
+                "outbox_oldest_prepared_transaction_age_seconds",
+                &[table],
+                0.0,
+            ),
+            gauge("outbox_oldest_due_age_seconds", &[table], 1.5),
+            gauge("outbox_health_findings", &[table], 1.0),
+        ] {
+            assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");
+        }
     }
 
     #[test]

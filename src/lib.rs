@@ -59,6 +59,7 @@ mod error;
 #[cfg(feature = "metrics")]
 pub mod facade;
 mod fault;
+mod health;
 mod lifecycle;
 mod message;
 mod metrics;
@@ -85,8 +86,9 @@ pub use error::{Error, Result};
 pub use facade::OutboxMetrics;
 #[cfg(all(feature = "metrics", feature = "rabbitmq"))]
 pub use facade::QueueMetrics;
+pub use health::{Check, Finding, Health, HealthThresholds, Holder, Slot, TableHealth};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-pub use metrics::{Metrics, NoMetrics};
+pub use metrics::{CycleTimes, Metrics, NoMetrics};
 #[allow(deprecated)]
 pub use operate::{
     DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection, Stats, TopicStats,

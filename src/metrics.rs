@@ -47,6 +47,24 @@ pub trait Metrics: Send + Sync {
     /// statement timeout and a margin): the connection was given up as stalled and another
     /// opened. Nothing is charged to any message.
     fn database_stalled(&self, _waited: Duration) {}
+    /// The listener heard a notification from a producer's commit and is waking a worker.
+    fn notified(&self) {}
+    /// A worker's cycle that claimed rows ended: where its time went.
+    fn cycle(&self, _times: &CycleTimes) {}
+}
+
+/// Where one worker cycle's time went, from the claim being sent to the outcomes recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CycleTimes {
+    /// Rows claimed.
+    pub rows: usize,
+    /// The claim statement, sent to answered.
+    pub claim: Duration,
+    /// Publishing the batch, confirms included.
+    pub publish: Duration,
+    /// Recording the outcomes.
+    pub record: Duration,
 }
 
 /// The default: observe nothing.
@@ -96,6 +114,12 @@ impl<M: Metrics> Metrics for Guarded<M> {
     }
     fn publisher_up(&self) {
         self.call("publisher_up", |m| m.publisher_up());
+    }
+    fn notified(&self) {
+        self.call("notified", |m| m.notified());
+    }
+    fn cycle(&self, times: &CycleTimes) {
+        self.call("cycle", |m| m.cycle(times));
     }
     fn database_stalled(&self, waited: Duration) {
         self.call("database_stalled", |m| m.database_stalled(waited));

@@ -106,6 +106,45 @@ const FILTER: &str = "t.status = ANY($5::text[])
      AND ($3::text IS NULL OR strpos(t.last_error, $3) > 0)
      AND ($4::bigint IS NULL OR t.done_at < now() - $4 * interval '1 microsecond')";
 
+/// Live and dead tuples, ages of the last vacuum and analyze (manual or auto) of the
+/// relations named in `$1` and `$2`.
+const HEALTH_TABLES: &str = "SELECT v.which, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
+            extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8,
+            extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
+     FROM (VALUES ('outbox', to_regclass($1)), ('inbox', to_regclass($2))) AS v(which, rel)
+     LEFT JOIN pg_stat_user_tables s ON s.relid = v.rel
+     ORDER BY v.which DESC";
+
+/// The oldest open transaction that holds back the xmin horizon of this database (a
+/// backend with a snapshot or a transaction id: vacuum keeps every row version it may
+/// see), other than the caller's. No query text: it may carry a payload.
+pub(crate) const HEALTH_TRANSACTION: &str =
+    "SELECT pid::text, extract(epoch FROM now() - xact_start)::float8,
+            coalesce(nullif(application_name, ''), backend_type) || ', ' || coalesce(state, '?')
+     FROM pg_stat_activity
+     WHERE pid <> pg_backend_pid() AND xact_start IS NOT NULL
+       AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+       AND (datname = current_database() OR backend_type = 'walsender')
+     ORDER BY xact_start LIMIT 1";
+
+/// The oldest prepared transaction: it holds the xmin horizon until committed or rolled
+/// back, whoever prepared it.
+pub(crate) const HEALTH_PREPARED: &str =
+    "SELECT gid, extract(epoch FROM now() - prepared)::float8, 'database ' || database
+     FROM pg_prepared_xacts ORDER BY prepared LIMIT 1";
+
+/// Replication slots nothing reads from, with the xmin they hold (in transactions) and the
+/// WAL they keep (in bytes), the oldest horizon first.
+pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
+            greatest(age(xmin), age(catalog_xmin))::bigint,
+            coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()
+                                          ELSE pg_current_wal_lsn() END,
+                                     restart_lsn), 0)::bigint,
+            slot_type || CASE WHEN active THEN ', active' ELSE ', inactive' END,
+            active
+     FROM pg_replication_slots
+     ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC NULLS LAST, restart_lsn";
+
 /// How many rows one purge statement deletes, so no statement holds locks for long.
 pub(crate) const PURGE_BATCH: i64 = 1000;
 
@@ -148,6 +187,10 @@ pub(crate) struct Statements {
     pub(crate) skip_where: String,
     pub(crate) purge_where: String,
     pub(crate) topic_stats: String,
+    /// The outbox's and the inbox's vacuum figures, `$1` and `$2` their quoted names.
+    pub(crate) health_tables: String,
+    /// How long the oldest due ready row has waited, in seconds (NULL when none is due).
+    pub(crate) health_due: String,
     pub(crate) purge_inbox_keys: String,
     pub(crate) count_inbox_keys: String,
     pub(crate) count_inbox_older: String,
@@ -169,6 +212,8 @@ pub(crate) struct Statements {
     pub(crate) claim: String,
     /// The claim, its aggregate scan starting after the key in `$4`.
     pub(crate) claim_after: String,
+    /// The claim of the ready rows alone, after a producer's notification.
+    pub(crate) claim_ready: String,
     pub(crate) record_outcomes: String,
     pub(crate) migrations_table: String,
     pub(crate) applied_versions: String,
@@ -326,6 +371,13 @@ impl Statements {
             )?,
             // Pending rows through their two partial indexes, dead ones through the done
             // index: sent rows, however many, are never read.
+            health_tables: values.render(HEALTH_TABLES)?,
+            // The first entry of the ready index: the oldest row a relay could take as it is.
+            health_due: values.render(
+                "SELECT extract(epoch FROM now() - min(available_at))::float8 FROM {table}
+                 WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
+                   AND available_at <= now()"
+            )?,
             topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
                    SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
@@ -408,6 +460,7 @@ impl Statements {
             )?,
             claim: claim(&t, "")?,
             claim_after: claim(&t, "AND b.aggregate_key > $4")?,
+            claim_ready: claim_ready(&t)?,
             // Every outcome of a batch in one statement, each row fenced on id + the attempts
             // it had when claimed + still pending + the lease its claim stamped, so a relay
             // whose lease was lost and whose row was claimed since changes nothing, however
@@ -612,7 +665,6 @@ pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// aggregate this claim took from the scan, else after the last one it visited, or at the
 /// first (NULL) once the scan has passed the last aggregate.
 fn claim(t: &str, after: &str) -> Result<String, RenderError> {
-    let over = "t.claims + 1 > $7";
     // The rows of the skip scan: those of an aggregate that were not marked as its head.
     let behind = "b.status IN ('pending', 'parked') AND b.aggregate_key IS NOT NULL AND NOT b.head";
     // A row found by the scan is due when it is pending, its time has come and no marked
@@ -723,26 +775,7 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
                     sum(coalesce(bytes, 0)) OVER k AS total
              FROM picked WINDOW k AS (ORDER BY hpos, rn, id)) p
            WHERE rank <= $1 AND (rank = 1 OR total <= $3)),
-         upd AS (
-           UPDATE {table} t SET
-             claims = t.claims + 1,
-             status = CASE WHEN NOT {over} THEN 'pending'
-                           WHEN {parks} THEN 'parked' ELSE 'dead' END,
-             available_at = CASE WHEN {over} THEN t.available_at
-                                 ELSE now() + $2::bigint * interval '1 microsecond' END,
-             lease_until = CASE WHEN {over} THEN NULL
-                                ELSE now() + $2::bigint * interval '1 microsecond' END,
-             done_at = CASE WHEN {over} THEN now() END,
-             last_error = CASE WHEN {over}
-                            THEN 'claimed ' || t.claims + 1 || ' times in a row without an '
-                                 || 'outcome (a relay crashed, or lost its connection, with '
-                                 || 'the message in hand each time): more than max_claims ('
-                                 || $7 || ') allows'
-                            ELSE t.last_error END
-           -- An id list, not a join: a join may be planned as a merge along the primary key
-           -- from its first id, through every sent row.
-           WHERE t.id = ANY (ARRAY(SELECT id FROM take))
-           RETURNING {claimed_columns}, t.status, t.claims),
+         upd AS ({lease_taken}),
          scan AS (
            SELECT coalesce(
              (SELECT aggregate_key FROM take WHERE scanned ORDER BY rank DESC LIMIT 1),
@@ -757,9 +790,82 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
             ("behind", behind),
             ("b_due", &b_due),
             ("bytes", bytes),
+            ("lease_taken", &lease_taken(t)?),
+        ],
+    )
+}
+
+/// The lease a claim takes on the rows of its `take`, in the statement's parameters `$2`
+/// (lease), `$7` (`max_claims`) and `$8` (parks): one more claim without an outcome, or the
+/// end of a crash loop (see [`claim`]).
+fn lease_taken(t: &str) -> Result<String, RenderError> {
+    let over = "t.claims + 1 > $7";
+    render(
+        "UPDATE {table} t SET
+  claims = t.claims + 1,
+  status = CASE WHEN NOT {over} THEN 'pending'
+                WHEN {parks} THEN 'parked' ELSE 'dead' END,
+  available_at = CASE WHEN {over} THEN t.available_at
+                      ELSE now() + $2::bigint * interval '1 microsecond' END,
+  lease_until = CASE WHEN {over} THEN NULL
+                     ELSE now() + $2::bigint * interval '1 microsecond' END,
+  done_at = CASE WHEN {over} THEN now() END,
+  last_error = CASE WHEN {over}
+                 THEN 'claimed ' || t.claims + 1 || ' times in a row without an '
+                      || 'outcome (a relay crashed, or lost its connection, with '
+                      || 'the message in hand each time): more than max_claims ('
+                      || $7 || ') allows'
+                 ELSE t.last_error END
+-- An id list, not a join: a join may be planned as a merge along the primary key
+-- from its first id, through every sent row.
+WHERE t.id = ANY (ARRAY(SELECT id FROM take))
+RETURNING {claimed_columns}, t.status, t.claims",
+        &[
+            ("table", t),
             ("over", over),
             ("parks", PARKS),
             ("claimed_columns", &claimed_columns()?),
+        ],
+    )
+}
+
+/// The claim of a worker woken by a producer's notification: the ready rows alone (rows
+/// without an aggregate key and heads marked at enqueue, see [`claim`]), oldest due first,
+/// as many as `$1` rows and `$3` bytes allow, under the same lease, with the same columns
+/// and parameters (`$4`, `$5`, `$6` and `$9` unused) and no cursor. A commit that notified
+/// made its rows ready, unless an earlier row of their aggregate is still pending (those
+/// wait for that row's outcome, which wakes the full claim) or the commit wrote several rows
+/// of one aggregate: then rows wait behind a ready head, and this claim takes nothing, so
+/// that the full claim takes each head with its run. So it reads an index range a few rows
+/// long and probes the aggregates it found, where the full claim scans the aggregates for
+/// heads. A worker falls back to the full claim when this one takes nothing, and claims
+/// fully after it, so nothing waits longer for it.
+fn claim_ready(t: &str) -> Result<String, RenderError> {
+    let bytes = "octet_length(o.payload) + pg_column_size(o.headers)";
+    render(
+        "WITH ready AS (
+           SELECT o.id, o.aggregate_key, o.available_at, {bytes} AS bytes FROM {table} o
+           WHERE o.status = 'pending' AND (o.head OR o.aggregate_key IS NULL)
+             AND o.available_at <= now()
+           ORDER BY o.available_at, o.id
+           LIMIT $1
+           FOR UPDATE SKIP LOCKED),
+         runs AS (
+           SELECT EXISTS (SELECT 1 FROM ready r JOIN {table} b
+                            ON NOT b.head AND b.aggregate_key = r.aggregate_key
+                               AND b.id > r.id AND b.status IN ('pending', 'parked'))
+             AS found),
+         take AS (
+           SELECT id FROM (
+             SELECT id, row_number() OVER k AS rank, sum(coalesce(bytes, 0)) OVER k AS total
+             FROM ready WINDOW k AS (ORDER BY available_at, id)) p
+           WHERE (rank = 1 OR total <= $3) AND NOT (SELECT found FROM runs)),
+         upd AS ({lease_taken})
+         SELECT upd.*, NULL::text AS next_cursor, 0::bigint AS seen FROM upd",
+        &[
+            ("table", t),
+            ("bytes", bytes),
+            ("lease_taken", &lease_taken(t)?),
         ],
     )
 }
@@ -1012,6 +1118,16 @@ mod tests {
                 "0008_head_probes_per_aggregate",
                 0xeec1b188035b2448,
                 0xcbc069093c36ce49,
+            ),
+            (
+                "0009_claims_apart_from_attempts",
+                0xbed491a7945f8c57,
+                0xaf078c24e632a2de,
+            ),
+            (
+                "0010_leaner_enqueue",
+                0xdb1079ae496e4e8e,
+                0xd3ba2430a8227447,
             ),
         ];
         let fnv = |text: &str| {

@@ -85,6 +85,9 @@ pub(crate) struct ClaimRequest {
     pub(crate) max_claims: u32,
     /// Whether a row that dies here parks its aggregate, unless it says.
     pub(crate) park: bool,
+    /// Only the ready rows, with no aggregate scan (see `sql::claim_ready`); `after` and
+    /// `seen` are then ignored, and the result carries no cursor.
+    pub(crate) ready_only: bool,
 }
 
 impl ClaimRequest {
@@ -104,6 +107,7 @@ impl ClaimRequest {
             seen: 0,
             max_claims,
             park,
+            ready_only: false,
         }
     }
 }
@@ -152,6 +156,7 @@ pub(crate) fn claim(
     let max_claims = i32::try_from(request.max_claims).unwrap_or(i32::MAX);
     let sql = outbox.statements();
     let (statement, after) = match &request.after {
+        _ if request.ready_only => (&sql.claim_ready, ""),
         Some(key) => (&sql.claim_after, key.as_str()),
         None => (&sql.claim, ""),
     };

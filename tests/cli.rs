@@ -112,6 +112,36 @@ fn stats_show_states_ages_and_topics() {
 }
 
 #[test]
+fn doctor_says_ok_or_names_the_problem_and_exits_1() {
+    let (outbox, mut client) = common::outbox("cli_doctor");
+    let out = ok(&outbox, &["doctor"]);
+    assert!(out.contains("ok: nothing needs attention"), "{out}");
+    let report = json(&ok(&outbox, &["doctor", "--json"]));
+    assert_eq!(report["healthy"], true);
+    assert_eq!(report["oldest_due_age_secs"], Value::Null);
+
+    let mut tx = client.transaction().unwrap();
+    outbox.enqueue(&mut tx, Message::new("t", "p")).unwrap();
+    tx.commit().unwrap();
+    // Due for less than the default minute: still healthy.
+    assert!(ok(&outbox, &["doctor"]).contains("ok: nothing needs attention"));
+    // What it found goes to stdout, the exit code says there was something.
+    let found = |args: &[&str]| {
+        let output = cli(&outbox).args(args).output().expect("run the binary");
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        String::from_utf8(output.stdout).expect("utf-8 output")
+    };
+    let out = found(&["doctor", "--due-age", "0s"]);
+    assert!(out.contains("no relay claimed"), "{out}");
+    assert!(out.contains("remedy:"), "{out}");
+    let out = found(&["doctor", "--json", "--due-age", "0s"]);
+    let report = json(out.lines().next().unwrap_or_default());
+    assert_eq!(report["healthy"], false);
+    assert_eq!(report["findings"][0]["check"], "due");
+    fails(&outbox, &["doctor", "--due-age", "soon"], 2);
+}
+
+#[test]
 fn dead_lists_and_groups_what_its_filters_name() {
     let (outbox, mut client) = outbox("cli_dead");
     operator_rows(&mut client, &outbox);

@@ -17,7 +17,7 @@ use postgres::config::SslMode;
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, RabbitPublisher};
-use postgres_outbox::{Connections, Filter, Outbox, Relay, RelayConfig, Rows};
+use postgres_outbox::{Connections, Filter, HealthThresholds, Outbox, Relay, RelayConfig, Rows};
 use serde_json::{json, Value};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
@@ -53,6 +53,18 @@ enum Command {
     Sql,
     /// Rows by state, the oldest pending and blocked ages, and per topic pending and dead.
     Stats {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Diagnose the outbox: dead tuples and vacuum, what holds back the xmin horizon (an old
+    /// transaction, a prepared transaction, a replication slot), rows due and not claimed.
+    /// Exits with 1 when something is wrong.
+    Doctor {
+        /// A row due this long and not claimed is a problem (like 30s or 5m; keep it above
+        /// the relays' poll interval).
+        #[arg(long, default_value = "1m", value_parser = humantime::parse_duration)]
+        due_age: Duration,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -286,6 +298,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("migrated {}", outbox.table());
         }
         Command::Stats { json } => stats(&outbox, &mut client, json)?,
+        Command::Doctor { due_age, json } => {
+            let thresholds = HealthThresholds::default().due_age(due_age);
+            if !doctor(&outbox, &mut client, &thresholds, json)? {
+                return Err(DOCTOR_FOUND.into());
+            }
+        }
         Command::Dead {
             limit,
             by_error,
@@ -487,6 +505,94 @@ fn human(age: Option<Duration>) -> String {
 
 fn time(at: SystemTime) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// The error `doctor` ends with when it found something, after printing what.
+const DOCTOR_FOUND: &str = "the outbox needs attention (see above)";
+
+/// Prints the diagnosis; true when healthy.
+fn doctor(
+    outbox: &Outbox,
+    client: &mut Client,
+    thresholds: &HealthThresholds,
+    as_json: bool,
+) -> Result<bool> {
+    let health = outbox.health_with(client, thresholds)?;
+    let tables = [
+        (outbox.table().to_owned(), &health.outbox_table),
+        (format!("{}_inbox", outbox.table()), &health.inbox_table),
+    ];
+    if as_json {
+        let holder = |h: &Option<postgres_outbox::Holder>| {
+            h.as_ref().map_or(
+                Value::Null,
+                |h| json!({"id": h.id, "age_secs": h.age.as_secs_f64(), "what": h.what}),
+            )
+        };
+        let value = json!({
+            "table": outbox.table(),
+            "healthy": health.is_healthy(),
+            "tables": tables.iter().map(|(name, t)| json!({
+                "table": name,
+                "live_tuples": t.live_tuples,
+                "dead_tuples": t.dead_tuples,
+                "since_vacuum_secs": secs(t.since_vacuum),
+                "since_analyze_secs": secs(t.since_analyze),
+            })).collect::<Vec<_>>(),
+            "oldest_transaction": holder(&health.oldest_transaction),
+            "oldest_prepared": holder(&health.oldest_prepared),
+            "slots": health.slots.iter().map(|s| json!({
+                "name": s.name, "xmin_age": s.xmin_age, "wal_bytes": s.wal_bytes,
+                "active": s.active,
+            })).collect::<Vec<_>>(),
+            "oldest_due_age_secs": secs(health.oldest_due_age),
+            "findings": health.findings.iter().map(|f| json!({
+                "check": f.check.name(), "problem": f.problem, "remedy": f.remedy,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{value}");
+        return Ok(health.is_healthy());
+    }
+    for (name, t) in &tables {
+        println!(
+            "{name}: {} live, {} dead tuples; vacuumed {} ago, analyzed {} ago",
+            t.live_tuples,
+            t.dead_tuples,
+            human(t.since_vacuum),
+            human(t.since_analyze)
+        );
+    }
+    if let Some(h) = &health.oldest_transaction {
+        println!(
+            "oldest transaction: backend {} ({}), open {}",
+            h.id,
+            h.what,
+            human(Some(h.age))
+        );
+    }
+    if let Some(h) = &health.oldest_prepared {
+        println!(
+            "oldest prepared transaction: '{}' ({}), {} old",
+            h.id,
+            h.what,
+            human(Some(h.age))
+        );
+    }
+    for s in &health.slots {
+        println!(
+            "replication slot {} ({}): {} bytes of WAL",
+            s.name, s.what, s.wal_bytes
+        );
+    }
+    println!("oldest due row: {}", human(health.oldest_due_age));
+    if health.is_healthy() {
+        println!("ok: nothing needs attention");
+    }
+    for finding in &health.findings {
+        println!("problem: {}", finding.problem);
+        println!("  remedy: {}", finding.remedy);
+    }
+    Ok(health.is_healthy())
 }
 
 fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {

@@ -106,9 +106,8 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
             // LISTEN again (a no-op), so it stays the last statement pg_stat_activity shows.
             run_batch(session, &listen)?;
         }
-        if session.run_for(STOP_CHECK, notified)? {
-            shared.wake_one();
-        }
+        let on_notified = shared.on_notified();
+        session.run_for(STOP_CHECK, move |conn| notified(conn, on_notified))?;
         if last_check.elapsed() >= LIVENESS_CHECK {
             let listen = listen.clone();
             session.run_for(LIVENESS_WAIT, move |conn| {
@@ -124,25 +123,30 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
 }
 
 /// Waits up to `STOP_CHECK` for a notification, then takes whatever else has arrived
-/// without waiting again. True if any came.
-fn notified(conn: &mut crate::store::Conn<'_, postgres::Client>) -> Result<bool> {
+/// without waiting again, and calls `on_notified` once if any came.
+fn notified(
+    conn: &mut crate::store::Conn<'_, postgres::Client>,
+    on_notified: impl Fn(),
+) -> Result<()> {
     let client = &mut *conn.client;
-    let woken = {
+    {
         let mut notifications = client.notifications();
-        let woken = notifications
+        if notifications
             .timeout_iter(STOP_CHECK)
             .next()
             .map_err(Error::Db)?
-            .is_some();
+            .is_some()
+        {
+            on_notified();
+        }
         let mut queued = notifications.iter();
         while queued.next().map_err(Error::Db)?.is_some() {}
-        woken
-    };
+    }
     // The iterator ends quietly on a closed connection as well as on a timeout.
     if client.is_closed() {
         client.check_connection().map_err(Error::Db)?;
     }
-    Ok(woken)
+    Ok(())
 }
 
 fn run_batch(session: &mut Session, statement: &str) -> Result<()> {

@@ -37,7 +37,7 @@ use crate::lifecycle::Threads;
 use crate::retry::reconnect_delay;
 use crate::session::{sql_setup, Session};
 use crate::store;
-use shared::Shared;
+use shared::{Shared, Wake};
 use worker::{Alone, Cycle, Worker};
 
 /// Panics in a row, with no cycle finishing in between, after which a worker gives up and
@@ -343,7 +343,11 @@ fn run_worker(shared: &Shared, name: &str) {
                 let _idle = shared.waiting.idle();
                 select! {
                     recv(shared.stop.receiver()) -> _ => {},
-                    recv(shared.wake) -> _ => {},
+                    recv(shared.wake) -> wake => {
+                        if wake == Ok(Wake::Notified) {
+                            worker.notified();
+                        }
+                    },
                     recv(at(clock::deadline(poll))) -> _ => {},
                 }
                 continue;

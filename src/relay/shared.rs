@@ -2,7 +2,7 @@
 //! wake-ups, and the counts the shutdown reports.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -14,6 +14,15 @@ use super::worker::Control;
 use crate::error::Error;
 use crate::lifecycle::StopSignal;
 
+/// Why an idle worker was woken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wake {
+    /// Rows may be due: claim as usual.
+    Look,
+    /// A producer's commit announced rows: they are most likely ready, so claim those first.
+    Notified,
+}
+
 /// State every relay thread shares.
 pub(crate) struct Shared {
     pub(super) config: RelayConfig,
@@ -21,8 +30,8 @@ pub(crate) struct Shared {
     pub(super) stop: StopSignal,
     /// Why the relay stopped on its own, if it did.
     fatal: Mutex<Option<Error>>,
-    wake_tx: Sender<()>,
-    pub(super) wake: Receiver<()>,
+    wake_tx: Sender<Wake>,
+    pub(super) wake: Receiver<Wake>,
     pub(super) listening: AtomicBool,
     /// This relay's row in `<table>_waiting`, while a worker waits.
     pub(super) waiting: Waiting,
@@ -36,7 +45,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(super) fn new(config: RelayConfig) -> Shared {
-        let (wake_tx, wake) = bounded::<()>(config.concurrency);
+        let (wake_tx, wake) = bounded::<Wake>(config.concurrency);
         Shared {
             config,
             stop: StopSignal::new(),
@@ -71,7 +80,18 @@ impl Shared {
 
     /// Wakes one idle worker (if none is idle, a busy one claims again anyway).
     pub(super) fn wake_one(&self) {
-        let _ = self.wake_tx.try_send(());
+        let _ = self.wake_tx.try_send(Wake::Look);
+    }
+
+    /// What the listener's connection thread calls when a producer's commit announced rows:
+    /// it wakes an idle worker from there, a thread hand-over sooner than the listener could.
+    pub(super) fn on_notified(&self) -> impl Fn() + Send + 'static {
+        let wake = self.wake_tx.clone();
+        let metrics = Arc::clone(&self.config.metrics);
+        move || {
+            metrics.notified();
+            let _ = wake.try_send(Wake::Notified);
+        }
     }
 }
 

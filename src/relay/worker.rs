@@ -15,6 +15,7 @@ use super::health::Access;
 use super::rounds::in_round_order;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
+use crate::metrics::CycleTimes;
 use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
@@ -93,6 +94,9 @@ pub(crate) struct Worker<'a> {
     /// `lap_seen`, so that every aggregate can be in flight. Otherwise the claim is the
     /// cost, and long runs of the aggregates after the cursor fill a batch per claim.
     confirm_bound: bool,
+    /// The next claim first takes the ready rows alone: a producer's notification woke the
+    /// worker.
+    ready_first: bool,
     db_failures: u32,
 }
 
@@ -145,6 +149,7 @@ impl<'a> Worker<'a> {
             cursor: None,
             lap_seen: 0,
             confirm_bound: false,
+            ready_first: false,
             db_failures: 0,
         }
     }
@@ -158,6 +163,11 @@ impl<'a> Worker<'a> {
                 .map(drop)
                 .map_err(crate::Error::Db)
         })
+    }
+
+    /// A producer's notification woke the worker: its next claim takes the ready rows first.
+    pub(crate) fn notified(&mut self) {
+        self.ready_first = true;
     }
 
     /// After a panic escaped a cycle: start again with a fresh connection and publisher.
@@ -230,6 +240,7 @@ impl<'a> Worker<'a> {
         let claimed_ordered = claimed.records.iter().any(|r| r.aggregate_key.is_some());
         let mut outcomes = self.finish_unpublishable(&claimed);
         let published_at = Instant::now();
+        let claim_took = published_at - claimed_at;
         let pause = self.publish(
             claimed.records,
             claimed.ended,
@@ -238,10 +249,18 @@ impl<'a> Worker<'a> {
             control,
             &mut outcomes,
         );
+        let recorded_at = Instant::now();
+        let publish_took = recorded_at - published_at;
         if claimed_ordered {
-            self.confirm_bound = published_at.elapsed() > published_at - claimed_at;
+            self.confirm_bound = publish_took > claim_took;
         }
         self.record(&outcomes, control)?;
+        config.metrics.cycle(&CycleTimes {
+            rows: n,
+            claim: claim_took,
+            publish: publish_took,
+            record: recorded_at.elapsed(),
+        });
         // Heads just recorded make their aggregates' next messages due: an idle worker can
         // take some of them while this one claims again.
         if claimed_ordered {
@@ -260,6 +279,26 @@ impl<'a> Worker<'a> {
     fn claim(&mut self) -> Result<Claimed> {
         const LOOKS: u32 = 4;
         let config = self.config;
+        if std::mem::take(&mut self.ready_first) {
+            let request = ClaimRequest {
+                rows: config.batch_size,
+                bytes: config.worker_bytes(),
+                lease: config.lease,
+                after: None,
+                workers: config.concurrency,
+                seen: 0,
+                max_claims: config.retry.max_claims,
+                park: config.park,
+                ready_only: true,
+            };
+            let outbox = config.outbox.clone();
+            let claimed = self
+                .session
+                .run(move |conn| store::claim(conn, &outbox, &request))?;
+            if claimed.len() > 0 {
+                return Ok(claimed);
+            }
+        }
         let mut looks = 0;
         loop {
             let request = ClaimRequest {
@@ -271,6 +310,7 @@ impl<'a> Worker<'a> {
                 seen: if self.confirm_bound { self.lap_seen } else { 0 },
                 max_claims: config.retry.max_claims,
                 park: config.park,
+                ready_only: false,
             };
             let from_start = request.after.is_none();
             let outbox = config.outbox.clone();

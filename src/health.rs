@@ -1,0 +1,400 @@
+//! An outbox that diagnoses its own table: dead tuples and vacuum, what holds back the xmin
+//! horizon (an open transaction, a prepared one, a replication slot), and rows left due.
+//!
+//! A queue table is written to and deleted from all day, so it lives on vacuum: anything
+//! that keeps vacuum from removing dead row versions makes every claim read more of them.
+//! [`Outbox::health`] reads the server's own statistics (a handful of catalog rows and one
+//! index entry, whatever the backlog) and says, for each figure past its threshold, what
+//! is wrong and what to do.
+
+use std::fmt;
+use std::time::Duration;
+
+use postgres::Client;
+
+use crate::error::Result;
+use crate::outbox::Outbox;
+use crate::sql;
+
+/// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
+/// hear sooner.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthThresholds {
+    dead_tuples: u64,
+    dead_ratio: f64,
+    transaction_age: Duration,
+    prepared_age: Duration,
+    slot_wal_bytes: u64,
+    due_age: Duration,
+}
+
+impl Default for HealthThresholds {
+    fn default() -> Self {
+        HealthThresholds {
+            dead_tuples: 10_000,
+            dead_ratio: 0.2,
+            transaction_age: Duration::from_secs(300),
+            prepared_age: Duration::from_secs(60),
+            slot_wal_bytes: 1 << 30,
+            due_age: Duration::from_secs(60),
+        }
+    }
+}
+
+impl HealthThresholds {
+    /// A table has too many dead tuples past `count` of them and `ratio` of its live ones
+    /// (default 10,000 and 0.2).
+    pub fn dead_tuples(mut self, count: u64, ratio: f64) -> Self {
+        self.dead_tuples = count;
+        self.dead_ratio = ratio;
+        self
+    }
+
+    /// A transaction holding the xmin horizon is a problem once open this long (default 5
+    /// minutes).
+    pub fn transaction_age(mut self, age: Duration) -> Self {
+        self.transaction_age = age;
+        self
+    }
+
+    /// A prepared transaction is a problem once this old (default 1 minute).
+    pub fn prepared_age(mut self, age: Duration) -> Self {
+        self.prepared_age = age;
+        self
+    }
+
+    /// A replication slot nothing reads from is a problem once it keeps this much WAL
+    /// (default 1 GiB), or at once when it holds an xmin.
+    pub fn slot_wal_bytes(mut self, bytes: u64) -> Self {
+        self.slot_wal_bytes = bytes;
+        self
+    }
+
+    /// A row due this long and still not claimed means no relay claims (default 1 minute;
+    /// keep it above the relays' poll interval).
+    pub fn due_age(mut self, age: Duration) -> Self {
+        self.due_age = age;
+        self
+    }
+}
+
+/// What [`Outbox::health`] measured, and what it found wrong.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Health {
+    /// The outbox table.
+    pub outbox_table: TableHealth,
+    /// The consumers' deduplication table.
+    pub inbox_table: TableHealth,
+    /// The oldest transaction of this database holding back the xmin horizon.
+    pub oldest_transaction: Option<Holder>,
+    /// The oldest prepared transaction.
+    pub oldest_prepared: Option<Holder>,
+    /// Every replication slot, the one holding the oldest xmin first.
+    pub slots: Vec<Slot>,
+    /// How long the oldest row a relay could take as it is has been due (rows without an
+    /// aggregate key and aggregates' heads marked at enqueue).
+    pub oldest_due_age: Option<Duration>,
+    /// Figures past their thresholds, each with its remedy; empty when all is well.
+    pub findings: Vec<Finding>,
+}
+
+impl Health {
+    /// No finding.
+    pub fn is_healthy(&self) -> bool {
+        self.findings.is_empty()
+    }
+}
+
+/// A table's figures from the server's statistics (`pg_stat_user_tables`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TableHealth {
+    /// Estimated live row versions.
+    pub live_tuples: u64,
+    /// Estimated dead row versions: deleted or updated rows vacuum has not removed yet.
+    pub dead_tuples: u64,
+    /// Since the last vacuum, manual or auto; `None` if never.
+    pub since_vacuum: Option<Duration>,
+    /// Since the last analyze, manual or auto; `None` if never.
+    pub since_analyze: Option<Duration>,
+}
+
+/// Something holding the xmin horizon: a backend (`id` its pid) or a prepared transaction
+/// (`id` its gid).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The pid or the gid.
+    pub id: String,
+    /// How long it has been open.
+    pub age: Duration,
+    /// Who it is: the application name and state, or the database.
+    pub what: String,
+}
+
+/// A replication slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Slot {
+    /// The slot's name.
+    pub name: String,
+    /// The age, in transactions, of the xmin (or catalog xmin) it holds, if it holds one.
+    pub xmin_age: Option<i64>,
+    /// The WAL it keeps, in bytes.
+    pub wal_bytes: u64,
+    /// Whether something reads from it now.
+    pub active: bool,
+    /// Its type and whether it is active.
+    pub what: String,
+}
+
+/// What a finding is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Check {
+    /// Dead tuples in the outbox or inbox table.
+    DeadTuples,
+    /// A long open transaction.
+    Transaction,
+    /// An old prepared transaction.
+    PreparedTransaction,
+    /// A replication slot nothing reads from.
+    ReplicationSlot,
+    /// Rows due and not claimed.
+    Due,
+}
+
+impl Check {
+    /// A short name: `dead_tuples`, `transaction`, `prepared_transaction`,
+    /// `replication_slot`, `due`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::DeadTuples => "dead_tuples",
+            Check::Transaction => "transaction",
+            Check::PreparedTransaction => "prepared_transaction",
+            Check::ReplicationSlot => "replication_slot",
+            Check::Due => "due",
+        }
+    }
+}
+
+/// A figure past its threshold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Finding {
+    /// What it is about.
+    pub check: Check,
+    /// What is wrong, with the figure.
+    pub problem: String,
+    /// What to do, in one line.
+    pub remedy: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.problem, self.remedy)
+    }
+}
+
+fn seconds(secs: Option<f64>) -> Option<Duration> {
+    secs.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX))
+}
+
+fn whole(age: Duration) -> String {
+    format!("{}s", age.as_secs())
+}
+
+impl Outbox {
+    /// Diagnoses the outbox with the default [`HealthThresholds`]; see
+    /// [`health_with`](Outbox::health_with).
+    pub fn health(&self, client: &mut Client) -> Result<Health> {
+        self.health_with(client, &HealthThresholds::default())
+    }
+
+    /// Diagnoses the outbox: dead tuples and the last vacuum and analyze of its tables, the
+    /// oldest transaction and prepared transaction holding back the xmin horizon, the
+    /// replication slots, and how long the oldest ready row has been due. Every figure past
+    /// `thresholds` is a [`Finding`] with its remedy. Its cost does not grow with the table:
+    /// catalog rows and one index entry.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let health = postgres_outbox::Outbox::new("orders_outbox")?.health(&mut client)?;
+    /// for finding in &health.findings {
+    ///     eprintln!("{finding}");
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn health_with(
+        &self,
+        client: &mut Client,
+        thresholds: &HealthThresholds,
+    ) -> Result<Health> {
+        let sql = self.statements();
+        let names = [sql.table().quoted(), sql.table().companion("_inbox")];
+        let mut tables = client
+            .query(&sql.health_tables, &[&names[0], &names[1]])
+            .map_err(|e| self.db_error(e))?
+            .into_iter()
+            .map(|row| TableHealth {
+                live_tuples: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+                dead_tuples: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                since_vacuum: seconds(row.get(3)),
+                since_analyze: seconds(row.get(4)),
+            });
+        let outbox_table = tables.next().unwrap_or_default();
+        let inbox_table = tables.next().unwrap_or_default();
+        let holder = |statement: &str, client: &mut Client| -> Result<Option<Holder>> {
+            Ok(client
+                .query_opt(statement, &[])
+                .map_err(|e| self.db_error(e))?
+                .map(|row| Holder {
+                    id: row.get(0),
+                    age: seconds(row.get(1)).unwrap_or_default(),
+                    what: row.get(2),
+                }))
+        };
+        let oldest_transaction = holder(sql::HEALTH_TRANSACTION, client)?;
+        let oldest_prepared = holder(sql::HEALTH_PREPARED, client)?;
+        let slots = client
+            .query(sql::HEALTH_SLOTS, &[])
+            .map_err(|e| self.db_error(e))?
+            .into_iter()
+            .map(|row| Slot {
+                name: row.get(0),
+                xmin_age: row.get(1),
+                wal_bytes: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                what: row.get(3),
+                active: row.get(4),
+            })
+            .collect();
+        let oldest_due_age = seconds(
+            client
+                .query_one(&sql.health_due, &[])
+                .map_err(|e| self.db_error(e))?
+                .get(0),
+        );
+        let mut health = Health {
+            outbox_table,
+            inbox_table,
+            oldest_transaction,
+            oldest_prepared,
+            slots,
+            oldest_due_age,
+            findings: Vec::new(),
+        };
+        health.findings = findings(self, &health, thresholds);
+        Ok(health)
+    }
+}
+
+fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<Finding> {
+    let mut found = Vec::new();
+    let mut finding = |check, problem: String, remedy: String| {
+        found.push(Finding {
+            check,
+            problem,
+            remedy,
+        })
+    };
+    let inbox = format!("{}_inbox", outbox.table());
+    for (name, table) in [
+        (outbox.table(), &health.outbox_table),
+        (inbox.as_str(), &health.inbox_table),
+    ] {
+        let dead = table.dead_tuples;
+        if dead > limits.dead_tuples && dead as f64 > limits.dead_ratio * table.live_tuples as f64 {
+            let vacuumed = table
+                .since_vacuum
+                .map_or("never vacuumed".to_owned(), |age| {
+                    format!("last vacuumed {} ago", whole(age))
+                });
+            finding(
+                Check::DeadTuples,
+                format!(
+                    "{name} holds {dead} dead tuples against {} live ({vacuumed})",
+                    table.live_tuples
+                ),
+                format!(
+                    "run VACUUM (ANALYZE) {name}; if they come back at once, end what holds the \
+                     xmin horizon (an old transaction, a prepared transaction, a slot)"
+                ),
+            );
+        }
+    }
+    if let Some(tx) = &health.oldest_transaction {
+        if tx.age >= limits.transaction_age {
+            finding(
+                Check::Transaction,
+                format!(
+                    "backend {} ({}) has held a transaction open for {}: vacuum keeps every row \
+                     version since",
+                    tx.id,
+                    tx.what,
+                    whole(tx.age)
+                ),
+                format!(
+                    "end it (SELECT pg_terminate_backend({})), and set \
+                     idle_in_transaction_session_timeout",
+                    tx.id
+                ),
+            );
+        }
+    }
+    if let Some(prepared) = &health.oldest_prepared {
+        if prepared.age >= limits.prepared_age {
+            finding(
+                Check::PreparedTransaction,
+                format!(
+                    "prepared transaction '{}' ({}) is {} old: it holds the xmin horizon until \
+                     it ends",
+                    prepared.id,
+                    prepared.what,
+                    whole(prepared.age)
+                ),
+                format!(
+                    "COMMIT PREPARED or ROLLBACK PREPARED '{}' (from its database), once its \
+                     coordinator is known to be gone",
+                    prepared.id
+                ),
+            );
+        }
+    }
+    for slot in health.slots.iter().filter(|slot| !slot.active) {
+        if slot.xmin_age.is_some() || slot.wal_bytes >= limits.slot_wal_bytes {
+            let xmin = slot.xmin_age.map_or(String::new(), |age| {
+                format!(", holds an xmin {age} transactions old")
+            });
+            finding(
+                Check::ReplicationSlot,
+                format!(
+                    "replication slot {} ({}) keeps {} bytes of WAL{xmin}",
+                    slot.name, slot.what, slot.wal_bytes
+                ),
+                format!(
+                    "start its consumer again, or drop it: SELECT pg_drop_replication_slot('{}')",
+                    slot.name
+                ),
+            );
+        }
+    }
+    if let Some(age) = health.oldest_due_age {
+        if age >= limits.due_age {
+            finding(
+                Check::Due,
+                format!(
+                    "{} has had a row due for {} that no relay claimed",
+                    outbox.table(),
+                    whole(age)
+                ),
+                "check that a relay runs against this table and reaches the database (its log, \
+                 Relay::is_listening); a relay that keeps up claims within its poll interval"
+                    .to_owned(),
+            );
+        }
+    }
+    found
+}

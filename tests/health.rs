@@ -1,0 +1,206 @@
+//! `Outbox::health`: each finding provoked for real, on a server of the test's own where
+//! the finding is about the whole server (another test's transaction would be the oldest on
+//! the shared one).
+
+mod common;
+
+use std::time::Duration;
+
+use common::pg_node::PgNode;
+use common::{quoted, wait_until};
+use postgres::Client;
+use postgres_outbox::{Check, Health, HealthThresholds, Message, Outbox};
+
+fn checks(health: &Health) -> Vec<Check> {
+    health.findings.iter().map(|f| f.check).collect()
+}
+
+/// Everything at once: no threshold left to wait for.
+fn at_once() -> HealthThresholds {
+    HealthThresholds::default()
+        .transaction_age(Duration::ZERO)
+        .prepared_age(Duration::ZERO)
+        .due_age(Duration::ZERO)
+}
+
+fn enqueue(client: &mut Client, outbox: &Outbox, key: &str) {
+    let mut tx = client.transaction().expect("begin");
+    outbox
+        .enqueue(&mut tx, Message::new("t", "p").key(key))
+        .expect("enqueue");
+    tx.commit().expect("commit");
+}
+
+#[test]
+fn a_quiet_outbox_is_healthy_and_reports_its_figures() {
+    let node = PgNode::start();
+    let mut client = node.client();
+    let outbox = Outbox::new("quiet").unwrap();
+    outbox.migrate(&mut client).unwrap();
+    client.batch_execute("VACUUM ANALYZE quiet").unwrap();
+    let health = outbox.health(&mut client).unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+    assert_eq!(health.oldest_due_age, None);
+    assert_eq!(health.oldest_prepared, None);
+    assert!(health.slots.is_empty());
+    // Even with every threshold at zero, nothing holds the horizon or waits.
+    let health = outbox.health_with(&mut client, &at_once()).unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+}
+
+#[test]
+fn a_transaction_held_open_is_found_with_its_pid() {
+    let node = PgNode::start();
+    let mut client = node.client();
+    let outbox = Outbox::new("held").unwrap();
+    outbox.migrate(&mut client).unwrap();
+    let mut holder = node.client();
+    let pid: i32 = holder
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    holder
+        .batch_execute("BEGIN; SELECT txid_current();")
+        .unwrap();
+    let health = outbox.health_with(&mut client, &at_once()).unwrap();
+    assert_eq!(checks(&health), [Check::Transaction]);
+    let finding = &health.findings[0];
+    assert!(
+        finding.problem.contains(&format!("backend {pid} ")),
+        "{finding}"
+    );
+    assert!(finding.remedy.contains("pg_terminate_backend"), "{finding}");
+    // Below the default threshold (5 minutes) it is a figure, not a finding.
+    let health = outbox.health(&mut client).unwrap();
+    assert_eq!(
+        health.oldest_transaction.as_ref().unwrap().id,
+        pid.to_string()
+    );
+    assert!(health.is_healthy());
+    holder.batch_execute("COMMIT").unwrap();
+    let health = outbox.health_with(&mut client, &at_once()).unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+}
+
+#[test]
+fn a_prepared_transaction_and_a_replication_slot_are_found_by_name() {
+    let node = PgNode::start();
+    let mut client = node.client();
+    client
+        .batch_execute("ALTER SYSTEM SET max_prepared_transactions = 2")
+        .unwrap();
+    drop(client);
+    node.stop();
+    node.start_again();
+    let mut client = node.client();
+    let outbox = Outbox::new("horizon").unwrap();
+    outbox.migrate(&mut client).unwrap();
+
+    let mut preparer = node.client();
+    preparer
+        .batch_execute("BEGIN; SELECT txid_current(); PREPARE TRANSACTION 'stuck-gid';")
+        .unwrap();
+    let health = outbox.health_with(&mut client, &at_once()).unwrap();
+    assert_eq!(checks(&health), [Check::PreparedTransaction]);
+    assert!(health.findings[0].problem.contains("'stuck-gid'"));
+    assert!(health.findings[0].remedy.contains("ROLLBACK PREPARED"));
+    client
+        .batch_execute("ROLLBACK PREPARED 'stuck-gid'")
+        .unwrap();
+
+    // A physical slot reserving WAL from now on, that nothing reads from.
+    client
+        .batch_execute("SELECT pg_create_physical_replication_slot('forgotten', true)")
+        .unwrap();
+    let health = outbox.health_with(&mut client, &at_once()).unwrap();
+    assert!(
+        health.is_healthy(),
+        "below 1 GiB of WAL: {:?}",
+        health.findings
+    );
+    assert_eq!(health.slots.len(), 1);
+    assert!(!health.slots[0].active);
+    let health = outbox
+        .health_with(&mut client, &at_once().slot_wal_bytes(0))
+        .unwrap();
+    assert_eq!(checks(&health), [Check::ReplicationSlot]);
+    assert!(health.findings[0]
+        .remedy
+        .contains("pg_drop_replication_slot('forgotten')"));
+    client
+        .batch_execute("SELECT pg_drop_replication_slot('forgotten')")
+        .unwrap();
+    let health = outbox
+        .health_with(&mut client, &at_once().slot_wal_bytes(0))
+        .unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+}
+
+#[test]
+fn dead_tuples_are_found_once_the_statistics_show_them() {
+    let (outbox, mut client) = common::outbox("bloated");
+    let t = quoted(&outbox);
+    // Autovacuum must not clean up before the check looks.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {t} SET (autovacuum_enabled = false);
+             INSERT INTO {t} (key, topic, payload, status)
+             SELECT 'gone-' || i, 't', 'p', 'sent' FROM generate_series(1, 500) AS i;
+             DELETE FROM {t} WHERE key LIKE 'gone-%';"
+        ))
+        .unwrap();
+    let limits = HealthThresholds::default().dead_tuples(100, 0.0);
+    let mut health = None;
+    wait_until("the statistics count the dead tuples", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        let found = now.outbox_table.dead_tuples >= 500;
+        health = Some(now);
+        found
+    });
+    let health = health.unwrap();
+    assert_eq!(checks(&health), [Check::DeadTuples]);
+    assert!(health.findings[0].problem.contains("500 dead tuples"));
+    assert!(health.findings[0]
+        .remedy
+        .starts_with("run VACUUM (ANALYZE)"));
+    // The default thresholds ask for 10,000.
+    assert!(outbox.health(&mut client).unwrap().is_healthy());
+    client.batch_execute(&format!("VACUUM {t}")).unwrap();
+    wait_until("the statistics see the vacuum", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        now.outbox_table.dead_tuples == 0 && now.outbox_table.since_vacuum.is_some()
+    });
+}
+
+#[test]
+fn a_row_due_that_no_relay_claims_is_found() {
+    let (outbox, mut client) = common::outbox("unclaimed");
+    enqueue(&mut client, &outbox, "waiting");
+    let limits = HealthThresholds::default().due_age(Duration::from_millis(1));
+    wait_until("the row has been due past the threshold", || {
+        outbox
+            .health_with(&mut client, &limits)
+            .unwrap()
+            .oldest_due_age
+            .is_some_and(|age| age >= Duration::from_millis(1))
+    });
+    let health = outbox.health_with(&mut client, &limits).unwrap();
+    assert!(
+        checks(&health).contains(&Check::Due),
+        "{:?}",
+        health.findings
+    );
+    // A minute by default: a relay polling every second is far inside it.
+    assert!(!checks(&outbox.health(&mut client).unwrap()).contains(&Check::Due));
+    // A row scheduled for later is not due.
+    let (later, mut client) = common::outbox("scheduled");
+    let mut tx = client.transaction().unwrap();
+    later
+        .enqueue(
+            &mut tx,
+            Message::new("t", "p").delay(Duration::from_secs(3600)),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    assert_eq!(later.health(&mut client).unwrap().oldest_due_age, None);
+}
