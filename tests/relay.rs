@@ -2384,3 +2384,56 @@ fn one_retry_value_sets_attempts_and_backoff_for_the_outbox_and_the_relay() {
         .unwrap_err();
     assert!(refused.to_string().contains("backoff"), "{refused}");
 }
+
+/// Each claim's size, as the relay reports it.
+#[derive(Clone, Default)]
+struct Claims(Arc<Mutex<Vec<usize>>>);
+
+impl Metrics for Claims {
+    fn claimed(&self, n: usize) {
+        self.0.lock().unwrap().push(n);
+    }
+}
+
+#[test]
+fn a_notified_relay_takes_a_commits_rows_of_one_aggregate_in_one_claim_and_in_order() {
+    let (outbox, mut client) = common::outbox("notified_runs");
+    let deliveries = Sink::default();
+    let claims = Claims::default();
+    // Only notifications wake it (hourly polls), so every claim below follows one.
+    let relay = Relay::spawn(
+        relay_config(&outbox, deliveries.collect())
+            .concurrency(1)
+            .poll_interval(Duration::from_secs(3600))
+            .metrics(claims.clone()),
+    )
+    .unwrap();
+    wait_until("the relay listens", || relay.is_listening());
+
+    // A lone message: the ready rows alone.
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", "p").key("alone"))
+        .unwrap();
+    tx.commit().unwrap();
+    wait_until("the lone message is sent", || deliveries.len() == 1);
+    // Three messages of one aggregate in one commit: a head with its run behind it.
+    let mut tx = client.transaction().unwrap();
+    for i in 0..3 {
+        let message = Message::new("t", "p")
+            .key(format!("order-{i}"))
+            .aggregate_key("order-1");
+        outbox.enqueue(&mut tx, message).unwrap();
+    }
+    tx.commit().unwrap();
+    wait_until("the aggregate's messages are sent", || {
+        deliveries.len() == 4
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+
+    assert_eq!(
+        deliveries.keys(),
+        ["alone", "order-0", "order-1", "order-2"]
+    );
+    assert_eq!(*claims.0.lock().unwrap(), [1, 3], "one claim each");
+}
