@@ -87,8 +87,10 @@ fn a_published_record_carries_every_property_and_header() {
         header(p, "tenant"),
         Some(&AmqpValue::LongString("acme".into()))
     );
-    // A first attempt says nothing of its number.
-    assert_eq!(header(p, "x-outbox-attempt"), None);
+    assert_eq!(
+        header(p, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(1))
+    );
     assert_eq!(
         header(p, "x-outbox-aggregate-key"),
         Some(&AmqpValue::LongString("order-1".into()))
@@ -98,11 +100,11 @@ fn a_published_record_carries_every_property_and_header() {
 }
 
 #[test]
-fn the_attempt_header_comes_from_the_second_attempt_on_unless_asked_for_always() {
+fn every_message_carries_its_attempt_unless_first_attempts_are_asked_to_go_bare() {
     let (outbox, mut client) = outbox("rmq_attempt");
     let broker = Broker::new();
     let (exchange, queue) = broker.routed("attempt", FieldTable::new());
-    let publish = |client: &mut postgres::Client, key: &str, earlier: i32, always: bool| {
+    let publish = |client: &mut postgres::Client, key: &str, earlier: i32, bare: bool| {
         enqueue(
             client,
             &outbox,
@@ -117,8 +119,8 @@ fn the_attempt_header_comes_from_the_second_attempt_on_unless_asked_for_always()
                 &[&earlier, &key],
             )
             .unwrap();
-        let tune = if always {
-            |p: RabbitPublisher| p.first_attempt_header(true)
+        let tune = if bare {
+            |p: RabbitPublisher| p.first_attempt_header(false)
         } else {
             |p| p
         };
@@ -131,18 +133,25 @@ fn the_attempt_header_comes_from_the_second_attempt_on_unless_asked_for_always()
         got[0].delivery.properties.clone()
     };
 
-    // A first attempt of a message without headers or aggregate carries no header table.
+    // By default every message says its attempt, the first included.
     let first = publish(&mut client, "first", 0, false);
-    assert_eq!(*first.headers(), None);
+    assert_eq!(
+        header(&first, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(1))
+    );
     let second = publish(&mut client, "second", 1, false);
     assert_eq!(
         header(&second, "x-outbox-attempt"),
         Some(&AmqpValue::LongLongInt(2))
     );
-    let always = publish(&mut client, "always", 0, true);
+    // Bare first attempts: a message without headers or aggregate carries no header table,
+    // and a later attempt still says which it is.
+    let bare = publish(&mut client, "bare", 0, true);
+    assert_eq!(*bare.headers(), None);
+    let bare_second = publish(&mut client, "bare-second", 1, true);
     assert_eq!(
-        header(&always, "x-outbox-attempt"),
-        Some(&AmqpValue::LongLongInt(1))
+        header(&bare_second, "x-outbox-attempt"),
+        Some(&AmqpValue::LongLongInt(2))
     );
     broker.delete_queue(&queue);
 }

@@ -44,11 +44,11 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 ///
 /// Messages are persistent; the routing key is the topic, the message id the record's key,
 /// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
-/// `x-outbox-aggregate-key` when set and `x-outbox-attempt` from the second attempt on (see
-/// [`first_attempt_header`](RabbitPublisher::first_attempt_header)). A message with none of
-/// these carries no header table at all, which the broker reads for every message that has
-/// one: without it the broker's CPU per message fell from 81-83 to 59-65 us (the README,
-/// Performance, "To RabbitMQ").
+/// `x-outbox-aggregate-key` when set and `x-outbox-attempt` (the attempt, 1 for the first),
+/// as the wire format consumers read. [`first_attempt_header(false)`](RabbitPublisher::first_attempt_header)
+/// leaves the header off first attempts, so a message with no other header carries no
+/// header table, which the broker reads for every message that has one (see
+/// BENCHMARKS.md).
 ///
 /// ```no_run
 /// use postgres_outbox::rabbitmq::RabbitPublisher;
@@ -173,7 +173,7 @@ impl RabbitPublisher {
             endpoint,
             exchange: exchange.to_owned(),
             mandatory: true,
-            first_attempt_header: false,
+            first_attempt_header: true,
             confirm_timeout: Duration::from_secs(10),
             max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
             connection: Some(connection),
@@ -199,11 +199,13 @@ impl RabbitPublisher {
         self
     }
 
-    /// Whether a message's first attempt carries `x-outbox-attempt: 1` too (default false:
-    /// the header comes from the second attempt on, and its absence means the first, as
-    /// [`Delivery::attempt`](super::Delivery::attempt) says). Turn it on for consumers of
-    /// your own that need the header on every message; a message without any other header
-    /// then costs the broker a header table.
+    /// Whether a message's first attempt carries `x-outbox-attempt: 1` too (default true:
+    /// every message carries it, as consumers written against the wire format expect).
+    /// Turned off, the header comes from the second attempt on and its absence means the
+    /// first (as [`Delivery::attempt`](super::Delivery::attempt) reads it): a message with
+    /// no other header then carries no header table, and costs the broker less CPU (81-83
+    /// against 59-65 us a message, measured 2026-12-01; see BENCHMARKS.md). Only for
+    /// consumers that all read a missing header as the first attempt.
     pub fn first_attempt_header(mut self, always: bool) -> RabbitPublisher {
         self.first_attempt_header = always;
         self

@@ -24,8 +24,8 @@ pub struct Delivery {
     /// handled one at a time, in the order they arrived.
     pub aggregate_key: Option<String>,
     /// The outbox attempt that published it (`x-outbox-attempt`), if present. The relay's
-    /// `RabbitPublisher` sends the header from the second attempt on (unless told to send it
-    /// always), so `None` from it means the first attempt.
+    /// `RabbitPublisher` sends it on every message, unless told to leave it off first
+    /// attempts (`first_attempt_header(false)`): then `None` from it means the first.
     pub attempt: Option<u32>,
     /// True if the broker delivered it before.
     pub redelivered: bool,
