@@ -331,6 +331,23 @@ fn bad_input_exits_1_or_2_with_a_clear_message_and_no_password() {
     assert!(e.contains("--older-than"), "{e}");
     let e = fails(&outbox, &["redrive", "--all", "--older-than=-1d"], 2);
     assert!(e.contains("--older-than"), "{e}");
+    // A relay's durations are parsed before anything connects: bad usage, exit 2.
+    for option in ["--lease", "--poll-interval", "--drain-timeout"] {
+        let e = fails(
+            &outbox,
+            &[
+                "relay",
+                "--amqp-url",
+                "amqp://x",
+                "--exchange",
+                "e",
+                option,
+                "soon",
+            ],
+            2,
+        );
+        assert!(e.contains(option) && e.contains("soon"), "{e}");
+    }
     let e = fails(&outbox, &["bogus"], 2);
     assert!(e.contains("bogus"), "{e}");
     let e = fails(&outbox, &["purge", "everything"], 2);

@@ -193,17 +193,17 @@ struct RelayArgs {
     #[arg(long)]
     concurrency: Option<usize>,
     /// How long a claim holds its rows, e.g. 30s.
-    #[arg(long, value_name = "DURATION")]
-    lease: Option<String>,
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    lease: Option<Duration>,
     /// How often an idle worker looks for due rows, e.g. 2s.
-    #[arg(long, value_name = "DURATION")]
-    poll_interval: Option<String>,
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    poll_interval: Option<Duration>,
     /// Attempts before a row becomes a dead letter.
     #[arg(long)]
     max_attempts: Option<u32>,
     /// How long publishes under way may take to finish at shutdown.
-    #[arg(long, value_name = "DURATION", default_value = "10s")]
-    drain_timeout: String,
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
 }
 
 fn main() -> ExitCode {
@@ -486,12 +486,6 @@ impl FilterArgs {
     }
 }
 
-/// A human duration: `7d`, `12h`, `30m`, `1h 30m`.
-fn duration(option: &str, text: &str) -> Result<Duration> {
-    humantime::parse_duration(text)
-        .map_err(|e| format!("{option} {text:?} is not a duration like 7d, 12h or 30m: {e}").into())
-}
-
 fn secs(age: Option<Duration>) -> Value {
     age.map_or(Value::Null, |a| json!(a.as_secs_f64()))
 }
@@ -719,7 +713,6 @@ fn relay(
     tls: MakeTlsConnector,
     args: RelayArgs,
 ) -> Result<()> {
-    let drain = duration("--drain-timeout", &args.drain_timeout)?;
     let endpoints = Endpoints::parse(&args.amqp_url)?.shuffle(args.amqp_shuffle);
     let exchange = args.exchange;
     // Fail fast on a wrong broker or exchange, before taking rows.
@@ -729,7 +722,7 @@ fn relay(
     let mut config = RelayConfig::new(outbox.clone(), connections, move || {
         RabbitPublisher::connect_to(&endpoints, &exchange)
     })
-    .drain_timeout(drain);
+    .drain_timeout(args.drain_timeout);
     if let Some(n) = args.batch_size {
         config = config.batch_size(n);
     }
@@ -737,10 +730,10 @@ fn relay(
         config = config.concurrency(n);
     }
     if let Some(lease) = args.lease {
-        config = config.lease(duration("--lease", &lease)?);
+        config = config.lease(lease);
     }
     if let Some(poll) = args.poll_interval {
-        config = config.poll_interval(duration("--poll-interval", &poll)?);
+        config = config.poll_interval(poll);
     }
     if let Some(n) = args.max_attempts {
         config = config.max_attempts(n);
@@ -759,7 +752,7 @@ fn relay(
     }
     let on_its_own = !stop.load(Ordering::SeqCst);
     log::info!("relay for {} stopping", outbox.table());
-    let report = relay.shutdown(drain)?;
+    let report = relay.shutdown(args.drain_timeout)?;
     if on_its_own {
         return Err("the relay stopped on its own: its table is gone".into());
     }
