@@ -49,14 +49,26 @@
 //! broker says [`PublishError::unavailable`], and the relay hands the records back with
 //! no attempt charged, and tries again until the broker is back. So does a database outage,
 //! however long: an attempt is a verdict on the message, never a lease that ran out.
+//!
+//! # Features
+//!
+//! | feature | adds |
+//! |---|---|
+//! | (none) | the outbox, the relay, operations ([`Outbox::stats`], [`Outbox::redrive`], [`Outbox::health`], ...) and the [`Publisher`] trait; no AMQP |
+//! | `rabbitmq` | `rabbitmq::RabbitPublisher` and `rabbitmq::Consumer` (amiquip, publisher confirms) |
+//! | `metrics` | `OutboxMetrics` (and with `rabbitmq`, `QueueMetrics`): the relay's and consumer's events for the `metrics` crate facade |
+//! | `cli` | the `postgres-outbox` binary (migrate, stats, doctor, dead letters, redrive, purge, relay); implies `rabbitmq` |
+//! | `containers` | tests only: throwaway PostgreSQL and RabbitMQ containers (testcontainers) |
 
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod batch;
 mod clock;
 mod error;
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod facade;
 mod fault;
 mod health;
@@ -79,12 +91,15 @@ mod table;
 mod wire;
 
 #[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
 
 pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
 #[cfg(all(feature = "metrics", feature = "rabbitmq"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "metrics", feature = "rabbitmq"))))]
 pub use facade::QueueMetrics;
 pub use health::{Check, Finding, Health, HealthThresholds, Holder, Slot, TableHealth};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
@@ -105,3 +120,7 @@ pub use retry::Retry;
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/guarantees.md")]
+struct GuaranteesDoctests;

@@ -203,9 +203,9 @@ impl RabbitPublisher {
     /// every message carries it, as consumers written against the wire format expect).
     /// Turned off, the header comes from the second attempt on and its absence means the
     /// first (as [`Delivery::attempt`](super::Delivery::attempt) reads it): a message with
-    /// no other header then carries no header table, and costs the broker less CPU (81-83
-    /// against 59-65 us a message, measured 2026-12-01; see BENCHMARKS.md). Only for
-    /// consumers that all read a missing header as the first attempt.
+    /// no other header then carries no header table, and costs the broker less CPU (see
+    /// BENCHMARKS.md). Only for consumers that all read a missing header as the first
+    /// attempt.
     pub fn first_attempt_header(mut self, always: bool) -> RabbitPublisher {
         self.first_attempt_header = always;
         self

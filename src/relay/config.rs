@@ -137,9 +137,8 @@ impl RelayConfig {
     /// Strictly ordered traffic concentrated in a few aggregates goes faster with fewer
     /// workers and larger batches: an aggregate's next batch waits until its last one is
     /// recorded, and workers splitting the aggregates between them keep fewer messages in
-    /// flight each, which costs the broker more per message (40 aggregates to RabbitMQ,
-    /// measured: 0.43-0.6x unordered at the defaults, 0.63-0.86x at `batch_size(200)` and
-    /// `concurrency(2)`; see the README, and [`RelayConfig::pipeline_runs`]).
+    /// flight each, which costs the broker more per message (measured on BENCHMARKS.md; see
+    /// also [`RelayConfig::pipeline_runs`]).
     pub fn concurrency(mut self, concurrency: usize) -> RelayConfig {
         self.concurrency = concurrency;
         self
@@ -220,10 +219,9 @@ impl RelayConfig {
     ///
     /// In order, message k + 1 of an aggregate is handed over only once message k is
     /// confirmed: order holds whatever fails, at one broker round trip per message of an
-    /// aggregate (one busy aggregate to RabbitMQ: 400-1,600 messages a second here, as fast
-    /// as the broker confirmed one message at a time in each sitting).
-    /// Pipelined, the run goes out in order without waiting, so one aggregate moves at
-    /// 0.6x the rate of unordered messages (7,700-8,300 a second here), and **order holds
+    /// aggregate (a busy aggregate moves as fast as the broker confirms one message at a
+    /// time). Pipelined, the run goes out in order without waiting, so a busy aggregate
+    /// moves several times faster (BENCHMARKS.md has both), and **order holds
     /// unless a message of the run fails**: when message k is nacked, returned as
     /// unroutable, refused by the publisher or not confirmed (a lost connection), the later
     /// messages of its run may have reached the broker already. Each is recorded as the
@@ -245,7 +243,8 @@ impl RelayConfig {
     }
 
     /// Opens every connection the relay holds (each worker's, and the listener's) from
-    /// `config` with `tls`, outside the pool: recommended for production. The relay sets
+    /// `config` with `tls`, outside the pool (deprecated: hand [`Connections::open`] to
+    /// [`RelayConfig::new`] instead, which does the same). The relay sets
     /// TCP keepalives (probes after 10 s idle, every 5 s, three of them),
     /// `tcp_user_timeout` 30 s and a 10 s connect timeout unless `config` is stricter, so a
     /// dead or half-open database connection is noticed within about 30 s and replaced.
@@ -285,7 +284,7 @@ impl RelayConfig {
     }
 
     /// LISTEN on a connection of its own, opened from `config` with `tls` (with the
-    /// liveness settings of [`connections`](RelayConfig::connections)) and never part of
+    /// liveness settings of [`Connections::open`]) and never part of
     /// the pool. Without it (or `connections`), the listener checks one connection out of
     /// the pool and keeps it for its whole life, UNLISTENing and draining it before
     /// handing it back.

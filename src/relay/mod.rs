@@ -98,7 +98,7 @@ impl Relay {
     ///
     /// Fails if the configuration is invalid, the pool is too small for the relay's own
     /// connections (one per worker, and the listener's, unless
-    /// [`RelayConfig::connections`] opens them outside the pool), or the outbox table has
+    /// [`Connections::open`](crate::Connections::open) opens them outside the pool), or the outbox table has
     /// not been migrated.
     pub fn spawn(config: RelayConfig) -> Result<Relay> {
         config.validate()?;
