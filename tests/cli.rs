@@ -568,17 +568,12 @@ fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
 }
 
 #[test]
+#[ignore = "needs the CA of the server's certificate: OUTBOX_TEST_PG_TLS_CA, from .ci/pg-tls (.ci/run sets it and runs this)"]
 fn a_database_that_requires_tls_is_reached_with_its_ca_and_refused_without_it() {
-    let Some(ca) = std::env::var("OUTBOX_TEST_PG_TLS_CA")
+    let ca = std::env::var("OUTBOX_TEST_PG_TLS_CA")
         .ok()
         .filter(|p| !p.is_empty())
-    else {
-        eprintln!(
-            "skipped: OUTBOX_TEST_PG_TLS_CA is not set (run .ci/pg-tls and export what it \
-             prints as OUTBOX_TEST_PG_TLS_CA)"
-        );
-        return;
-    };
+        .expect("OUTBOX_TEST_PG_TLS_CA: run .ci/pg-tls and export what it prints");
     let outbox = Outbox::new(&unique_name("cli_tls")).unwrap();
     let base = database_url();
     let separator = if base.contains('?') { '&' } else { '?' };
