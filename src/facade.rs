@@ -206,76 +206,16 @@ impl Metrics for OutboxMetrics {
 }
 
 #[cfg(feature = "rabbitmq")]
-mod consumer {
-    use std::time::Duration;
-
-    use metrics::{counter, histogram};
-
-    use crate::publish::HandlerError;
-    use crate::rabbitmq::{ConsumerMetrics, Delivery};
-
-    /// A `rabbitmq::Consumer`'s [`ConsumerMetrics`], reported to the `metrics` facade under
-    /// its queue and consumer name (see the module's table).
-    ///
-    /// ```
-    /// use postgres_outbox::rabbitmq::ConsumerConfig;
-    /// use postgres_outbox::QueueMetrics;
-    /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
-    ///     .metrics(QueueMetrics::new("invoices", "invoicing"));
-    /// # let _ = config;
-    /// ```
-    #[derive(Debug, Clone)]
-    pub struct QueueMetrics {
-        labels: [(&'static str, String); 2],
-    }
-
-    impl QueueMetrics {
-        /// Reports under `queue` and `consumer` labels.
-        pub fn new(queue: &str, consumer: &str) -> QueueMetrics {
-            QueueMetrics {
-                labels: [
-                    ("queue", queue.to_owned()),
-                    ("consumer", consumer.to_owned()),
-                ],
-            }
-        }
-    }
-
-    impl ConsumerMetrics for QueueMetrics {
-        fn handled(&self, _delivery: &Delivery, took: Duration) {
-            counter!("outbox_consumer_handled_total", &self.labels).increment(1);
-            histogram!("outbox_consumer_handle_seconds", &self.labels).record(took.as_secs_f64());
-        }
-
-        fn duplicate(&self, _delivery: &Delivery) {
-            counter!("outbox_consumer_duplicates_total", &self.labels).increment(1);
-        }
-
-        fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {
-            counter!("outbox_consumer_failed_total", &self.labels).increment(1);
-        }
-
-        fn dead_lettered(&self, _delivery: &Delivery) {
-            counter!("outbox_consumer_dead_lettered_total", &self.labels).increment(1);
-        }
-
-        fn database_failed(&self, _error: &crate::Error) {
-            counter!("outbox_consumer_database_failures_total", &self.labels).increment(1);
-        }
-    }
-}
-
-#[cfg(feature = "rabbitmq")]
-pub use consumer::QueueMetrics;
+pub use crate::rabbitmq::QueueMetrics;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
     use metrics_util::MetricKind;
 
     /// (kind, name, sorted labels, value) of everything reported while `f` ran.
-    fn reported(f: impl FnOnce()) -> Vec<(MetricKind, String, Vec<String>, DebugValue)> {
+    pub(crate) fn reported(f: impl FnOnce()) -> Vec<(MetricKind, String, Vec<String>, DebugValue)> {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         metrics::with_local_recorder(&recorder, f);
@@ -490,66 +430,6 @@ mod tests {
                 ("outbox_oldest_pending_age_seconds".to_owned(), 90.0),
                 ("outbox_parked".to_owned(), 1.0),
                 ("outbox_pending".to_owned(), 7.0),
-            ]
-        );
-    }
-
-    #[cfg(feature = "rabbitmq")]
-    #[test]
-    fn consumer_events_become_counters_and_a_histogram_per_queue() {
-        use crate::rabbitmq::{ConsumerMetrics, Delivery};
-        let delivery = Delivery {
-            key: "k".into(),
-            exchange: String::new(),
-            routing_key: "t".into(),
-            body: Vec::new(),
-            content_type: None,
-            headers: Vec::new(),
-            aggregate_key: None,
-            attempt: None,
-            redelivered: false,
-        };
-        let metrics = QueueMetrics::new("invoices", "billing");
-        let seen = reported(|| {
-            metrics.handled(&delivery, Duration::from_millis(500));
-            metrics.duplicate(&delivery);
-            metrics.failed(&delivery, &PublishError::transient("no"));
-            metrics.failed(&delivery, &PublishError::transient("no"));
-            metrics.dead_lettered(&delivery);
-        });
-        let names: Vec<(String, Vec<String>, DebugValue)> = seen
-            .into_iter()
-            .map(|(_, name, labels, value)| (name, labels, value))
-            .collect();
-        let labels = vec!["consumer=billing".to_owned(), "queue=invoices".to_owned()];
-        assert_eq!(
-            names,
-            [
-                (
-                    "outbox_consumer_dead_lettered_total".into(),
-                    labels.clone(),
-                    DebugValue::Counter(1)
-                ),
-                (
-                    "outbox_consumer_duplicates_total".into(),
-                    labels.clone(),
-                    DebugValue::Counter(1)
-                ),
-                (
-                    "outbox_consumer_failed_total".into(),
-                    labels.clone(),
-                    DebugValue::Counter(2)
-                ),
-                (
-                    "outbox_consumer_handle_seconds".into(),
-                    labels.clone(),
-                    DebugValue::Histogram(vec![0.5.into()])
-                ),
-                (
-                    "outbox_consumer_handled_total".into(),
-                    labels,
-                    DebugValue::Counter(1)
-                ),
             ]
         );
     }

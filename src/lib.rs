@@ -84,6 +84,7 @@ mod record;
 mod relay;
 mod render;
 mod retry;
+mod rounds;
 mod session;
 mod sql;
 mod store;
@@ -98,9 +99,6 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
-#[cfg(all(feature = "metrics", feature = "rabbitmq"))]
-#[cfg_attr(docsrs, doc(cfg(all(feature = "metrics", feature = "rabbitmq"))))]
-pub use facade::QueueMetrics;
 pub use health::{Check, Finding, Health, HealthThresholds, Holder, Slot, TableHealth};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{CycleTimes, Metrics, NoMetrics};
@@ -112,6 +110,9 @@ pub use outbox::{Outbox, OutboxBuilder};
 pub use pool::Connections;
 pub use process::ProcessReport;
 pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
+#[cfg(all(feature = "metrics", feature = "rabbitmq"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "metrics", feature = "rabbitmq"))))]
+pub use rabbitmq::QueueMetrics;
 pub use record::Record;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
 pub use retry::Retry;

@@ -11,7 +11,7 @@ use postgres::{Client, GenericClient, Transaction};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-use crate::retry::Retry;
+use crate::retry::{check_lease, check_retry, Retry};
 use crate::sql::{migrations, Statements, MIGRATIONS};
 use crate::table::TableName;
 
@@ -159,37 +159,6 @@ impl OutboxBuilder {
             }),
         })
     }
-}
-
-pub(crate) fn check_lease(lease: Duration) -> Result<()> {
-    if lease < Duration::from_millis(100) || lease > Duration::from_secs(24 * 3600) {
-        return Err(Error::InvalidConfig(format!(
-            "lease must be between 100 ms and 24 h, got {lease:?}"
-        )));
-    }
-    Ok(())
-}
-
-pub(crate) fn check_retry(retry: &Retry) -> Result<()> {
-    if retry.max_attempts == 0 || retry.max_attempts > i32::MAX as u32 {
-        return Err(Error::InvalidConfig(format!(
-            "max_attempts must be at least 1, got {}",
-            retry.max_attempts
-        )));
-    }
-    if retry.max_claims == 0 || retry.max_claims > i32::MAX as u32 {
-        return Err(Error::InvalidConfig(format!(
-            "max_claims must be at least 1, got {}",
-            retry.max_claims
-        )));
-    }
-    if retry.backoff_min.is_zero() || retry.backoff_min > retry.backoff_max {
-        return Err(Error::InvalidConfig(format!(
-            "backoff needs 0 < min <= max, got {:?} and {:?}",
-            retry.backoff_min, retry.backoff_max
-        )));
-    }
-    Ok(())
 }
 
 impl Outbox {

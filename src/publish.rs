@@ -1,11 +1,12 @@
 //! The publishing side: the `Publisher` trait, its error, and the closure adapter.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::error::Error as StdError;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::record::Record;
+use crate::rounds::rounds_of;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -119,29 +120,6 @@ fn in_rounds<P: Publisher + ?Sized>(
             }
         }
     }
-}
-
-/// The confirm rounds of a batch in id order, as indices into it: round `k` holds the `k`-th
-/// record of every aggregate's run (and round 0 also every record without an aggregate
-/// key), in id order.
-pub(crate) fn rounds_of(batch: &[Record]) -> Vec<Vec<usize>> {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
-    let mut rounds: Vec<Vec<usize>> = Vec::new();
-    for (i, record) in batch.iter().enumerate() {
-        let round = match &record.aggregate_key {
-            None => 0,
-            Some(aggregate) => {
-                let next = seen.entry(aggregate.as_str()).or_insert(0);
-                *next += 1;
-                *next - 1
-            }
-        };
-        if rounds.len() <= round {
-            rounds.resize_with(round + 1, Vec::new);
-        }
-        rounds[round].push(i);
-    }
-    rounds
 }
 
 /// What stands for the outcomes a publisher's `publish` did not return.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use rand::Rng;
 
-use crate::error::describe;
+use crate::error::{describe, Error, Result};
 use crate::publish::PublishError;
 use crate::record::Record;
 
@@ -183,6 +183,39 @@ impl Retry {
 pub(crate) fn reconnect_delay(failures: u32) -> Duration {
     let exp = failures.saturating_sub(1).min(7);
     (Duration::from_millis(100) * (1u32 << exp)).min(Duration::from_secs(10))
+}
+
+/// A lease a relay can keep: 100 ms to 24 h.
+pub(crate) fn check_lease(lease: Duration) -> Result<()> {
+    if lease < Duration::from_millis(100) || lease > Duration::from_secs(24 * 3600) {
+        return Err(Error::InvalidConfig(format!(
+            "lease must be between 100 ms and 24 h, got {lease:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Retry settings that make sense: at least one attempt and claim, a positive backoff.
+pub(crate) fn check_retry(retry: &Retry) -> Result<()> {
+    if retry.max_attempts == 0 || retry.max_attempts > i32::MAX as u32 {
+        return Err(Error::InvalidConfig(format!(
+            "max_attempts must be at least 1, got {}",
+            retry.max_attempts
+        )));
+    }
+    if retry.max_claims == 0 || retry.max_claims > i32::MAX as u32 {
+        return Err(Error::InvalidConfig(format!(
+            "max_claims must be at least 1, got {}",
+            retry.max_claims
+        )));
+    }
+    if retry.backoff_min.is_zero() || retry.backoff_min > retry.backoff_max {
+        return Err(Error::InvalidConfig(format!(
+            "backoff needs 0 < min <= max, got {:?} and {:?}",
+            retry.backoff_min, retry.backoff_max
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

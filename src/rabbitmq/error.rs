@@ -33,7 +33,7 @@ pub enum Error {
         source: Option<BoxError>,
     },
     /// The consumer's database work failed.
-    Database(crate::Error),
+    Database(crate::error::Error),
 }
 
 impl Error {
@@ -87,8 +87,8 @@ impl std::error::Error for Error {
     }
 }
 
-impl From<crate::Error> for Error {
-    fn from(e: crate::Error) -> Error {
+impl From<crate::error::Error> for Error {
+    fn from(e: crate::error::Error) -> Error {
         Error::Database(e)
     }
 }

@@ -13,6 +13,9 @@ mod publisher;
 
 pub use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 pub use connect::Endpoints;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub use consumer::QueueMetrics;
 pub use consumer::{
     Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, QueueType,
     DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER,

@@ -10,10 +10,11 @@ use postgres::Socket;
 
 use crate::error::{Error, Result};
 use crate::metrics::{Guarded, Metrics, NoMetrics};
-use crate::outbox::{check_lease, check_retry, Outbox};
+use crate::outbox::Outbox;
 use crate::pool::{connector, Connect, Connections, Source};
 use crate::publish::Publisher;
 use crate::retry::Retry;
+use crate::retry::{check_lease, check_retry};
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;

@@ -16,7 +16,6 @@
 mod config;
 mod health;
 mod listener;
-mod rounds;
 mod shared;
 mod waiting;
 mod worker;

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 
 use super::config::RelayConfig;
 use super::health::Access;
-use super::rounds::in_round_order;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
 use crate::metrics::CycleTimes;
 use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
+use crate::rounds::in_round_order;
 use crate::session::{sql_setup, Session};
 use crate::sql;
 use crate::store::{self, ClaimRequest, Claimed};
@@ -72,7 +72,7 @@ pub(crate) enum Cycle {
     Worked(usize),
     /// The database, the publisher factory or the publisher's destination is in trouble
     /// (`cause`, already logged or reported): wait this long first.
-    Pause(Duration, crate::Error),
+    Pause(Duration, crate::error::Error),
     /// The publisher's destination is down and another worker probes it, or the backoff
     /// has not passed: claim nothing before then.
     Wait(Instant),
@@ -161,7 +161,7 @@ impl<'a> Worker<'a> {
             conn.client
                 .execute(&sql, &[&value])
                 .map(drop)
-                .map_err(crate::Error::Db)
+                .map_err(crate::error::Error::Db)
         })
     }
 
@@ -381,7 +381,7 @@ impl<'a> Worker<'a> {
         probe: bool,
         control: &dyn Control,
         outcomes: &mut Vec<(Fence, Outcome)>,
-    ) -> Option<(Duration, crate::Error)> {
+    ) -> Option<(Duration, crate::error::Error)> {
         let config = self.config;
         let table = config.outbox.table();
         // Confirm-round order keeps each aggregate's order and puts every aggregate's first
@@ -429,7 +429,7 @@ impl<'a> Worker<'a> {
                     if let Some(cause) = attempted.outage {
                         pause = Some((
                             control.publisher_down(&cause, probe),
-                            crate::Error::Unavailable(Box::new(cause)),
+                            crate::error::Error::Unavailable(Box::new(cause)),
                         ));
                     } else if attempted.published {
                         control.publisher_up();
@@ -453,7 +453,7 @@ impl<'a> Worker<'a> {
         &mut self,
         control: &dyn Control,
         probe: bool,
-    ) -> Result<&mut Box<dyn Publisher>, (Duration, crate::Error)> {
+    ) -> Result<&mut Box<dyn Publisher>, (Duration, crate::error::Error)> {
         let config = self.config;
         let publisher = match self.publisher.take() {
             Some(publisher) => publisher,
@@ -468,7 +468,7 @@ impl<'a> Worker<'a> {
                         config.outbox.table(),
                         describe(e.as_ref())
                     );
-                    return Err((pause, crate::Error::Publisher(e)));
+                    return Err((pause, crate::error::Error::Publisher(e)));
                 }
             },
         };
@@ -579,7 +579,7 @@ enum Written {
     /// The relay is shutting down and out of time.
     GaveUp,
     /// The database refused the statement for its data.
-    Refused(crate::Error),
+    Refused(crate::error::Error),
 }
 
 /// Marks a cycle as the probe of a destination that is down, until it ends however it ends.

@@ -10,10 +10,10 @@ use postgres::Socket;
 use super::dead_letter::QueueType;
 use super::metrics::{ConsumerMetrics, NoConsumerMetrics};
 use crate::message::MAX_SHORT_STRING;
-use crate::outbox::check_retry;
 use crate::pool::{connector, Connect};
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::error::Error;
+use crate::retry::check_retry;
 use crate::retry::Retry;
 
 /// How a [`Consumer`](crate::rabbitmq::Consumer) runs.
@@ -252,7 +252,7 @@ impl ConsumerConfig {
             return invalid("concurrency must be at least 1");
         }
         match check_retry(&self.retry) {
-            Err(crate::Error::InvalidConfig(why)) => invalid(&why),
+            Err(crate::error::Error::InvalidConfig(why)) => invalid(&why),
             other => other.map_err(Error::from),
         }
     }

@@ -34,7 +34,7 @@ pub trait ConsumerMetrics: Send + Sync {
     /// to the queue's dead-letter exchange.
     fn dead_lettered(&self, _delivery: &Delivery) {}
     /// The database failed while handling a delivery, which is held and tried again.
-    fn database_failed(&self, _error: &crate::Error) {}
+    fn database_failed(&self, _error: &crate::error::Error) {}
 }
 
 pub(super) struct NoConsumerMetrics;

@@ -9,6 +9,8 @@ mod config;
 mod dead_letter;
 mod delivery;
 mod dispatch;
+#[cfg(feature = "metrics")]
+mod facade;
 mod lanes;
 mod metrics;
 mod shared;
@@ -28,6 +30,8 @@ pub use dead_letter::{
     DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 pub use delivery::Delivery;
+#[cfg(feature = "metrics")]
+pub use facade::QueueMetrics;
 pub use metrics::ConsumerMetrics;
 
 use super::connect::{close_within, Endpoints};
@@ -290,7 +294,7 @@ fn check_tables(conn: Result<&mut postgres::Client, String>, outbox: &Outbox) ->
     match conn.batch_execute(&outbox.statements().probe_consumer) {
         Ok(()) => Ok(()),
         Err(e) => match outbox.db_error(e) {
-            e @ crate::Error::NotMigrated { .. } => Err(Error::Database(e)),
+            e @ crate::error::Error::NotMigrated { .. } => Err(Error::Database(e)),
             e => {
                 log::warn!("rabbitmq consumer: cannot check the tables: {e}");
                 Ok(())

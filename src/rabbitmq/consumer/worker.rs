@@ -74,21 +74,21 @@ enum Failure {
     /// message's fault, counted towards its failures.
     Handler(HandlerError),
     /// The database or the way to it: nobody's fault, never counted.
-    Database(crate::Error),
+    Database(crate::error::Error),
     /// The handler said a service it needs is unavailable: nobody's fault either.
     Unavailable(HandlerError),
 }
 
 impl Failure {
     fn db(error: postgres::Error) -> Failure {
-        Failure::classify(crate::Error::Db(error))
+        Failure::classify(crate::error::Error::Db(error))
     }
 
     /// Anything about the server or the connection is nobody's fault; input the database
     /// refuses (a message id it cannot store) is the message's, for good: it is dead at
     /// once; anything else about the data (a deferred constraint at `COMMIT`) is one failed
     /// attempt. See `Fault`.
-    fn classify(error: crate::Error) -> Failure {
+    fn classify(error: crate::error::Error) -> Failure {
         match Fault::of(&error) {
             Fault::World => Failure::Database(error),
             Fault::Input => Failure::Handler(HandlerError::permanent(error)),
@@ -184,7 +184,7 @@ impl Worker {
                     Err(e) => e,
                 },
                 Err(Failure::Database(e)) => e,
-                Err(Failure::Unavailable(e)) => crate::Error::Unavailable(Box::new(e)),
+                Err(Failure::Unavailable(e)) => crate::error::Error::Unavailable(Box::new(e)),
             };
             outages += 1;
             let pause = reconnect_delay(outages);
@@ -192,7 +192,7 @@ impl Worker {
             let name = &shared.config.name;
             let key = &job.delivery.key;
             match &error {
-                crate::Error::Unavailable(cause) => log::warn!(
+                crate::error::Error::Unavailable(cause) => log::warn!(
                     "rabbitmq consumer {name}: the handler of {key} needs a service that is \
                      unavailable (not counted as a failure); trying again in {pause:?}: {}",
                     describe(cause.as_ref())
@@ -243,7 +243,7 @@ impl Worker {
         &mut self,
         job: &Job,
         error: &HandlerError,
-    ) -> Result<(u32, bool), crate::Error> {
+    ) -> Result<(u32, bool), crate::error::Error> {
         let shared = self.shared.clone();
         let text = storable(&describe(error)).into_owned();
         let (key, permanent) = (job.delivery.key.clone(), error.is_permanent());
@@ -274,7 +274,7 @@ impl Worker {
                     &[&shared.config.name, &key],
                 )
                 .map(drop)
-                .map_err(crate::Error::Db)
+                .map_err(crate::error::Error::Db)
         });
         if let Err(e) = forgot {
             self.release();

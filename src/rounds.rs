@@ -1,7 +1,32 @@
-//! Confirm-round order: the order in which a claimed batch is handed to a publisher.
+//! Confirm rounds: the order in which a claimed batch is handed to a publisher, and how the
+//! default `Publisher::publish_in_order` splits it.
 
-use crate::publish::rounds_of;
+use std::collections::HashMap;
+
 use crate::record::Record;
+
+/// The confirm rounds of a batch in id order, as indices into it: round `k` holds the `k`-th
+/// record of every aggregate's run (and round 0 also every record without an aggregate
+/// key), in id order.
+pub(crate) fn rounds_of(batch: &[Record]) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for (i, record) in batch.iter().enumerate() {
+        let round = match &record.aggregate_key {
+            None => 0,
+            Some(aggregate) => {
+                let next = seen.entry(aggregate.as_str()).or_insert(0);
+                *next += 1;
+                *next - 1
+            }
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(i);
+    }
+    rounds
+}
 
 /// Puts a batch (in id order) in confirm-round order: the first record of every aggregate's
 /// run and every record without an aggregate key, then every run's second, and so on, each
