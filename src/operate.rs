@@ -345,6 +345,32 @@ const PARKED: &str = "parked";
 const DEAD_LETTERS: &[&str] = &["dead", PARKED];
 const SENT: &[&str] = &["sent"];
 
+/// The filter `skip` applies: parked dead letters only, as many as the filter names.
+fn skipped(filter: Filter) -> Result<Filter> {
+    filter.check_unlimited("skip")?;
+    if filter.parked == Some(false) {
+        return Err(Error::invalid(
+            "filter",
+            "skip applies to parked dead letters only",
+        ));
+    }
+    Ok(filter.parked())
+}
+
+/// The selection `purge` applies, refused when it names parked dead letters (they hold
+/// their aggregates: redrive or skip them first).
+fn purged(selection: Selection) -> Result<Selection> {
+    selection.filter.check_unlimited("purge")?;
+    check_parking(selection.rows, &selection.filter)?;
+    if selection.rows == Rows::Dead && selection.filter.parked == Some(true) {
+        return Err(Error::invalid(
+            "filter",
+            "parked dead letters are never purged: redrive or skip them first",
+        ));
+    }
+    Ok(selection)
+}
+
 /// Parking narrows dead letters only.
 fn check_parking(rows: Rows, filter: &Filter) -> Result<()> {
     match (rows, filter.parked) {
@@ -587,7 +613,7 @@ impl Outbox {
     /// Lets the aggregates of the parked dead letters that match `filter` go on without
     /// them: each stays a dead letter (it can still be redriven, but no longer goes first),
     /// and the messages it held back are published in order. Returns how many;
-    /// `count(client, Rows::Dead.matching(filter.parked()))` is its dry run.
+    /// [`would_skip`](Outbox::would_skip) is its dry run.
     ///
     /// ```no_run
     /// # use postgres_outbox::{Filter, Outbox};
@@ -599,20 +625,31 @@ impl Outbox {
     /// # }
     /// ```
     pub fn skip(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
-        let filter = filter.into();
-        filter.check_unlimited("skip")?;
-        if filter.parked == Some(false) {
-            return Err(Error::invalid(
-                "filter",
-                "skip applies to parked dead letters only",
-            ));
-        }
+        let filter = skipped(filter.into())?;
         let sql = self.statements();
-        let n = self.update_where(client, &filter.parked(), None, &sql.skip_where)?;
+        let n = self.update_where(client, &filter, None, &sql.skip_where)?;
         if n > 0 {
             log::info!("outbox {}: skipped {n} parked dead letters", self.table());
         }
         Ok(n)
+    }
+
+    /// What [`skip`](Outbox::skip) would change: how many parked dead letters match
+    /// `filter`, refused as `skip` refuses it.
+    pub fn would_skip(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
+        let filter = skipped(filter.into())?;
+        self.count(client, Rows::Dead.matching(filter))
+    }
+
+    /// What [`purge`](Outbox::purge) would delete: the rows `rows` selects, parked dead
+    /// letters left out, refused as `purge` refuses it.
+    pub fn would_purge(&self, client: &mut Client, rows: impl Into<Selection>) -> Result<u64> {
+        let Selection { rows, filter } = purged(rows.into())?;
+        let filter = match rows {
+            Rows::Dead => filter.unparked(),
+            _ => filter,
+        };
+        self.count(client, rows.matching(filter))
     }
 
     /// Redrive or skip: one statement over the dead letters that match, after `lock` (given
@@ -679,18 +716,11 @@ impl Outbox {
     /// retry horizon, the broker's retention, the longest a consumer may be down), as a
     /// redelivery after its record is gone is processed again; their purge also deletes
     /// consumers' failure counts not updated since the cutoff (a crash can leave one).
+    /// [`would_purge`](Outbox::would_purge) is its dry run.
     pub fn purge(&self, client: &mut Client, rows: impl Into<Selection>) -> Result<u64> {
-        let Selection { rows, filter } = rows.into();
-        filter.check_unlimited("purge")?;
-        check_parking(rows, &filter)?;
+        let Selection { rows, filter } = purged(rows.into())?;
         let states = match rows {
             Rows::Sent => SENT,
-            Rows::Dead if filter.parked == Some(true) => {
-                return Err(Error::invalid(
-                    "filter",
-                    "parked dead letters are never purged: redrive or skip them first",
-                ));
-            }
             Rows::Dead => &["dead"],
             Rows::Inbox => {
                 let sql = self.statements();
@@ -740,18 +770,11 @@ impl Outbox {
         filter: &Filter,
         dry_run: bool,
     ) -> Result<u64> {
-        if !dry_run {
-            return self.purge(client, target.matching(filter));
+        if dry_run {
+            self.would_purge(client, target.matching(filter))
+        } else {
+            self.purge(client, target.matching(filter))
         }
-        if filter.parked == Some(true) {
-            // What the purge itself would say.
-            return self.purge(client, target.matching(filter));
-        }
-        let filter = match target {
-            Rows::Dead => filter.clone().unparked(),
-            _ => filter.clone(),
-        };
-        self.count(client, target.matching(filter))
     }
 
     /// The inbox has no index on processed_at (every dedupe would pay for one): walk the

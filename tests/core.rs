@@ -2036,3 +2036,48 @@ fn a_migration_behind_a_long_transaction_gives_up_instead_of_blocking_producers(
     enqueue_keys(&outbox, &mut client, SEND, &["after"])?;
     Ok(())
 }
+
+#[test]
+fn dry_runs_count_what_skip_and_purge_would_change_and_refuse_as_they_do() -> TestResult {
+    let (outbox, mut client) = common::outbox("dry_runs");
+    common::operator_rows(&mut client, &outbox);
+    // d1 and d2 park their aggregates; the other dead letters do not.
+    let t = quoted(&outbox);
+    client.batch_execute(&format!(
+        "UPDATE {t} SET status = 'parked', aggregate_key = 'agg-' || key
+         WHERE key IN ('d1', 'd2')"
+    ))?;
+
+    // Skip touches parked dead letters only; its dry run counts exactly those.
+    let all = Filter::new().topic("orders");
+    assert_eq!(outbox.would_skip(&mut client, all.clone())?, 2);
+    assert!(outbox
+        .would_skip(&mut client, all.clone().unparked())
+        .is_err_and(|e| e.to_string().contains("parked dead letters only")));
+    // Purge leaves parked ones alone; its dry run counts the rest, and refuses --parked.
+    let dead = Rows::Dead.matching(Filter::new().topic("orders"));
+    assert_eq!(outbox.would_purge(&mut client, dead.clone())?, 1, "d5");
+    let parked = Rows::Dead.matching(Filter::new().parked());
+    let refused = outbox.would_purge(&mut client, parked.clone());
+    assert!(refused.is_err_and(|e| e.to_string().contains("never purged")));
+    assert!(outbox.purge(&mut client, parked).is_err());
+
+    // What the changes then did is what the dry runs said. Skipped, d1 and d2 are plain
+    // dead letters, which a purge deletes.
+    assert_eq!(outbox.skip(&mut client, all)?, 2);
+    assert_eq!(
+        count(
+            &mut client,
+            &outbox,
+            "key IN ('d1', 'd2') AND status = 'dead'"
+        ),
+        2
+    );
+    assert_eq!(outbox.would_purge(&mut client, dead.clone())?, 3);
+    assert_eq!(outbox.purge(&mut client, dead)?, 3);
+    assert_eq!(
+        count(&mut client, &outbox, "topic = 'orders' AND status = 'dead'"),
+        0
+    );
+    Ok(())
+}

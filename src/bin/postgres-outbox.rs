@@ -335,7 +335,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let filter = filter.build();
             let n = if dry_run {
-                outbox.count(&mut client, Rows::Dead.matching(filter.parked()))?
+                outbox.would_skip(&mut client, filter)?
             } else {
                 outbox.skip(&mut client, filter)?
             };
@@ -357,14 +357,11 @@ fn run(cli: Cli) -> Result<()> {
                 What::Dead => (Rows::Dead, "dead letters"),
                 What::Inbox => (Rows::Inbox, "dedupe records"),
             };
-            // --parked: the purge refuses it, dry run or not, before touching a row.
-            let refused = filter.parked;
-            let filter = filter.build();
-            let n = match rows {
-                _ if !dry_run || refused => outbox.purge(&mut client, rows.matching(filter))?,
-                // A purge leaves parked dead letters alone, so its dry run does too.
-                Rows::Dead => outbox.count(&mut client, rows.matching(filter.unparked()))?,
-                _ => outbox.count(&mut client, rows.matching(filter))?,
+            let rows = rows.matching(filter.build());
+            let n = if dry_run {
+                outbox.would_purge(&mut client, rows)?
+            } else {
+                outbox.purge(&mut client, rows)?
             };
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
