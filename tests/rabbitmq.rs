@@ -12,8 +12,8 @@ use amiquip::{AmqpProperties, AmqpValue, ExchangeDeclareOptions, ExchangeType, F
 use common::broker::{rabbitmqctl, Broker};
 use common::*;
 use postgres_outbox::rabbitmq::{
-    Consumer, ConsumerConfig, ConsumerMetrics, Delivery, RabbitPublisher, AGGREGATE_HEADER,
-    DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
+    Consumer, ConsumerConfig, ConsumerMetrics, Delivery, PublisherConfig, RabbitPublisher,
+    AGGREGATE_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
 };
 use postgres_outbox::{
     HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
@@ -96,6 +96,39 @@ fn a_published_record_carries_every_property_and_header() {
         Some(&AmqpValue::LongString("order-1".into()))
     );
     assert_eq!(row_state(&mut client, &outbox, &keys[0]).0, "sent");
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn a_publisher_config_builds_every_publisher_of_a_relay_with_its_settings() {
+    let (outbox, mut client) = outbox("rmq_config");
+    let broker = Broker::new();
+    let (exchange, queue) = broker.routed("config", FieldTable::new());
+    let url = amqp_url().replace("guest:guest@", "guest:s3cret-never-shown@");
+    assert!(
+        PublisherConfig::new(&url, &exchange).is_ok_and(|c| !format!("{c:?}").contains("s3cret")),
+        "Debug shows no password"
+    );
+    let publishing = PublisherConfig::new(&amqp_url(), &exchange)
+        .unwrap()
+        .first_attempt_header(false)
+        .confirm_timeout(Duration::from_secs(5));
+    // A wrong exchange fails at connect, before any row is taken.
+    assert!(PublisherConfig::new(&amqp_url(), "no-such-exchange")
+        .unwrap()
+        .connect()
+        .is_err());
+    enqueue(
+        &mut client,
+        &outbox,
+        vec![Message::new("t", b"x".to_vec()).key("configured")],
+    );
+    let config = RelayConfig::new(outbox.clone(), pool(4), move || publishing.connect());
+    assert_eq!(Relay::run_once(&config).unwrap(), 1);
+    let got = broker.drain(&queue);
+    assert_eq!(got.len(), 1);
+    // The setting reached the publisher the relay built: no header on a first attempt.
+    assert_eq!(*got[0].delivery.properties.headers(), None);
     broker.delete_queue(&queue);
 }
 

@@ -16,7 +16,7 @@ use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use postgres::config::SslMode;
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
-use postgres_outbox::rabbitmq::{Endpoints, RabbitPublisher};
+use postgres_outbox::rabbitmq::{Endpoints, PublisherConfig};
 use postgres_outbox::{Connections, Filter, HealthThresholds, Outbox, Relay, RelayConfig, Rows};
 use serde_json::{json, Value};
 
@@ -711,15 +711,13 @@ fn relay(
     args: RelayArgs,
 ) -> Result<()> {
     let endpoints = Endpoints::parse(&args.amqp_url)?.shuffle(args.amqp_shuffle);
-    let exchange = args.exchange;
+    let publishing = PublisherConfig::with_endpoints(endpoints, &args.exchange);
     // Fail fast on a wrong broker or exchange, before taking rows.
-    RabbitPublisher::connect_to(&endpoints, &exchange)?.close();
+    publishing.connect()?.close();
     // Connections of the relay's own, with keepalives.
     let connections = Connections::open(database, tls);
-    let mut config = RelayConfig::new(outbox.clone(), connections, move || {
-        RabbitPublisher::connect_to(&endpoints, &exchange)
-    })
-    .drain_timeout(args.drain_timeout);
+    let mut config = RelayConfig::new(outbox.clone(), connections, move || publishing.connect())
+        .drain_timeout(args.drain_timeout);
     if let Some(n) = args.batch_size {
         config = config.batch_size(n);
     }

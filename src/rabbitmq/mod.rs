@@ -10,6 +10,7 @@ mod connect;
 mod consumer;
 mod error;
 mod publisher;
+mod publisher_config;
 
 pub use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 pub use connect::Endpoints;
@@ -23,3 +24,4 @@ pub use consumer::{
 };
 pub use error::Error;
 pub use publisher::{RabbitPublisher, DEFAULT_MAX_MESSAGE_SIZE};
+pub use publisher_config::PublisherConfig;
