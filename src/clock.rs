@@ -12,6 +12,12 @@ pub(crate) fn deadline(after: Duration) -> Instant {
     now.checked_add(after.min(FOREVER)).unwrap_or(now)
 }
 
+/// A database's age in seconds (`extract(epoch ..)`) as a duration: negative (clock skew
+/// between statements) is zero, too large saturates.
+pub(crate) fn seconds(secs: Option<f64>) -> Option<Duration> {
+    secs.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

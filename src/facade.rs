@@ -348,6 +348,7 @@ pub(crate) mod tests {
         let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
         let health = Health {
             outbox_table: TableHealth {
+                table: "orders_outbox".into(),
                 live_tuples: 10,
                 dead_tuples: 20_000,
                 since_vacuum: None,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use postgres::Client;
 
+use crate::clock::seconds;
 use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::sql;
@@ -110,6 +111,8 @@ impl Health {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TableHealth {
+    /// The table's name, schema-qualified when it is not on the search path.
+    pub table: String,
     /// Estimated live row versions.
     pub live_tuples: u64,
     /// Estimated dead row versions: deleted or updated rows vacuum has not removed yet.
@@ -145,8 +148,8 @@ pub struct Slot {
     pub wal_bytes: u64,
     /// Whether something reads from it now.
     pub active: bool,
-    /// Its type and whether it is active.
-    pub what: String,
+    /// `physical` or `logical`.
+    pub kind: String,
 }
 
 /// What a finding is about.
@@ -197,10 +200,6 @@ impl fmt::Display for Finding {
     }
 }
 
-fn seconds(secs: Option<f64>) -> Option<Duration> {
-    secs.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX))
-}
-
 fn whole(age: Duration) -> String {
     format!("{}s", age.as_secs())
 }
@@ -240,6 +239,7 @@ impl Outbox {
             .map_err(|e| self.db_error(e))?
             .into_iter()
             .map(|row| TableHealth {
+                table: row.get(0),
                 live_tuples: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
                 dead_tuples: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
                 since_vacuum: seconds(row.get(3)),
@@ -267,7 +267,7 @@ impl Outbox {
                 name: row.get(0),
                 xmin_age: row.get(1),
                 wal_bytes: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-                what: row.get(3),
+                kind: row.get(3),
                 active: row.get(4),
             })
             .collect();
@@ -300,12 +300,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             remedy,
         })
     };
-    let inbox = format!("{}_inbox", outbox.table());
-    for (name, table) in [
-        (outbox.table(), &health.outbox_table),
-        (inbox.as_str(), &health.inbox_table),
-    ] {
-        let dead = table.dead_tuples;
+    for table in [&health.outbox_table, &health.inbox_table] {
+        let (name, dead) = (&table.table, table.dead_tuples);
         if dead > limits.dead_tuples && dead as f64 > limits.dead_ratio * table.live_tuples as f64 {
             let vacuumed = table
                 .since_vacuum
@@ -371,8 +367,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             finding(
                 Check::ReplicationSlot,
                 format!(
-                    "replication slot {} ({}) keeps {} bytes of WAL{xmin}",
-                    slot.name, slot.what, slot.wal_bytes
+                    "replication slot {} ({}, inactive) keeps {} bytes of WAL{xmin}",
+                    slot.name, slot.kind, slot.wal_bytes
                 ),
                 format!(
                     "start its consumer again, or drop it: SELECT pg_drop_replication_slot('{}')",

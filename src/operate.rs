@@ -11,6 +11,7 @@ use postgres::types::ToSql;
 use postgres::Client;
 use rand::Rng;
 
+use crate::clock::seconds;
 use crate::error::{Error, Result};
 use crate::message::micros;
 use crate::outbox::Outbox;
@@ -441,10 +442,7 @@ impl Outbox {
             .query_one(&self.statements().stats, &[])
             .map_err(|e| self.db_error(e))?;
         let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
-        let age = |i: usize| -> Option<Duration> {
-            row.get::<_, Option<f64>>(i)
-                .map(|secs| Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(Duration::MAX))
-        };
+        let age = |i: usize| seconds(row.get(i));
         Ok(Stats {
             pending: count(0),
             in_flight: count(1),

@@ -108,12 +108,13 @@ const FILTER: &str = "t.status = ANY($5::text[])
 
 /// Live and dead tuples, ages of the last vacuum and analyze (manual or auto) of the
 /// relations named in `$1` and `$2`.
-const HEALTH_TABLES: &str = "SELECT v.which, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
+const HEALTH_TABLES: &str =
+    "SELECT coalesce(v.rel::text, v.name), coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
             extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8,
             extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
-     FROM (VALUES ('outbox', to_regclass($1)), ('inbox', to_regclass($2))) AS v(which, rel)
+     FROM (VALUES (1, $1, to_regclass($1)), (2, $2, to_regclass($2))) AS v(n, name, rel)
      LEFT JOIN pg_stat_user_tables s ON s.relid = v.rel
-     ORDER BY v.which DESC";
+     ORDER BY v.n";
 
 /// The oldest open transaction that holds back the xmin horizon of this database (a
 /// backend with a snapshot or a transaction id: vacuum keeps every row version it may
@@ -140,8 +141,7 @@ pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
             coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()
                                           ELSE pg_current_wal_lsn() END,
                                      restart_lsn), 0)::bigint,
-            slot_type || CASE WHEN active THEN ', active' ELSE ', inactive' END,
-            active
+            slot_type, active
      FROM pg_replication_slots
      ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC NULLS LAST, restart_lsn";
 
@@ -369,8 +369,6 @@ impl Statements {
                           WHERE slot = $6 AND c.gone_sent > 0)
                  SELECT n FROM c"
             )?,
-            // Pending rows through their two partial indexes, dead ones through the done
-            // index: sent rows, however many, are never read.
             health_tables: values.render(HEALTH_TABLES)?,
             // The first entry of the ready index: the oldest row a relay could take as it is.
             health_due: values.render(
@@ -378,6 +376,8 @@ impl Statements {
                  WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
                    AND available_at <= now()"
             )?,
+            // Pending rows through their two partial indexes, dead ones through the done
+            // index: sent rows, however many, are never read.
             topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
                    SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
@@ -677,8 +677,6 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
                            AND p.status IN ('pending', 'parked'))",
         &[("table", t)],
     )?;
-    // What a row weighs against the byte budget: its payload and its headers.
-    let bytes = "octet_length(o.payload) + pg_column_size(o.headers)";
     render(
         "WITH RECURSIVE behind(aggregate_key, id, due, n, d) AS (
            (SELECT f.aggregate_key, f.id, f.due, 1, f.due::int FROM (
@@ -789,11 +787,14 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
             ("after", after),
             ("behind", behind),
             ("b_due", &b_due),
-            ("bytes", bytes),
+            ("bytes", CLAIMED_BYTES),
             ("lease_taken", &lease_taken(t)?),
         ],
     )
 }
+
+/// What a claimed row `o` weighs against a claim's byte budget: its payload and headers.
+const CLAIMED_BYTES: &str = "octet_length(o.payload) + pg_column_size(o.headers)";
 
 /// The lease a claim takes on the rows of its `take`, in the statement's parameters `$2`
 /// (lease), `$7` (`max_claims`) and `$8` (parks): one more claim without an outcome, or the
@@ -841,7 +842,6 @@ RETURNING {claimed_columns}, t.status, t.claims",
 /// heads. A worker falls back to the full claim when this one takes nothing, and claims
 /// fully after it, so nothing waits longer for it.
 fn claim_ready(t: &str) -> Result<String, RenderError> {
-    let bytes = "octet_length(o.payload) + pg_column_size(o.headers)";
     render(
         "WITH ready AS (
            SELECT o.id, o.aggregate_key, o.available_at, {bytes} AS bytes FROM {table} o
@@ -864,7 +864,7 @@ fn claim_ready(t: &str) -> Result<String, RenderError> {
          SELECT upd.*, NULL::text AS next_cursor, 0::bigint AS seen FROM upd",
         &[
             ("table", t),
-            ("bytes", bytes),
+            ("bytes", CLAIMED_BYTES),
             ("lease_taken", &lease_taken(t)?),
         ],
     )

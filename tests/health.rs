@@ -23,6 +23,14 @@ fn at_once() -> HealthThresholds {
         .due_age(Duration::ZERO)
 }
 
+/// An outbox named `table`, migrated on `node`.
+fn migrated(node: &PgNode, table: &str) -> (Outbox, Client) {
+    let mut client = node.client();
+    let outbox = Outbox::new(table).unwrap();
+    outbox.migrate(&mut client).unwrap();
+    (outbox, client)
+}
+
 fn enqueue(client: &mut Client, outbox: &Outbox, key: &str) {
     let mut tx = client.transaction().expect("begin");
     outbox
@@ -34,12 +42,12 @@ fn enqueue(client: &mut Client, outbox: &Outbox, key: &str) {
 #[test]
 fn a_quiet_outbox_is_healthy_and_reports_its_figures() {
     let node = PgNode::start();
-    let mut client = node.client();
-    let outbox = Outbox::new("quiet").unwrap();
-    outbox.migrate(&mut client).unwrap();
+    let (outbox, mut client) = migrated(&node, "quiet");
     client.batch_execute("VACUUM ANALYZE quiet").unwrap();
     let health = outbox.health(&mut client).unwrap();
     assert!(health.is_healthy(), "{:?}", health.findings);
+    assert_eq!(health.outbox_table.table, "quiet");
+    assert_eq!(health.inbox_table.table, "quiet_inbox");
     assert_eq!(health.oldest_due_age, None);
     assert_eq!(health.oldest_prepared, None);
     assert!(health.slots.is_empty());
@@ -51,9 +59,7 @@ fn a_quiet_outbox_is_healthy_and_reports_its_figures() {
 #[test]
 fn a_transaction_held_open_is_found_with_its_pid() {
     let node = PgNode::start();
-    let mut client = node.client();
-    let outbox = Outbox::new("held").unwrap();
-    outbox.migrate(&mut client).unwrap();
+    let (outbox, mut client) = migrated(&node, "held");
     let mut holder = node.client();
     let pid: i32 = holder
         .query_one("SELECT pg_backend_pid()", &[])
@@ -92,9 +98,7 @@ fn a_prepared_transaction_and_a_replication_slot_are_found_by_name() {
     drop(client);
     node.stop();
     node.start_again();
-    let mut client = node.client();
-    let outbox = Outbox::new("horizon").unwrap();
-    outbox.migrate(&mut client).unwrap();
+    let (outbox, mut client) = migrated(&node, "horizon");
 
     let mut preparer = node.client();
     preparer
@@ -159,7 +163,11 @@ fn dead_tuples_are_found_once_the_statistics_show_them() {
     });
     let health = health.unwrap();
     assert_eq!(checks(&health), [Check::DeadTuples]);
-    assert!(health.findings[0].problem.contains("500 dead tuples"));
+    let problem = &health.findings[0].problem;
+    assert!(
+        problem.starts_with(&format!("{} holds 500 dead tuples", outbox.table())),
+        "{problem}"
+    );
     assert!(health.findings[0]
         .remedy
         .starts_with("run VACUUM (ANALYZE)"));

@@ -509,10 +509,7 @@ fn doctor(
     as_json: bool,
 ) -> Result<bool> {
     let health = outbox.health_with(client, thresholds)?;
-    let tables = [
-        (outbox.table().to_owned(), &health.outbox_table),
-        (format!("{}_inbox", outbox.table()), &health.inbox_table),
-    ];
+    let tables = [&health.outbox_table, &health.inbox_table];
     if as_json {
         let holder = |h: &Option<postgres_outbox::Holder>| {
             h.as_ref().map_or(
@@ -523,8 +520,8 @@ fn doctor(
         let value = json!({
             "table": outbox.table(),
             "healthy": health.is_healthy(),
-            "tables": tables.iter().map(|(name, t)| json!({
-                "table": name,
+            "tables": tables.iter().map(|t| json!({
+                "table": t.table,
                 "live_tuples": t.live_tuples,
                 "dead_tuples": t.dead_tuples,
                 "since_vacuum_secs": secs(t.since_vacuum),
@@ -533,8 +530,8 @@ fn doctor(
             "oldest_transaction": holder(&health.oldest_transaction),
             "oldest_prepared": holder(&health.oldest_prepared),
             "slots": health.slots.iter().map(|s| json!({
-                "name": s.name, "xmin_age": s.xmin_age, "wal_bytes": s.wal_bytes,
-                "active": s.active,
+                "name": s.name, "kind": s.kind, "xmin_age": s.xmin_age,
+                "wal_bytes": s.wal_bytes, "active": s.active,
             })).collect::<Vec<_>>(),
             "oldest_due_age_secs": secs(health.oldest_due_age),
             "findings": health.findings.iter().map(|f| json!({
@@ -544,35 +541,30 @@ fn doctor(
         println!("{value}");
         return Ok(health.is_healthy());
     }
-    for (name, t) in &tables {
+    for t in tables {
         println!(
-            "{name}: {} live, {} dead tuples; vacuumed {} ago, analyzed {} ago",
+            "{}: {} live, {} dead tuples; vacuumed {} ago, analyzed {} ago",
+            t.table,
             t.live_tuples,
             t.dead_tuples,
             human(t.since_vacuum),
             human(t.since_analyze)
         );
     }
-    if let Some(h) = &health.oldest_transaction {
-        println!(
-            "oldest transaction: backend {} ({}), open {}",
-            h.id,
-            h.what,
-            human(Some(h.age))
-        );
-    }
-    if let Some(h) = &health.oldest_prepared {
-        println!(
-            "oldest prepared transaction: '{}' ({}), {} old",
-            h.id,
-            h.what,
-            human(Some(h.age))
-        );
+    let holders = [
+        ("oldest transaction: backend", &health.oldest_transaction),
+        ("oldest prepared transaction:", &health.oldest_prepared),
+    ];
+    for (what, holder) in holders {
+        if let Some(h) = holder {
+            println!("{what} {} ({}), open {}", h.id, h.what, human(Some(h.age)));
+        }
     }
     for s in &health.slots {
+        let state = if s.active { "active" } else { "inactive" };
         println!(
-            "replication slot {} ({}): {} bytes of WAL",
-            s.name, s.what, s.wal_bytes
+            "replication slot {} ({}, {state}): {} bytes of WAL",
+            s.name, s.kind, s.wal_bytes
         );
     }
     println!("oldest due row: {}", human(health.oldest_due_age));

@@ -13,8 +13,7 @@ use crate::metrics::{Guarded, Metrics, NoMetrics};
 use crate::outbox::Outbox;
 use crate::pool::{connector, Connect, Connections, Source};
 use crate::publish::Publisher;
-use crate::retry::Retry;
-use crate::retry::{check_lease, check_retry};
+use crate::retry::{check_lease, check_retry, Retry};
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;

@@ -98,6 +98,7 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
     // Anything committed while we were not listening was not announced: look once now.
     shared.wake_one();
     let mut last_check = Instant::now();
+    let on_notified = shared.on_notified();
     while !shared.stopping() {
         let ran = shared
             .waiting
@@ -106,7 +107,7 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
             // LISTEN again (a no-op), so it stays the last statement pg_stat_activity shows.
             run_batch(session, &listen)?;
         }
-        let on_notified = shared.on_notified();
+        let on_notified = on_notified.clone();
         session.run_for(STOP_CHECK, move |conn| notified(conn, on_notified))?;
         if last_check.elapsed() >= LIVENESS_CHECK {
             let listen = listen.clone();

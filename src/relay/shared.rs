@@ -85,7 +85,7 @@ impl Shared {
 
     /// What the listener's connection thread calls when a producer's commit announced rows:
     /// it wakes an idle worker from there, a thread hand-over sooner than the listener could.
-    pub(super) fn on_notified(&self) -> impl Fn() + Send + 'static {
+    pub(super) fn on_notified(&self) -> impl Fn() + Clone + Send + 'static {
         let wake = self.wake_tx.clone();
         let metrics = Arc::clone(&self.config.metrics);
         move || {

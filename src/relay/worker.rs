@@ -281,15 +281,8 @@ impl<'a> Worker<'a> {
         let config = self.config;
         if std::mem::take(&mut self.ready_first) {
             let request = ClaimRequest {
-                rows: config.batch_size,
-                bytes: config.worker_bytes(),
-                lease: config.lease,
-                after: None,
-                workers: config.concurrency,
-                seen: 0,
-                max_claims: config.retry.max_claims,
-                park: config.park,
                 ready_only: true,
+                ..self.claim_request()
             };
             let outbox = config.outbox.clone();
             let claimed = self
@@ -301,17 +294,7 @@ impl<'a> Worker<'a> {
         }
         let mut looks = 0;
         loop {
-            let request = ClaimRequest {
-                rows: config.batch_size,
-                bytes: config.worker_bytes(),
-                lease: config.lease,
-                after: self.cursor.clone(),
-                workers: config.concurrency,
-                seen: if self.confirm_bound { self.lap_seen } else { 0 },
-                max_claims: config.retry.max_claims,
-                park: config.park,
-                ready_only: false,
-            };
+            let request = self.claim_request();
             let from_start = request.after.is_none();
             let outbox = config.outbox.clone();
             let claimed = self
@@ -328,6 +311,23 @@ impl<'a> Worker<'a> {
             if claimed.len() > 0 || seen_all || looks >= LOOKS {
                 return Ok(claimed);
             }
+        }
+    }
+
+    /// The next full claim: from the cursor, runs sized by the lap when confirms took the
+    /// time.
+    fn claim_request(&self) -> ClaimRequest {
+        let config = self.config;
+        ClaimRequest {
+            rows: config.batch_size,
+            bytes: config.worker_bytes(),
+            lease: config.lease,
+            after: self.cursor.clone(),
+            workers: config.concurrency,
+            seen: if self.confirm_bound { self.lap_seen } else { 0 },
+            max_claims: config.retry.max_claims,
+            park: config.park,
+            ready_only: false,
         }
     }
 
