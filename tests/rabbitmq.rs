@@ -497,6 +497,90 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
 }
 
 #[test]
+fn a_consumer_whose_tables_are_dropped_stops_on_its_own_and_hands_its_deliveries_back() {
+    let (outbox, mut client) = outbox("rmq_join");
+    let table = handled_table(&mut client);
+    let broker = Broker::new();
+    let queue = broker.plain_queue("join");
+    let handler_table = table.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "billing"),
+        outbox.clone(),
+        pool(2),
+        move |tx, delivery| record_handled(tx, &handler_table, &delivery.key),
+    )
+    .unwrap();
+    broker.send(&queue, Some("m-1"), b"a");
+    wait_until("m-1 is handled", || consumer.report().processed == 1);
+    assert!(!consumer.has_stopped());
+
+    client
+        .batch_execute(&format!(
+            "DROP TABLE \"{}_inbox\"",
+            outbox.table().replace('.', "\".\"")
+        ))
+        .unwrap();
+    broker.send(&queue, Some("m-2"), b"b");
+    // What a caller waiting on something else polls.
+    wait_until("the consumer says it stopped", || consumer.has_stopped());
+    let joined = std::thread::spawn(move || consumer.join());
+    wait_until("the consumer stops on its own", || joined.is_finished());
+    match joined.join().unwrap() {
+        Err(postgres_outbox::rabbitmq::Error::Database(e)) => {
+            assert!(e.is_not_migrated(), "{e}")
+        }
+        other => panic!("expected the tables' absence, got {other:?}"),
+    }
+    // m-2 was neither handled nor acked: it is back in the queue for the next consumer.
+    wait_until("m-2 is back in the queue", || broker.ready(&queue) == 1);
+    let rows: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 1);
+    broker.delete_queue(&queue);
+}
+
+#[test]
+fn a_consumer_shut_down_checked_reports_what_it_did_or_why_it_stopped() {
+    let (outbox, mut client) = outbox("rmq_checked");
+    let broker = Broker::new();
+    let queue = broker.plain_queue("checked");
+    let spawn = || {
+        Consumer::spawn(
+            ConsumerConfig::new(&amqp_url(), &queue, "billing"),
+            outbox.clone(),
+            pool(1),
+            |_tx, _delivery| Ok(()),
+        )
+        .unwrap()
+    };
+    let consumer = spawn();
+    broker.send(&queue, Some("m-1"), b"a");
+    wait_until("m-1 is handled", || consumer.report().processed == 1);
+    let report = consumer.shutdown_checked(Duration::from_secs(10)).unwrap();
+    assert_eq!(report.processed, 1);
+
+    let consumer = spawn();
+    client
+        .batch_execute(&format!(
+            "DROP TABLE \"{}_inbox\"",
+            outbox.table().replace('.', "\".\"")
+        ))
+        .unwrap();
+    broker.send(&queue, Some("m-2"), b"b");
+    wait_until("the consumer stops on its own", || consumer.has_stopped());
+    let err = consumer
+        .shutdown_checked(Duration::from_secs(10))
+        .unwrap_err();
+    assert!(
+        matches!(&err, postgres_outbox::rabbitmq::Error::Database(e) if e.is_not_migrated()),
+        "{err}"
+    );
+    broker.delete_queue(&queue);
+}
+
+#[test]
 fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     let (outbox, _client) = outbox("rmq_fail");
     let broker = Broker::new();

@@ -18,7 +18,7 @@ mod worker;
 
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::unbounded;
@@ -41,7 +41,7 @@ use crate::outbox::Outbox;
 use crate::pool::{Connections, Source};
 use crate::publish::HandlerError;
 use dispatch::Dispatcher;
-use shared::{Counters, Shared};
+use shared::{Counters, Shared, FATAL_GRACE};
 use worker::Worker;
 
 /// What a [`Consumer`] did over its life.
@@ -127,6 +127,8 @@ pub struct Consumer {
     /// Once it has ended, the broker connection is closed.
     dispatcher: Threads,
     handlers: Threads,
+    /// Its threads have been waited for (by `shutdown`, `join` or `Drop`).
+    stopped: bool,
 }
 
 impl fmt::Debug for Consumer {
@@ -193,6 +195,7 @@ impl Consumer {
             handler: Box::new(handler),
             counters: Counters::default(),
             stop: StopSignal::new(),
+            fatal: Mutex::new(None),
         });
         // Declared before the channels, so a failed start drops it after them: the handlers
         // already started find no more tasks and end, and its `Drop` waits for them.
@@ -200,6 +203,7 @@ impl Consumer {
             shared: shared.clone(),
             dispatcher: Threads::new(),
             handlers: Threads::new(),
+            stopped: false,
         };
         let (tasks_tx, tasks_rx) = unbounded();
         let (results_tx, results_rx) = unbounded();
@@ -225,23 +229,64 @@ impl Consumer {
         ConsumerReport::of(&self.shared.counters)
     }
 
+    /// Whether the consumer has stopped (or is stopping): told to by `shutdown`, or on its
+    /// own, because it cannot go on (see [`join`](Consumer::join)).
+    pub fn has_stopped(&self) -> bool {
+        self.shared.stop.is_sent()
+    }
+
     /// Stops taking deliveries and lets the ones being handled finish (commit and ack)
     /// within `timeout`, then closes the connection: deliveries received but not started,
     /// or waiting out a retry, go back to the queue. A handler still running at the
     /// timeout cannot be interrupted: the connection is closed anyway (within two seconds
     /// more), so everything else goes back on time; that handler finishes in the
     /// background, and its delivery comes again (acked as a duplicate if it committed).
+    ///
+    /// Returns what the consumer did. Unlike [`Relay::shutdown`](crate::Relay::shutdown) it
+    /// returns no `Result`: that is the contract existing callers hold (DESIGN.md), and a
+    /// consumer's stop cannot fail. To learn whether it had stopped on its own first, and
+    /// why, use [`shutdown_checked`](Consumer::shutdown_checked).
     pub fn shutdown(mut self, timeout: Duration) -> ConsumerReport {
         self.stop(timeout);
         self.report()
     }
 
+    /// [`shutdown`](Consumer::shutdown), returning the error that had stopped the consumer
+    /// on its own (see [`join`](Consumer::join)), if one had.
+    pub fn shutdown_checked(mut self, timeout: Duration) -> Result<ConsumerReport, Error> {
+        self.stop(timeout);
+        match self.shared.take_fatal() {
+            Some(e) => Err(e),
+            None => Ok(self.report()),
+        }
+    }
+
+    /// Blocks until the consumer stops on its own, then waits for its threads and returns
+    /// why. It stops on its own only when it cannot go on: its tables were dropped
+    /// ([`Error::Database`] holding [`NotMigrated`](crate::Error::NotMigrated)). Outages of
+    /// the broker or the database never stop it; it waits them out. What runs gets ten
+    /// seconds to finish; what is held goes back to the queue.
+    pub fn join(mut self) -> Result<(), Error> {
+        self.shared.stop.wait();
+        self.stop(FATAL_GRACE);
+        match self.shared.take_fatal() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     fn stop(&mut self, timeout: Duration) {
-        let deadline = crate::clock::deadline(timeout);
-        // Stopped before: `shutdown`, then `Drop`.
-        if !self.shared.stop.send_by(deadline) {
+        // A stop before (the consumer's own, or `shutdown` before `Drop`) set the deadline
+        // that stands.
+        self.shared.stop.send_by(crate::clock::deadline(timeout));
+        if std::mem::replace(&mut self.stopped, true) {
             return;
         }
+        let deadline = self
+            .shared
+            .stop
+            .deadline()
+            .unwrap_or_else(|| crate::clock::deadline(timeout));
         // The dispatcher closes the connection by the deadline; closing takes at most two
         // seconds more.
         let closed = deadline + Duration::from_secs(3);

@@ -1,6 +1,7 @@
 //! What the consumer's threads and its handle share.
 
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use postgres::Transaction;
@@ -12,6 +13,7 @@ use crate::lifecycle::StopSignal;
 use crate::outbox::Outbox;
 use crate::pool::Source;
 use crate::publish::HandlerError;
+use crate::rabbitmq::error::Error;
 
 /// What the consumer has done so far, counted by the dispatcher.
 #[derive(Default)]
@@ -32,9 +34,15 @@ pub(super) struct Shared {
     pub(super) source: Source,
     pub(super) handler: Box<Handler>,
     pub(super) counters: Counters,
-    /// Sent by shutdown, with when what is held must be back in the queue.
+    /// Sent by shutdown, with when what is held must be back in the queue, or by a worker
+    /// that found the consumer cannot go on.
     pub(super) stop: StopSignal,
+    /// Why the consumer stopped on its own, if it did.
+    pub(super) fatal: Mutex<Option<Error>>,
 }
+
+/// How long the jobs running get to finish when the consumer stops on its own.
+pub(super) const FATAL_GRACE: Duration = Duration::from_secs(10);
 
 impl Shared {
     /// The shutdown's deadline; far away until shutdown sets one.
@@ -42,6 +50,20 @@ impl Shared {
         self.stop
             .deadline()
             .unwrap_or_else(|| crate::clock::deadline(Duration::MAX))
+    }
+
+    /// Stops the consumer on its own: what runs gets `FATAL_GRACE` to finish, the rest goes
+    /// back to the queue. `fatal` is kept for `join` (the first one wins).
+    pub(super) fn stop_consumer(&self, fatal: Error) {
+        log::error!("rabbitmq consumer {}: stopping: {fatal}", self.config.name);
+        if let Ok(mut slot) = self.fatal.lock() {
+            slot.get_or_insert(fatal);
+        }
+        self.stop.send_by(crate::clock::deadline(FATAL_GRACE));
+    }
+
+    pub(super) fn take_fatal(&self) -> Option<Error> {
+        self.fatal.lock().ok().and_then(|mut slot| slot.take())
     }
 
     /// Calls the metrics hook; a panic in it is logged and goes no further.

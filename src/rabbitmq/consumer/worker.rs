@@ -186,6 +186,14 @@ impl Worker {
                 Err(Failure::Database(e)) => e,
                 Err(Failure::Unavailable(e)) => crate::error::Error::Unavailable(Box::new(e)),
             };
+            // The consumer's tables are gone: no delivery can be handled until someone
+            // migrates again, and holding them all meanwhile helps nobody.
+            if error.is_not_migrated() {
+                self.release();
+                self.shared
+                    .stop_consumer(crate::rabbitmq::error::Error::Database(error));
+                return Outcome::Abandoned;
+            }
             outages += 1;
             let pause = reconnect_delay(outages);
             let shared = self.shared.clone();
