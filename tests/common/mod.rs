@@ -3,6 +3,8 @@
 
 #[cfg(feature = "rabbitmq")]
 pub mod broker;
+#[cfg(feature = "cli")]
+pub mod chromium;
 pub mod faulty;
 pub mod pg_node;
 #[cfg(feature = "rabbitmq")]

@@ -4,6 +4,8 @@
 
 #![forbid(unsafe_code)]
 
+mod serve;
+
 use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -12,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use clap::error::ErrorKind;
-use clap::{ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, ArgGroup, Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use postgres::config::SslMode;
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
@@ -38,9 +40,9 @@ struct Cli {
     /// certificate is verified under sslmode=prefer too.
     #[arg(long, env = "PGSSLROOTCERT", value_name = "FILE")]
     database_ca: Option<PathBuf>,
-    /// The outbox table (`name` or `schema.name`).
-    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox")]
-    table: String,
+    /// The outbox table (`name` or `schema.name`); `serve` takes it repeated, for several.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox", action = ArgAction::Append)]
+    table: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -127,6 +129,10 @@ enum Command {
     },
     /// Run a relay to a RabbitMQ exchange until SIGINT or SIGTERM (logs via RUST_LOG).
     Relay(RelayArgs),
+    /// Serve an operator's web page for the tables (--table repeated) until stopped:
+    /// counts, charts of the last hour, the doctor's findings, dead letters by error, and,
+    /// with --allow-changes and the token, redrive, skip and purge.
+    Serve(ServeArgs),
 }
 
 /// Commands that change rows name them: by a filter, or every one with `--all`.
@@ -171,6 +177,27 @@ struct FilterArgs {
     /// Only dead letters that park their aggregate.
     #[arg(long)]
     parked: bool,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The address to listen on. Anything but loopback needs a token, and then every page
+    /// needs a login.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    bind: std::net::SocketAddr,
+    /// Take changes (redrive, skip, purge) from clients that show the token.
+    #[arg(long)]
+    allow_changes: bool,
+    /// A file holding the token (its first line). Or set OUTBOX_WEB_TOKEN; never on the
+    /// command line, where other users of the machine can read it.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// Let a message's page show its payload, on request, at most 4 KiB of it.
+    #[arg(long)]
+    show_payloads: bool,
+    /// How often the charts are sampled.
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = humantime::parse_duration)]
+    sample_interval: Duration,
 }
 
 #[derive(Args)]
@@ -279,8 +306,26 @@ fn certificate_failed(error: &(dyn Error + 'static)) -> bool {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    let outbox = Outbox::new(&cli.table)?;
     let config = database_config(&cli.database_url)?;
+    if let Command::Serve(args) = cli.command {
+        let options = serve_options(args)?;
+        let outboxes = cli
+            .table
+            .iter()
+            .map(|t| Outbox::new(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tls = database_tls(&config, cli.database_ca.as_deref())?;
+        return serve::serve(outboxes, config, tls, options);
+    }
+    let [table] = cli.table.as_slice() else {
+        Cli::command()
+            .error(
+                ErrorKind::ArgumentConflict,
+                "--table is taken once, except by serve",
+            )
+            .exit();
+    };
+    let outbox = Outbox::new(table)?;
     if let Command::Sql = cli.command {
         print!("{}", outbox.sql());
         return Ok(());
@@ -366,9 +411,51 @@ fn run(cli: Cli) -> Result<()> {
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
         }
-        Command::Sql | Command::Relay(_) => {}
+        Command::Sql | Command::Relay(_) | Command::Serve(_) => {}
     }
     Ok(())
+}
+
+/// The server's settings, its token read from the file or the environment. Usage errors
+/// (exit 2): a bind beyond loopback, or changes, without a token; a token too short to be
+/// out of a guesser's reach.
+fn serve_options(args: ServeArgs) -> Result<serve::Options> {
+    let usage = |text: String| -> ! {
+        Cli::command()
+            .error(ErrorKind::ValueValidation, text)
+            .exit()
+    };
+    let token = match &args.token_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+            Some(text.lines().next().unwrap_or("").trim().to_owned())
+        }
+        None => std::env::var("OUTBOX_WEB_TOKEN").ok(),
+    }
+    .filter(|t| !t.is_empty());
+    if token.as_ref().is_some_and(|t| t.len() < serve::MIN_TOKEN) {
+        usage(format!(
+            "the token must be at least {} characters long",
+            serve::MIN_TOKEN
+        ));
+    }
+    if token.is_none() && !args.bind.ip().is_loopback() {
+        usage(format!(
+            "--bind {} is beyond loopback: set a token (--token-file or OUTBOX_WEB_TOKEN)",
+            args.bind
+        ));
+    }
+    if token.is_none() && args.allow_changes {
+        usage("--allow-changes needs a token (--token-file or OUTBOX_WEB_TOKEN)".to_owned());
+    }
+    Ok(serve::Options {
+        bind: args.bind,
+        allow_changes: args.allow_changes,
+        show_payloads: args.show_payloads,
+        sample_interval: args.sample_interval,
+        token,
+    })
 }
 
 /// The database settings, with a connect timeout unless the URL sets one, so an unreachable

@@ -1,0 +1,92 @@
+//! The last hour of each table, sampled by the server itself every few seconds, so a page
+//! shows a trend from the moment it is opened.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use postgres_outbox::Stats;
+
+/// How far back the charts look.
+pub const WINDOW: Duration = Duration::from_secs(3600);
+
+/// One sample of one table; `None` where the database did not answer.
+#[derive(Clone, Copy)]
+pub struct Point {
+    pub at: Instant,
+    pub pending: Option<f64>,
+    /// Rows sent per second since the sample before.
+    pub throughput: Option<f64>,
+    pub oldest_secs: Option<f64>,
+}
+
+struct Series {
+    points: VecDeque<Point>,
+    /// The sent counter at the last sample that had one.
+    last_sent: Option<(Instant, u64)>,
+}
+
+#[derive(Default)]
+pub struct History {
+    tables: Mutex<HashMap<String, Series>>,
+}
+
+impl History {
+    /// Adds a sample of `table`: its stats, or `None` when they could not be read.
+    pub fn record(&self, table: &str, stats: Option<&Stats>) {
+        let now = Instant::now();
+        let Ok(mut tables) = self.tables.lock() else {
+            return;
+        };
+        let series = tables.entry(table.to_owned()).or_insert_with(|| Series {
+            points: VecDeque::new(),
+            last_sent: None,
+        });
+        let point = match stats {
+            Some(stats) => {
+                // A purge lowers the sent counter: no negative throughput from it.
+                let throughput = series.last_sent.map(|(at, sent)| {
+                    let secs = now.duration_since(at).as_secs_f64().max(1e-3);
+                    stats.sent.saturating_sub(sent) as f64 / secs
+                });
+                series.last_sent = Some((now, stats.sent));
+                Point {
+                    at: now,
+                    pending: Some(stats.pending as f64),
+                    throughput,
+                    oldest_secs: Some(stats.oldest_pending_age.map_or(0.0, |a| a.as_secs_f64())),
+                }
+            }
+            None => {
+                series.last_sent = None;
+                Point {
+                    at: now,
+                    pending: None,
+                    throughput: None,
+                    oldest_secs: None,
+                }
+            }
+        };
+        series.points.push_back(point);
+        while series
+            .points
+            .front()
+            .is_some_and(|p| now.duration_since(p.at) > WINDOW)
+        {
+            series.points.pop_front();
+        }
+    }
+
+    /// The samples of `table` in the window, oldest first.
+    pub fn points(&self, table: &str) -> Vec<Point> {
+        self.tables
+            .lock()
+            .ok()
+            .and_then(|tables| {
+                tables
+                    .get(table)
+                    .map(|s| s.points.iter().copied().collect())
+            })
+            .unwrap_or_default()
+    }
+}
