@@ -261,8 +261,9 @@ impl App {
     /// however large the backlog.
     fn sample_forever(&self, interval: Duration) {
         loop {
-            let started = Instant::now();
             let mut client = self.pool.get().ok();
+            // Timed from here: waiting for a database that is down is not its load.
+            let started = Instant::now();
             for outbox in &self.outboxes {
                 let stats = client.as_mut().and_then(|c| outbox.stats(c).ok());
                 self.history.record(outbox.table(), stats.as_ref());
