@@ -213,6 +213,26 @@ fn read_some(
     }
 }
 
+/// After refusing a request whose rest was not read: says it is done writing, then reads and
+/// drops what the client still sends (a second at most), so closing does not reset the
+/// connection and lose the answer before the client reads it.
+pub fn linger(stream: &mut TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let until = Instant::now() + Duration::from_secs(1);
+    let mut sink = [0u8; 4096];
+    let mut left: usize = 1 << 20;
+    while left > 0 {
+        let wait = until.saturating_duration_since(Instant::now());
+        if wait.is_zero() || stream.set_read_timeout(Some(wait)).is_err() {
+            return;
+        }
+        match stream.read(&mut sink) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+}
+
 pub struct Response {
     pub status: u16,
     content_type: &'static str,

@@ -277,15 +277,21 @@ impl App {
     /// and the thread goes on.
     fn answer(&self, mut stream: TcpStream) {
         let deadline = Instant::now() + READ_DEADLINE;
-        let response = match http::read_request(&mut stream, deadline) {
-            Ok(request) => catch_unwind(AssertUnwindSafe(|| self.route(&request)))
-                .unwrap_or_else(|_| Response::text(500, "the page failed; see the server's log")),
-            Err(e) => match e.response() {
-                Some(response) => response,
-                None => return,
-            },
-        };
-        let _ = response.write(&mut stream, WRITE_TIMEOUT);
+        match http::read_request(&mut stream, deadline) {
+            Ok(request) => {
+                let response = catch_unwind(AssertUnwindSafe(|| self.route(&request)))
+                    .unwrap_or_else(|_| {
+                        Response::text(500, "the page failed; see the server's log")
+                    });
+                let _ = response.write(&mut stream, WRITE_TIMEOUT);
+            }
+            Err(e) => {
+                if let Some(response) = e.response() {
+                    let _ = response.write(&mut stream, WRITE_TIMEOUT);
+                    http::linger(&mut stream);
+                }
+            }
+        }
     }
 
     fn route(&self, request: &Request) -> Response {
