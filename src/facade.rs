@@ -17,7 +17,7 @@
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
 //! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
-//! | `outbox_inactive_slots_wal_bytes`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
+//! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
 //! | `outbox_consumer_duplicates_total` | counter | `queue`, `consumer` | redeliveries skipped |
@@ -31,12 +31,13 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::health::Health;
+use crate::health::{Health, RELAY_GONE};
 use crate::metrics::{CycleTimes, Metrics};
 use crate::operate::Stats;
 use crate::outbox::Outbox;
 use crate::publish::PublishError;
 use crate::record::Record;
+use crate::relays::PublisherState;
 
 /// The relay's [`Metrics`], reported to the `metrics` facade under the outbox's table name.
 ///
@@ -78,8 +79,8 @@ impl OutboxMetrics {
 
     /// Sets the gauges from a [`Health`] diagnosis (see [`Outbox::health`]): dead and
     /// live tuples per relation, the ages of the oldest transaction, prepared transaction
-    /// and due row (0 when none), the WAL the slots nothing reads from keep, and the number
-    /// of findings.
+    /// and due row (0 when none), the WAL the slots nothing reads from keep, the relays
+    /// reporting and how many of them cannot publish, and the number of findings.
     pub fn record_health(&self, health: &Health) {
         let table = self.table.clone();
         for (relation, figures) in [
@@ -113,6 +114,13 @@ impl OutboxMetrics {
             .sum();
         gauge!("outbox_inactive_slots_wal_bytes", "table" => table.clone())
             .set(idle_slots_wal as f64);
+        let reporting = health.relays.iter().filter(|r| r.last_seen < RELAY_GONE);
+        let down = reporting
+            .clone()
+            .filter(|r| matches!(r.publisher, PublisherState::Down { .. }))
+            .count();
+        gauge!("outbox_relays", "table" => table.clone()).set(reporting.count() as f64);
+        gauge!("outbox_relays_publisher_down", "table" => table.clone()).set(down as f64);
         gauge!("outbox_health_findings", "table" => table).set(health.findings.len() as f64);
     }
 
@@ -345,6 +353,8 @@ pub(crate) mod tests {
     #[test]
     fn health_becomes_gauges() {
         use crate::health::{Check, Finding, Holder, TableHealth};
+        use crate::relays::{PublisherState, RelayReport};
+        use std::time::SystemTime;
         let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
         let health = Health {
             outbox_table: TableHealth {
@@ -363,6 +373,23 @@ pub(crate) mod tests {
             oldest_prepared: None,
             slots: Vec::new(),
             oldest_due_age: Some(Duration::from_millis(1500)),
+            relays: [
+                PublisherState::Up,
+                PublisherState::Down {
+                    since: SystemTime::now(),
+                },
+            ]
+            .into_iter()
+            .map(|publisher| RelayReport {
+                relay: "r".into(),
+                client_addr: None,
+                pid: 7,
+                started_at: SystemTime::now(),
+                last_seen: Duration::from_secs(1),
+                publisher,
+                published: 0,
+            })
+            .collect(),
             findings: vec![Finding {
                 check: Check::DeadTuples,
                 problem: "p".into(),
@@ -389,6 +416,8 @@ pub(crate) mod tests {
                 0.0,
             ),
             gauge("outbox_oldest_due_age_seconds", &[table], 1.5),
+            gauge("outbox_relays", &[table], 2.0),
+            gauge("outbox_relays_publisher_down", &[table], 1.0),
             gauge("outbox_health_findings", &[table], 1.0),
         ] {
             assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");

@@ -1,5 +1,6 @@
 //! An outbox that diagnoses its own table: dead tuples and vacuum, what holds back the xmin
-//! horizon (an open transaction, a prepared one, a replication slot), and rows left due.
+//! horizon (an open transaction, a prepared one, a replication slot), rows left due, and
+//! relays whose publisher is down.
 //!
 //! A queue table is written to and deleted from all day, so it lives on vacuum: anything
 //! that keeps vacuum from removing dead row versions makes every claim read more of them.
@@ -8,14 +9,19 @@
 //! is wrong and what to do.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use postgres::Client;
 
 use crate::clock::seconds;
 use crate::error::Result;
 use crate::outbox::Outbox;
+use crate::relays::{PublisherState, RelayReport};
 use crate::sql;
+
+/// A relay that has not reported for this long has stopped or hangs (they report every
+/// five seconds).
+pub(crate) const RELAY_GONE: Duration = Duration::from_secs(60);
 
 /// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
 /// hear sooner.
@@ -96,6 +102,8 @@ pub struct Health {
     /// How long the oldest row a relay could take as it is has been due (rows without an
     /// aggregate key and aggregates' heads marked at enqueue).
     pub oldest_due_age: Option<Duration>,
+    /// What the relays of this outbox report of themselves (see [`Outbox::relays`]).
+    pub relays: Vec<RelayReport>,
     /// Figures past their thresholds, each with its remedy; empty when all is well.
     pub findings: Vec<Finding>,
 }
@@ -166,11 +174,15 @@ pub enum Check {
     ReplicationSlot,
     /// Rows due and not claimed.
     Due,
+    /// A relay reports that its publisher does not reach the destination.
+    Publisher,
+    /// Relays reported, and none has for a while: they stopped without saying so.
+    Relays,
 }
 
 impl Check {
     /// A short name: `dead_tuples`, `transaction`, `prepared_transaction`,
-    /// `replication_slot`, `due`.
+    /// `replication_slot`, `due`, `publisher`, `relays`.
     pub fn name(self) -> &'static str {
         match self {
             Check::DeadTuples => "dead_tuples",
@@ -178,6 +190,8 @@ impl Check {
             Check::PreparedTransaction => "prepared_transaction",
             Check::ReplicationSlot => "replication_slot",
             Check::Due => "due",
+            Check::Publisher => "publisher",
+            Check::Relays => "relays",
         }
     }
 }
@@ -213,7 +227,8 @@ impl Outbox {
 
     /// Diagnoses the outbox: dead tuples and the last vacuum and analyze of its tables, the
     /// oldest transaction and prepared transaction holding back the xmin horizon, the
-    /// replication slots, and how long the oldest ready row has been due. Every figure past
+    /// replication slots, how long the oldest ready row has been due, and what the relays
+    /// report (a publisher down; reports that stopped coming). Every figure past
     /// `thresholds` is a [`Finding`] with its remedy. Its cost does not grow with the table:
     /// catalog rows and one index entry.
     ///
@@ -277,6 +292,7 @@ impl Outbox {
                 .map_err(|e| self.db_error(e))?
                 .get(0),
         );
+        let relays = self.relays(client)?;
         let mut health = Health {
             outbox_table,
             inbox_table,
@@ -284,6 +300,7 @@ impl Outbox {
             oldest_prepared,
             slots,
             oldest_due_age,
+            relays,
             findings: Vec::new(),
         };
         health.findings = findings(self, &health, thresholds);
@@ -388,6 +405,45 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 ),
                 "check that a relay runs against this table and reaches the database (its log, \
                  Relay::is_listening); a relay that keeps up claims within its poll interval"
+                    .to_owned(),
+            );
+        }
+    }
+    let recent = |r: &&RelayReport| r.last_seen < RELAY_GONE;
+    for relay in health.relays.iter().filter(recent) {
+        if let PublisherState::Down { since } = relay.publisher {
+            let down = SystemTime::now().duration_since(since).unwrap_or_default();
+            finding(
+                Check::Publisher,
+                format!(
+                    "relay {} (pid {}{}) cannot publish: its destination has been down for {}",
+                    relay.relay,
+                    relay.pid,
+                    relay
+                        .client_addr
+                        .as_ref()
+                        .map_or(String::new(), |a| format!(" at {a}")),
+                    whole(down)
+                ),
+                "check the broker and the relay's log; it claims nothing meanwhile and tries \
+                 again with backoff, and nothing is lost or charged an attempt"
+                    .to_owned(),
+            );
+        }
+    }
+    if let Some(last) = health.relays.iter().min_by_key(|r| r.last_seen) {
+        if last.last_seen >= RELAY_GONE {
+            finding(
+                Check::Relays,
+                format!(
+                    "no relay of {} has reported for {} (the last: pid {}): they stopped \
+                     without saying so, or hang",
+                    outbox.table(),
+                    whole(last.last_seen),
+                    last.pid
+                ),
+                "start a relay (what the dead one held comes back when its leases run out); \
+                 reports of relays gone a day are forgotten"
                     .to_owned(),
             );
         }

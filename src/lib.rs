@@ -82,6 +82,7 @@ mod process;
 mod publish;
 mod record;
 mod relay;
+mod relays;
 mod render;
 mod retry;
 mod rounds;
@@ -115,6 +116,7 @@ pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, Publisher
 pub use rabbitmq::QueueMetrics;
 pub use record::Record;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
+pub use relays::{PublisherState, RelayReport};
 pub use retry::Retry;
 
 // The README's Rust examples are compiled as doc tests, so they cannot drift from the API.

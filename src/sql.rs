@@ -75,6 +75,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0010_leaner_enqueue",
         template: include_str!("../sql/0010_leaner_enqueue.sql"),
     },
+    Migration {
+        version: 11,
+        name: "0011_relay_reports",
+        template: include_str!("../sql/0011_relay_reports.sql"),
+    },
 ];
 
 /// The columns of a record, in the order `Record::from_row` reads them, its attempt being
@@ -225,6 +230,11 @@ pub(crate) struct Statements {
     /// Marks relay $1 as waiting for work (and forgets relays long gone).
     pub(crate) register_waiting: String,
     pub(crate) unregister_waiting: String,
+    /// A relay's report of itself (and forgets reports unseen for a day).
+    pub(crate) report_relay: String,
+    pub(crate) forget_relay: String,
+    /// The relays' reports, oldest relay first.
+    pub(crate) relays: String,
     pub(crate) probe: String,
 }
 
@@ -528,6 +538,22 @@ impl Statements {
                  ON CONFLICT (relay) DO UPDATE SET seen = now()"
             )?,
             unregister_waiting: values.render("DELETE FROM {waiting} WHERE relay = $1")?,
+            report_relay: values.render(
+                "WITH gone AS (DELETE FROM {relays} WHERE seen_at < now() - interval '1 day')
+                 INSERT INTO {relays}
+                   (relay, client_addr, pid, started_at, publisher, down_since, published)
+                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6)
+                 ON CONFLICT (relay) DO UPDATE SET
+                   seen_at = now(), publisher = excluded.publisher,
+                   down_since = excluded.down_since, published = excluded.published"
+            )?,
+            forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
+            relays: values.render(
+                "SELECT relay, client_addr, pid, started_at,
+                        extract(epoch FROM now() - seen_at)::float8, publisher, down_since,
+                        published
+                 FROM {relays} ORDER BY started_at, relay"
+            )?,
             probe: values.render("SELECT 1 FROM {table} LIMIT 0")?,
         };
         values.finish()?;
@@ -884,6 +910,7 @@ fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("failures", table.companion("_failures")),
         ("waiting", table.companion("_waiting")),
         ("counts", table.companion("_counts")),
+        ("relays", table.companion("_relays")),
         ("enqueue_fn", table.companion("_enqueue")),
         ("enqueue_n_fn", table.companion("_enqueue_n")),
         ("lock_n_fn", table.companion("_lock_n")),
@@ -1129,6 +1156,7 @@ mod tests {
                 0xdb1079ae496e4e8e,
                 0xd3ba2430a8227447,
             ),
+            ("0011_relay_reports", 0x99f50cd3bcb16a82, 0xf7714051f8ef1077),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {

@@ -4,12 +4,16 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::pg_node::PgNode;
 use common::{quoted, wait_until};
 use postgres::Client;
-use postgres_outbox::{Check, Health, HealthThresholds, Message, Outbox};
+use postgres_outbox::{
+    Check, Health, HealthThresholds, Message, Outbox, PublishError, PublisherState, Record, Relay,
+};
 
 fn checks(health: &Health) -> Vec<Check> {
     health.findings.iter().map(|f| f.check).collect()
@@ -211,4 +215,78 @@ fn a_row_due_that_no_relay_claims_is_found() {
         .unwrap();
     tx.commit().unwrap();
     assert_eq!(later.health(&mut client).unwrap().oldest_due_age, None);
+}
+
+#[test]
+fn a_relay_reports_itself_and_a_publisher_that_is_down_is_found() {
+    let (outbox, mut client) = common::outbox("reports");
+    enqueue(&mut client, &outbox, "m1");
+    let down = Arc::new(AtomicBool::new(true));
+    let publish = {
+        let down = down.clone();
+        move |_: &Record| {
+            if down.load(Ordering::SeqCst) {
+                return Err(PublishError::unavailable("broker down"));
+            }
+            Ok(())
+        }
+    };
+    let config = common::relay_config(&outbox, publish).poll_interval(Duration::from_millis(20));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the relay reports its publisher down", || {
+        let reports = outbox.relays(&mut client).unwrap();
+        matches!(reports.as_slice(), [r] if matches!(r.publisher, PublisherState::Down { .. }))
+    });
+    let report = outbox.relays(&mut client).unwrap().remove(0);
+    assert_eq!(report.pid, std::process::id());
+    assert!(report.client_addr.is_some(), "the tests connect over TCP");
+    assert!(report.last_seen < Duration::from_secs(30), "{report:?}");
+    let health = outbox.health(&mut client).unwrap();
+    assert!(
+        checks(&health).contains(&Check::Publisher),
+        "{:?}",
+        health.findings
+    );
+
+    down.store(false, Ordering::SeqCst);
+    wait_until(
+        "the relay reports its publisher up and what it published",
+        || {
+            let reports = outbox.relays(&mut client).unwrap();
+            matches!(reports.as_slice(), [r] if r.publisher == PublisherState::Up && r.published == 1)
+        },
+    );
+    let health = outbox.health(&mut client).unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    assert!(
+        outbox.relays(&mut client).unwrap().is_empty(),
+        "its report goes with it"
+    );
+}
+
+#[test]
+fn reports_that_stopped_coming_are_found() {
+    let (outbox, mut client) = common::outbox("gone");
+    // What a relay killed by SIGKILL leaves behind: its last report, growing old. (Aged by
+    // hand: the report's own clock is the database's.)
+    let relays = format!("\"{}_relays\"", outbox.table().replace('.', "\".\""));
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {relays} (relay, pid, started_at, seen_at, publisher)
+                 VALUES ('dead', 4242, now() - interval '1 hour', now() - interval '2 minutes',
+                         'up')"
+            ),
+            &[],
+        )
+        .unwrap();
+    let health = outbox.health(&mut client).unwrap();
+    assert_eq!(checks(&health), [Check::Relays]);
+    assert!(health.findings[0].problem.contains("pid 4242"));
+    // A relay reporting now clears it.
+    client
+        .execute(&format!("UPDATE {relays} SET seen_at = now()"), &[])
+        .unwrap();
+    assert!(outbox.health(&mut client).unwrap().is_healthy());
 }

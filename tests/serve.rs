@@ -225,6 +225,17 @@ fn dead_rows(client: &mut Client, outbox: &Outbox, keys: &[&str]) -> Vec<String>
 fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
     let (a, mut client) = outbox_with_dead_letters("web_overview");
     let (b, _) = outbox("web_overview_b");
+    // A relay's report of a publisher that is down (see tests/health.rs for a real one).
+    client
+        .execute(
+            &format!(
+                "INSERT INTO \"{}_relays\" (relay, pid, started_at, publisher, down_since)
+                 VALUES ('r1', 4242, now(), 'down', now() - interval '90 seconds')",
+                a.table().replace('.', "\".\"")
+            ),
+            &[],
+        )
+        .unwrap();
     let server = Server::start(&database_url(), &[&a, &b], &[], None);
 
     let page = server.get("/", &[]);
@@ -236,6 +247,8 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
     assert_eq!(cell(&a, "parked"), "1");
     assert_eq!(cell(&a, "sent"), stats.sent.to_string());
     assert_eq!(cell(&b, "pending"), "0");
+    assert!(cell(&a, "publisher-0").starts_with("down for 1m"));
+    assert!(page.body.contains("cannot publish"), "the doctor's finding");
     assert!(page.body.contains("<svg"), "a chart");
     // The sampler's points reach the chart.
     wait_until("the backlog chart has a line", || {

@@ -8,13 +8,15 @@
 //! backlog saw 649 connection attempts and 65,000 rows claimed and handed back.
 
 use std::error::Error as StdError;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
 
 use crate::error::describe;
 use crate::metrics::Metrics;
+use crate::relays::PublisherState;
 
 /// The first wait after the destination went down; it doubles with every failed probe.
 const FIRST_WAIT: Duration = Duration::from_millis(500);
@@ -52,13 +54,35 @@ pub(crate) enum Access {
 
 pub(crate) struct Health {
     state: Mutex<State>,
+    /// It went up or down since `take_change` last looked: the relay's report is due.
+    changed: AtomicBool,
 }
 
 impl Health {
     pub(crate) fn new() -> Health {
         Health {
             state: Mutex::new(State::Unknown),
+            changed: AtomicBool::new(false),
         }
+    }
+
+    /// The state, for the relay's report.
+    pub(crate) fn state(&self) -> PublisherState {
+        let Ok(state) = self.state.lock() else {
+            return PublisherState::Unknown;
+        };
+        match &*state {
+            State::Unknown => PublisherState::Unknown,
+            State::Up => PublisherState::Up,
+            State::Down { since, .. } => PublisherState::Down {
+                since: SystemTime::now() - since.elapsed(),
+            },
+        }
+    }
+
+    /// Whether it went up or down since the last call.
+    pub(crate) fn take_change(&self) -> bool {
+        self.changed.swap(false, Ordering::SeqCst)
     }
 
     /// Whether a worker may claim now, and whether it is to probe. At most one worker
@@ -130,6 +154,7 @@ impl Health {
                     describe(cause)
                 );
                 metrics.publisher_down(cause);
+                self.changed.store(true, Ordering::SeqCst);
                 first
             }
         }
@@ -152,6 +177,7 @@ impl Health {
             State::Unknown => {}
         }
         *state = State::Up;
+        self.changed.store(true, Ordering::SeqCst);
         metrics.publisher_up();
     }
 

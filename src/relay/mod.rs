@@ -16,6 +16,7 @@
 mod config;
 mod health;
 mod listener;
+mod report;
 mod shared;
 mod waiting;
 mod worker;
@@ -287,10 +288,29 @@ impl Drop for Relay {
 /// publisher, and only after several in a row stops the relay with an error.
 fn run_worker(shared: &Shared, name: &str) {
     let config = &shared.config;
-    let table = config.outbox.table();
     let mut worker = Worker::new(config, None, name);
+    shared.report.worker_started();
+    work(shared, &mut worker);
+    let in_time = !shared.stop.past_deadline();
+    shared
+        .report
+        .worker_stopping(&mut worker, config.outbox.statements(), in_time);
+}
+
+/// The worker's cycles, until the relay stops (or this worker stops it).
+fn work(shared: &Shared, worker: &mut Worker) {
+    let config = &shared.config;
+    let table = config.outbox.table();
     let mut panics = 0u32;
+    let sql = config.outbox.statements();
     while !shared.stopping() {
+        shared.report.write_if_due(
+            worker,
+            sql,
+            shared.health.take_change(),
+            shared.health.state(),
+            shared.published.load(Ordering::SeqCst),
+        );
         let next = match catch_unwind(AssertUnwindSafe(|| worker.cycle(shared))) {
             Ok(Ok(cycle)) => {
                 panics = 0;

@@ -9,6 +9,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 
 use super::config::RelayConfig;
 use super::health::{Access, Health};
+use super::report::Report;
 use super::waiting::Waiting;
 use super::worker::Control;
 use crate::error::Error;
@@ -40,7 +41,9 @@ pub(crate) struct Shared {
     /// Claimed rows whose outcomes are not recorded yet.
     pub(super) holding: AtomicU64,
     /// Whether the publishers reach their destination.
-    health: Health,
+    pub(super) health: Health,
+    /// This relay's row in `<table>_relays`.
+    pub(super) report: Report,
 }
 
 impl Shared {
@@ -58,6 +61,7 @@ impl Shared {
             released: AtomicU64::new(0),
             holding: AtomicU64::new(0),
             health: Health::new(),
+            report: Report::new(),
         }
     }
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::RelayConfig;
 use super::health::Access;
+use super::report::Row;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
 use crate::metrics::CycleTimes;
@@ -160,6 +161,27 @@ impl<'a> Worker<'a> {
         self.session.run(move |conn| {
             conn.client
                 .execute(&sql, &[&value])
+                .map(drop)
+                .map_err(crate::error::Error::Db)
+        })
+    }
+
+    /// Writes the relay's report (see `report.rs`) on the worker's connection.
+    pub(crate) fn report(&mut self, sql: &str, row: Row) -> Result<()> {
+        let sql = sql.to_owned();
+        self.session.run(move |conn| {
+            conn.client
+                .execute(
+                    &sql,
+                    &[
+                        &row.relay,
+                        &row.pid,
+                        &row.started,
+                        &row.publisher,
+                        &row.down_since,
+                        &row.published,
+                    ],
+                )
                 .map(drop)
                 .map_err(crate::error::Error::Db)
         })

@@ -621,6 +621,15 @@ fn doctor(
                 "wal_bytes": s.wal_bytes, "active": s.active,
             })).collect::<Vec<_>>(),
             "oldest_due_age_secs": secs(health.oldest_due_age),
+            "relays": health.relays.iter().map(|r| json!({
+                "relay": r.relay, "client_addr": r.client_addr, "pid": r.pid,
+                "started_at": time(r.started_at), "last_seen_secs": r.last_seen.as_secs_f64(),
+                "publisher": r.publisher.name(), "published": r.published,
+                "publisher_down_since": match r.publisher {
+                    postgres_outbox::PublisherState::Down { since } => Value::from(time(since)),
+                    _ => Value::Null,
+                },
+            })).collect::<Vec<_>>(),
             "findings": health.findings.iter().map(|f| json!({
                 "check": f.check.name(), "problem": f.problem, "remedy": f.remedy,
             })).collect::<Vec<_>>(),
@@ -655,6 +664,19 @@ fn doctor(
         );
     }
     println!("oldest due row: {}", human(health.oldest_due_age));
+    for r in &health.relays {
+        println!(
+            "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago",
+            r.relay,
+            r.pid,
+            r.client_addr
+                .as_ref()
+                .map_or(String::new(), |a| format!(" at {a}")),
+            r.publisher.name(),
+            r.published,
+            human(Some(r.last_seen))
+        );
+    }
     if health.is_healthy() {
         println!("ok: nothing needs attention");
     }

@@ -19,7 +19,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{bounded, TrySendError};
 use postgres_native_tls::MakeTlsConnector;
@@ -393,6 +393,9 @@ impl App {
             match client.as_mut().map(|c| (outbox.stats(c), outbox.health(c))) {
                 Ok((Ok(stats), health)) => {
                     body.push_str(&counts(name, &stats));
+                    if let Ok(health) = &health {
+                        body.push_str(&relays(name, &health.relays));
+                    }
                     match health {
                         Ok(health) if health.is_healthy() => body.push_str(
                             "<p class=\"ok\" id=\"health\">Doctor: nothing needs attention.</p>",
@@ -856,6 +859,46 @@ fn counts(table_name: &str, s: &Stats) -> String {
             "oldest blocked",
         ],
         &[row],
+    )
+}
+
+/// The relays' reports: who runs, and whether each reaches its destination.
+fn relays(table_name: &str, reports: &[postgres_outbox::RelayReport]) -> String {
+    if reports.is_empty() {
+        return "<p class=\"note\">No relay reports on this table.</p>".to_owned();
+    }
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let state = match r.publisher {
+                postgres_outbox::PublisherState::Down { since } => {
+                    let down = SystemTime::now().duration_since(since).ok();
+                    format!("down for {}", age(down))
+                }
+                state => state.name().to_owned(),
+            };
+            let class = if state.starts_with("down") {
+                "bad"
+            } else {
+                "ok"
+            };
+            vec![
+                cell(&format!("pid {}", r.pid)),
+                cell(r.client_addr.as_deref().unwrap_or("local socket")),
+                format!(
+                    "<td class=\"{class}\" id=\"{}\">{}</td>",
+                    esc(&format!("{table_name}-publisher-{i}")),
+                    esc(&state)
+                ),
+                format!("<td class=\"n\">{}</td>", r.published),
+                cell(&format!("{} ago", age(Some(r.last_seen)))),
+            ]
+        })
+        .collect();
+    table(
+        &["relay", "from", "publisher", "published", "last report"],
+        &rows,
     )
 }
 
