@@ -304,13 +304,6 @@ fn work(shared: &Shared, worker: &mut Worker) {
     let mut panics = 0u32;
     let sql = config.outbox.statements();
     while !shared.stopping() {
-        shared.report.write_if_due(
-            worker,
-            sql,
-            shared.health.take_change(),
-            shared.health.state(),
-            shared.published.load(Ordering::SeqCst),
-        );
         let next = match catch_unwind(AssertUnwindSafe(|| worker.cycle(shared))) {
             Ok(Ok(cycle)) => {
                 panics = 0;
@@ -339,6 +332,15 @@ fn work(shared: &Shared, worker: &mut Worker) {
                 )
             }
         };
+        // After the cycle, never between a wake-up and its claim: the report must not delay
+        // a notified row.
+        shared.report.write_if_due(
+            worker,
+            sql,
+            shared.health.take_change(),
+            shared.health.state(),
+            shared.published.load(Ordering::SeqCst),
+        );
         // A pause or a wait for the publisher's destination is sat out whole: wake-ups
         // (other workers', producers' notifications) must not hurry a worker back to a
         // database or a broker that is in trouble.
