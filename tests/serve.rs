@@ -37,7 +37,8 @@ impl Server {
             .env("DATABASE_URL", database_url)
             .env_remove("OUTBOX_TABLE")
             .env_remove("OUTBOX_WEB_TOKEN")
-            .env("RUST_LOG", "info");
+            // Its default: every change is logged without asking.
+            .env_remove("RUST_LOG");
         if let Some(token) = token {
             command.env("OUTBOX_WEB_TOKEN", token);
         }

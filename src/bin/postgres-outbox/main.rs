@@ -236,7 +236,8 @@ struct RelayArgs {
 fn main() -> ExitCode {
     // Usage errors exit with 2, from clap.
     let cli = Cli::parse();
-    let default_level = if matches!(cli.command, Command::Relay(_)) {
+    // The long-running commands say what they do (serve logs every change it makes).
+    let default_level = if matches!(cli.command, Command::Relay(_) | Command::Serve(_)) {
         "info"
     } else {
         "warn"
