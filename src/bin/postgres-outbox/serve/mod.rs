@@ -103,6 +103,12 @@ pub fn serve(
             .name(format!("handler-{n}"))
             .spawn(move || rx.iter().for_each(|stream| app.answer(stream)))?;
     }
+    if app.private {
+        log::warn!(
+            "serving beyond loopback over plain HTTP: the token and the session cookie cross \
+             the network unencrypted; put a TLS proxy in front"
+        );
+    }
     // Tests and scripts read the address from here (with --bind 127.0.0.1:0, the port).
     println!("serving http://{bound}/");
     log::info!(
