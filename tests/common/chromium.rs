@@ -90,6 +90,12 @@ impl Browser {
 
     /// Sends a command (to the page, once attached) and returns its result.
     fn call(&mut self, method: &str, params: Value) -> Value {
+        self.try_call(method, params)
+            .unwrap_or_else(|error| panic!("{method}: {error}"))
+    }
+
+    /// Sends a command and returns its result, or the error Chromium answered with.
+    fn try_call(&mut self, method: &str, params: Value) -> Result<Value, Value> {
         self.next_id += 1;
         let id = self.next_id;
         let mut command = json!({"id": id, "method": method, "params": params});
@@ -108,31 +114,38 @@ impl Browser {
                 continue;
             };
             if reply["id"] == json!(id) {
-                if let Some(error) = reply.get("error") {
-                    panic!("{method}: {error}");
-                }
-                return reply["result"].clone();
+                return match reply.get("error") {
+                    Some(error) => Err(error.clone()),
+                    None => Ok(reply["result"].clone()),
+                };
             }
         }
     }
 
     /// The value of a JavaScript expression in the page.
     pub fn eval(&mut self, expression: &str) -> Value {
-        let result = self.call(
+        self.try_eval(expression)
+            .unwrap_or_else(|error| panic!("{expression}: {error}"))
+    }
+
+    /// The value of an expression, or why there is none (a page navigating away has no
+    /// context to evaluate in until the next one loads).
+    fn try_eval(&mut self, expression: &str) -> Result<Value, Value> {
+        let result = self.try_call(
             "Runtime.evaluate",
             json!({"expression": expression, "returnByValue": true}),
-        );
-        if let Some(exception) = result.get("exceptionDetails") {
-            panic!("{expression}: {exception}");
+        )?;
+        match result.get("exceptionDetails") {
+            Some(exception) => Err(exception.clone()),
+            None => Ok(result["result"]["value"].clone()),
         }
-        result["result"]["value"].clone()
     }
 
     /// Waits until `expression` is true in a loaded page.
     pub fn wait_for(&mut self, what: &str, expression: &str) {
         let check = format!("document.readyState === 'complete' && !!({expression})");
         let deadline = Instant::now() + Duration::from_secs(60);
-        while self.eval(&check) != json!(true) {
+        while self.try_eval(&check) != Ok(json!(true)) {
             assert!(Instant::now() < deadline, "timed out waiting until {what}");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -149,18 +162,23 @@ impl Browser {
     }
 
     /// Clicks the first element `selector` finds whose text contains `text`, and waits for
-    /// the page it leads to (its path `path`) to load.
+    /// the page it leads to (its path `path`) to load. The page clicked on is marked, so a
+    /// click that leads to the same path waits for the new page, not the old one; the click
+    /// itself runs after the evaluation returns, as navigating ends the page's context.
     pub fn click(&mut self, selector: &str, text: &str, path: &str) {
         let (selector, text, path) = (json!(selector), json!(text), json!(path));
         let clicked = self.eval(&format!(
             "(() => {{ const e = [...document.querySelectorAll({selector})]
                  .find(e => e.textContent.includes({text}));
-               if (!e) return false; e.click(); return true; }})()"
+               if (!e) return false;
+               window.outboxLeft = true;
+               setTimeout(() => e.click(), 0);
+               return true; }})()"
         ));
         assert_eq!(clicked, json!(true), "nothing {selector} shows {text}");
         self.wait_for(
             &format!("the page at {path} has loaded"),
-            &format!("location.pathname === {path}"),
+            &format!("!window.outboxLeft && location.pathname === {path}"),
         );
     }
 
