@@ -496,6 +496,16 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
     broker.delete_queue(&queue);
 }
 
+/// Drops the consumer's dedupe table from under it: a consumer that cannot go on.
+fn drop_inbox(client: &mut postgres::Client, outbox: &Outbox) {
+    client
+        .batch_execute(&format!(
+            "DROP TABLE \"{}_inbox\"",
+            outbox.table().replace('.', "\".\"")
+        ))
+        .unwrap();
+}
+
 #[test]
 fn a_consumer_whose_tables_are_dropped_stops_on_its_own_and_hands_its_deliveries_back() {
     let (outbox, mut client) = outbox("rmq_join");
@@ -514,12 +524,7 @@ fn a_consumer_whose_tables_are_dropped_stops_on_its_own_and_hands_its_deliveries
     wait_until("m-1 is handled", || consumer.report().processed == 1);
     assert!(!consumer.has_stopped());
 
-    client
-        .batch_execute(&format!(
-            "DROP TABLE \"{}_inbox\"",
-            outbox.table().replace('.', "\".\"")
-        ))
-        .unwrap();
+    drop_inbox(&mut client, &outbox);
     broker.send(&queue, Some("m-2"), b"b");
     // What a caller waiting on something else polls.
     wait_until("the consumer says it stopped", || consumer.has_stopped());
@@ -562,12 +567,7 @@ fn a_consumer_shut_down_checked_reports_what_it_did_or_why_it_stopped() {
     assert_eq!(report.processed, 1);
 
     let consumer = spawn();
-    client
-        .batch_execute(&format!(
-            "DROP TABLE \"{}_inbox\"",
-            outbox.table().replace('.', "\".\"")
-        ))
-        .unwrap();
+    drop_inbox(&mut client, &outbox);
     broker.send(&queue, Some("m-2"), b"b");
     wait_until("the consumer stops on its own", || consumer.has_stopped());
     let err = consumer
