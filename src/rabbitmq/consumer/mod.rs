@@ -266,13 +266,9 @@ impl Consumer {
     /// ([`Error::Database`] holding [`NotMigrated`](crate::Error::NotMigrated)). Outages of
     /// the broker or the database never stop it; it waits them out. What runs gets ten
     /// seconds to finish; what is held goes back to the queue.
-    pub fn join(mut self) -> Result<(), Error> {
+    pub fn join(self) -> Result<(), Error> {
         self.shared.stop.wait();
-        self.stop(FATAL_GRACE);
-        match self.shared.take_fatal() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.shutdown_checked(FATAL_GRACE).map(drop)
     }
 
     fn stop(&mut self, timeout: Duration) {

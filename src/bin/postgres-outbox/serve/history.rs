@@ -22,8 +22,8 @@ pub struct Point {
 
 struct Series {
     points: VecDeque<Point>,
-    /// The sent counter at the last sample that had one.
-    last_sent: Option<(Instant, u64)>,
+    /// The last stats read, and when: the overview shows them rather than read them again.
+    latest: Option<(Instant, Stats)>,
 }
 
 #[derive(Default)]
@@ -40,16 +40,17 @@ impl History {
         };
         let series = tables.entry(table.to_owned()).or_insert_with(|| Series {
             points: VecDeque::new(),
-            last_sent: None,
+            latest: None,
         });
         let point = match stats {
             Some(stats) => {
-                // A purge lowers the sent counter: no negative throughput from it.
-                let throughput = series.last_sent.map(|(at, sent)| {
-                    let secs = now.duration_since(at).as_secs_f64().max(1e-3);
-                    stats.sent.saturating_sub(sent) as f64 / secs
+                // Since the last stats read (across samples that failed, an average). A purge
+                // lowers the sent counter: no negative throughput from it.
+                let throughput = series.latest.as_ref().map(|(at, last)| {
+                    let secs = now.duration_since(*at).as_secs_f64().max(1e-3);
+                    stats.sent.saturating_sub(last.sent) as f64 / secs
                 });
-                series.last_sent = Some((now, stats.sent));
+                series.latest = Some((now, stats.clone()));
                 Point {
                     at: now,
                     pending: Some(stats.pending as f64),
@@ -57,15 +58,12 @@ impl History {
                     oldest_secs: Some(stats.oldest_pending_age.map_or(0.0, |a| a.as_secs_f64())),
                 }
             }
-            None => {
-                series.last_sent = None;
-                Point {
-                    at: now,
-                    pending: None,
-                    throughput: None,
-                    oldest_secs: None,
-                }
-            }
+            None => Point {
+                at: now,
+                pending: None,
+                throughput: None,
+                oldest_secs: None,
+            },
         };
         series.points.push_back(point);
         while series
@@ -75,6 +73,12 @@ impl History {
         {
             series.points.pop_front();
         }
+    }
+
+    /// The last stats of `table` that could be read, and when.
+    pub fn latest(&self, table: &str) -> Option<(Instant, Stats)> {
+        let tables = self.tables.lock().ok()?;
+        tables.get(table)?.latest.clone()
     }
 
     /// The samples of `table` in the window, oldest first.

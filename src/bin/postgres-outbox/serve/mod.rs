@@ -26,11 +26,12 @@ use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::{Filter, Outbox, Rows, Stats};
 use r2d2_postgres::PostgresConnectionManager;
 
+use crate::{human, time};
 pub use auth::MIN_TOKEN;
 use auth::{Auth, Who};
 use history::History;
 use http::{esc, query_value, Fields, Request, Response};
-use page::{age, cell, number, page, table, time};
+use page::{cell, number, page, table};
 
 type Pool = r2d2::Pool<PostgresConnectionManager<MakeTlsConnector>>;
 type Client = r2d2::PooledConnection<PostgresConnectionManager<MakeTlsConnector>>;
@@ -384,72 +385,69 @@ impl App {
     }
 
     fn overview(&self, who: &Who) -> Answer {
+        let mut client = self.client().ok();
         let mut body = String::new();
-        let mut client = self.client();
-        if client.is_err() {
+        if client.is_none() {
             body.push_str(
-                "<p class=\"bad\" id=\"database\">The database is not answering; the charts \
-                 show what was sampled before.</p>",
+                "<p class=\"bad\" id=\"database\">The database is not answering; the counts \
+                 and charts show what was sampled before.</p>",
             );
         }
-        let now = Instant::now();
         for outbox in &self.outboxes {
-            let name = outbox.table();
-            let _ = write!(body, "<section class=\"card\"><h2>{}</h2>", esc(name));
-            match client.as_mut().map(|c| (outbox.stats(c), outbox.health(c))) {
-                Ok((Ok(stats), health)) => {
-                    body.push_str(&counts(name, &stats));
-                    if let Ok(health) = &health {
-                        body.push_str(&relays(name, &health.relays));
-                    }
-                    match health {
-                        Ok(health) if health.is_healthy() => body.push_str(
-                            "<p class=\"ok\" id=\"health\">Doctor: nothing needs attention.</p>",
-                        ),
-                        Ok(health) => {
-                            body.push_str("<p class=\"bad\">Doctor:</p><ul id=\"health\">");
-                            for f in &health.findings {
-                                let _ = write!(
-                                    body,
-                                    "<li><span class=\"bad\">{}</span><br>{}</li>",
-                                    esc(&f.problem),
-                                    esc(&f.remedy)
-                                );
-                            }
-                            body.push_str("</ul>");
-                        }
-                        Err(e) => {
-                            let _ = write!(
-                                body,
-                                "<p class=\"note\">Doctor unavailable: {}</p>",
-                                esc(&e.to_string())
-                            );
-                        }
-                    }
-                }
-                Ok((Err(e), _)) => {
-                    let _ = write!(body, "<p class=\"bad\">{}</p>", esc(&e.to_string()));
-                }
-                Err(_) => {}
-            }
-            let points = self.history.points(name);
-            let series = |f: fn(&history::Point) -> Option<f64>| -> Vec<_> {
-                points.iter().map(|p| (p.at, f(p))).collect()
-            };
-            let _ = write!(
-                body,
-                "<div class=\"charts\">{}{}{}</div>",
-                chart::line("backlog (pending rows)", "", &series(|p| p.pending), now),
-                chart::line("throughput (sent/s)", "/s", &series(|p| p.throughput), now),
-                chart::line("oldest pending (s)", "s", &series(|p| p.oldest_secs), now),
-            );
-            let _ = write!(
-                body,
-                "<p><a href=\"/dead?table={}\">Dead letters and parked aggregates</a></p></section>",
-                query_value(name)
-            );
+            body.push_str(&self.card(outbox, client.as_deref_mut()));
         }
         Ok(self.frame("Overview", &body, who))
+    }
+
+    /// One table on the overview. Its counts are the sampler's latest (a page load reads
+    /// no backlog: stats cost what the backlog holds), or read now before the first sample.
+    fn card(&self, outbox: &Outbox, mut client: Option<&mut postgres::Client>) -> String {
+        let name = outbox.table();
+        let mut html = format!("<section class=\"card\"><h2>{}</h2>", esc(name));
+        let sampled = self.history.latest(name).or_else(|| {
+            let stats = outbox.stats(client.as_deref_mut()?).ok()?;
+            Some((Instant::now(), stats))
+        });
+        match sampled {
+            Some((at, stats)) => {
+                html.push_str(&counts(name, &stats));
+                let _ = write!(
+                    html,
+                    "<p class=\"note\">Counts as of {} ago.</p>",
+                    human(Some(at.elapsed()))
+                );
+            }
+            None => html.push_str("<p class=\"note\">No counts read yet.</p>"),
+        }
+        match client.map(|c| outbox.health(c)) {
+            Some(Ok(health)) => {
+                html.push_str(&relays(name, &health.relays));
+                html.push_str(&findings(&health));
+            }
+            Some(Err(e)) => {
+                let _ = write!(
+                    html,
+                    "<p class=\"note\">Doctor unavailable: {}</p>",
+                    esc(&e.to_string())
+                );
+            }
+            None => {}
+        }
+        let now = Instant::now();
+        let points = self.history.points(name);
+        let series = |f: fn(&history::Point) -> Option<f64>| -> Vec<_> {
+            points.iter().map(|p| (p.at, f(p))).collect()
+        };
+        let _ = write!(
+            html,
+            "<div class=\"charts\">{}{}{}</div>\
+             <p><a href=\"/dead?table={}\">Dead letters and parked aggregates</a></p></section>",
+            chart::line("backlog (pending rows)", "", &series(|p| p.pending), now),
+            chart::line("throughput (sent/s)", "/s", &series(|p| p.throughput), now),
+            chart::line("oldest pending (s)", "s", &series(|p| p.oldest_secs), now),
+            query_value(name)
+        );
+        html
     }
 
     fn dead(&self, request: &Request, who: &Who) -> Answer {
@@ -470,17 +468,11 @@ impl App {
                     } else {
                         format!("&amp;error={}", query_value(error))
                     };
-                    let mut actions = String::new();
-                    if self.allow_changes && !error.is_empty() {
-                        for kind in [Kind::Redrive, Kind::Purge] {
-                            let _ = write!(
-                                actions,
-                                "<a href=\"/action?table={t}&amp;kind={}{scope}\">{}</a> ",
-                                kind.name(),
-                                kind.name()
-                            );
-                        }
-                    }
+                    let actions = if error.is_empty() {
+                        String::new()
+                    } else {
+                        self.actions(&t, &[Kind::Redrive, Kind::Purge], &scope, "")
+                    };
                     vec![
                         format!(
                         "<td><a class=\"group\" href=\"/dead/group?table={t}{scope}\">{}</a></td>",
@@ -510,17 +502,12 @@ impl App {
                 .iter()
                 .map(|d| {
                     let key = query_value(&d.record.key);
-                    let mut actions = String::new();
-                    if self.allow_changes {
-                        for kind in [Kind::Redrive, Kind::Skip] {
-                            let _ = write!(
-                                actions,
-                                "<a href=\"/action?table={t}&amp;kind={}&amp;key={key}\">{}</a> ",
-                                kind.name(),
-                                kind.name()
-                            );
-                        }
-                    }
+                    let actions = self.actions(
+                        &t,
+                        &[Kind::Redrive, Kind::Skip],
+                        &format!("&amp;key={key}"),
+                        "",
+                    );
                     vec![
                         cell(d.record.aggregate_key.as_deref().unwrap_or("")),
                         format!(
@@ -592,17 +579,9 @@ impl App {
             dead.len(),
             esc(outbox.table())
         );
-        if self.allow_changes && !scope.is_empty() {
-            body.push_str("<p>");
-            for kind in [Kind::Redrive, Kind::Purge] {
-                let _ = write!(
-                    body,
-                    "<a class=\"action\" href=\"/action?table={t}&amp;kind={}{scope}\">{} these</a> ",
-                    kind.name(),
-                    kind.name()
-                );
-            }
-            body.push_str("</p>");
+        if !scope.is_empty() {
+            let actions = self.actions(&t, &[Kind::Redrive, Kind::Purge], &scope, " these");
+            let _ = write!(body, "<p>{actions}</p>");
         }
         body.push_str(&table(
             &[
@@ -678,6 +657,23 @@ impl App {
             );
         }
         Ok(self.frame(&format!("Message {key}"), &body, who))
+    }
+
+    /// Links to the previews of `kinds` of change to the rows `scope` names (query fields,
+    /// each `&amp;`-led), on a server that takes changes; nothing on one that does not.
+    fn actions(&self, table: &str, kinds: &[Kind], scope: &str, suffix: &str) -> String {
+        if !self.allow_changes {
+            return String::new();
+        }
+        kinds
+            .iter()
+            .map(|kind| {
+                format!(
+                    "<a class=\"action\" href=\"/action?table={table}&amp;kind={k}{scope}\">{k}{suffix}</a> ",
+                    k = kind.name()
+                )
+            })
+            .collect()
     }
 
     /// A change is allowed on this server at all.
@@ -849,8 +845,8 @@ fn counts(table_name: &str, s: &Stats) -> String {
         number(&id("sent"), s.sent),
         number(&id("dead"), s.dead),
         number(&id("parked"), s.parked),
-        cell(&age(s.oldest_pending_age)),
-        cell(&age(s.oldest_blocked_age)),
+        cell(&human(s.oldest_pending_age)),
+        cell(&human(s.oldest_blocked_age)),
     ];
     table(
         &[
@@ -868,6 +864,24 @@ fn counts(table_name: &str, s: &Stats) -> String {
     )
 }
 
+/// The doctor's findings, or that there are none.
+fn findings(health: &postgres_outbox::Health) -> String {
+    if health.is_healthy() {
+        return "<p class=\"ok\" id=\"health\">Doctor: nothing needs attention.</p>".to_owned();
+    }
+    let mut html = String::from("<p class=\"bad\">Doctor:</p><ul id=\"health\">");
+    for f in &health.findings {
+        let _ = write!(
+            html,
+            "<li><span class=\"bad\">{}</span><br>{}</li>",
+            esc(&f.problem),
+            esc(&f.remedy)
+        );
+    }
+    html.push_str("</ul>");
+    html
+}
+
 /// The relays' reports: who runs, and whether each reaches its destination.
 fn relays(table_name: &str, reports: &[postgres_outbox::RelayReport]) -> String {
     if reports.is_empty() {
@@ -880,7 +894,7 @@ fn relays(table_name: &str, reports: &[postgres_outbox::RelayReport]) -> String 
             let state = match r.publisher {
                 postgres_outbox::PublisherState::Down { since } => {
                     let down = SystemTime::now().duration_since(since).ok();
-                    format!("down for {}", age(down))
+                    format!("down for {}", human(down))
                 }
                 state => state.name().to_owned(),
             };
@@ -898,7 +912,7 @@ fn relays(table_name: &str, reports: &[postgres_outbox::RelayReport]) -> String 
                     esc(&state)
                 ),
                 format!("<td class=\"n\">{}</td>", r.published),
-                cell(&format!("{} ago", age(Some(r.last_seen)))),
+                cell(&format!("{} ago", human(Some(r.last_seen)))),
             ]
         })
         .collect();

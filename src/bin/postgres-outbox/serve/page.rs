@@ -1,7 +1,6 @@
 //! The pages' common frame and pieces. Everything shown passes through `esc`.
 
 use std::fmt::Write;
-use std::time::{Duration, SystemTime};
 
 use super::http::{esc, Response};
 
@@ -73,15 +72,4 @@ pub fn cell(text: &str) -> String {
 /// A right-aligned cell of a number, with an id to read it by.
 pub fn number(id: &str, n: u64) -> String {
     format!("<td class=\"n\" id=\"{}\">{n}</td>", esc(id))
-}
-
-pub fn age(age: Option<Duration>) -> String {
-    age.map_or_else(
-        || "-".to_owned(),
-        |a| humantime::format_duration(Duration::from_secs(a.as_secs())).to_string(),
-    )
-}
-
-pub fn time(at: SystemTime) -> String {
-    humantime::format_rfc3339_seconds(at).to_string()
 }
