@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::health::{Health, RELAY_GONE};
+use crate::health::Health;
 use crate::metrics::{CycleTimes, Metrics};
 use crate::operate::Stats;
 use crate::outbox::Outbox;
@@ -114,7 +114,7 @@ impl OutboxMetrics {
             .sum();
         gauge!("outbox_inactive_slots_wal_bytes", "table" => table.clone())
             .set(idle_slots_wal as f64);
-        let reporting = health.relays.iter().filter(|r| r.last_seen < RELAY_GONE);
+        let reporting = health.relays.iter().filter(|r| r.is_reporting());
         let down = reporting
             .clone()
             .filter(|r| matches!(r.publisher, PublisherState::Down { .. }))

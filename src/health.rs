@@ -19,10 +19,6 @@ use crate::outbox::Outbox;
 use crate::relays::{PublisherState, RelayReport};
 use crate::sql;
 
-/// A relay that has not reported for this long has stopped or hangs (they report every
-/// five seconds).
-pub(crate) const RELAY_GONE: Duration = Duration::from_secs(60);
-
 /// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
 /// hear sooner.
 #[derive(Debug, Clone, PartialEq)]
@@ -250,7 +246,7 @@ impl Outbox {
         let sql = self.statements();
         let names = [sql.table().quoted(), sql.table().companion("_inbox")];
         let mut tables = client
-            .query(&sql.health_tables, &[&names[0], &names[1]])
+            .query(sql::HEALTH_TABLES, &[&names[0], &names[1]])
             .map_err(|e| self.db_error(e))?
             .into_iter()
             .map(|row| TableHealth {
@@ -409,8 +405,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             );
         }
     }
-    let recent = |r: &&RelayReport| r.last_seen < RELAY_GONE;
-    for relay in health.relays.iter().filter(recent) {
+    for relay in health.relays.iter().filter(|r| r.is_reporting()) {
         if let PublisherState::Down { since } = relay.publisher {
             let down = SystemTime::now().duration_since(since).unwrap_or_default();
             finding(
@@ -432,7 +427,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
         }
     }
     if let Some(last) = health.relays.iter().min_by_key(|r| r.last_seen) {
-        if last.last_seen >= RELAY_GONE {
+        if !last.is_reporting() {
             finding(
                 Check::Relays,
                 format!(

@@ -47,7 +47,8 @@ pub trait Metrics: Send + Sync {
     /// statement timeout and a margin): the connection was given up as stalled and another
     /// opened. Nothing is charged to any message.
     fn database_stalled(&self, _waited: Duration) {}
-    /// The listener heard a notification from a producer's commit and is waking a worker.
+    /// The listener heard a notification from a producer's commit and wakes an idle worker,
+    /// if one is idle (a busy one claims again anyway).
     fn notified(&self) {}
     /// A worker's cycle that claimed rows ended: where its time went.
     fn cycle(&self, _times: &CycleTimes) {}
@@ -59,7 +60,8 @@ pub trait Metrics: Send + Sync {
 pub struct CycleTimes {
     /// Rows claimed.
     pub rows: usize,
-    /// The claim statement, sent to answered.
+    /// The claim: every claim statement of the cycle (a ready-only claim, and up to four
+    /// full ones when the first find nothing), and settling rows that cannot be published.
     pub claim: Duration,
     /// Publishing the batch, confirms included.
     pub publish: Duration,

@@ -759,7 +759,7 @@ impl Outbox {
     /// them.
     #[deprecated(
         since = "0.2.0",
-        note = "use `purge(client, target.matching(filter))`, and `count` of the same for a dry run"
+        note = "use `purge(client, target.matching(filter))`, and `would_purge` of the same for a dry run"
     )]
     pub fn purge_where(
         &self,

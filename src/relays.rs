@@ -11,6 +11,8 @@ use crate::outbox::Outbox;
 
 /// How often a relay writes its report, and at once when its publisher goes up or down.
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(5);
+/// A relay that has not reported for this long has stopped or hangs.
+const GONE_AFTER: Duration = Duration::from_secs(60);
 
 /// Whether a relay's publishers reach their destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +58,13 @@ pub struct RelayReport {
     pub publisher: PublisherState,
     /// Rows it published since it started.
     pub published: u64,
+}
+
+impl RelayReport {
+    /// It reported within the last minute (relays report every five seconds): it runs.
+    pub fn is_reporting(&self) -> bool {
+        self.last_seen < GONE_AFTER
+    }
 }
 
 impl Outbox {

@@ -113,7 +113,7 @@ const FILTER: &str = "t.status = ANY($5::text[])
 
 /// Live and dead tuples, ages of the last vacuum and analyze (manual or auto) of the
 /// relations named in `$1` and `$2`.
-const HEALTH_TABLES: &str =
+pub(crate) const HEALTH_TABLES: &str =
     "SELECT coalesce(v.rel::text, v.name), coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
             extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8,
             extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
@@ -139,8 +139,8 @@ pub(crate) const HEALTH_PREPARED: &str =
     "SELECT gid, extract(epoch FROM now() - prepared)::float8, 'database ' || database
      FROM pg_prepared_xacts ORDER BY prepared LIMIT 1";
 
-/// Replication slots nothing reads from, with the xmin they hold (in transactions) and the
-/// WAL they keep (in bytes), the oldest horizon first.
+/// Every replication slot, with the xmin it holds (in transactions), the WAL it keeps (in
+/// bytes) and whether something reads from it, the oldest horizon first.
 pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
             greatest(age(xmin), age(catalog_xmin))::bigint,
             coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()
@@ -192,8 +192,6 @@ pub(crate) struct Statements {
     pub(crate) skip_where: String,
     pub(crate) purge_where: String,
     pub(crate) topic_stats: String,
-    /// The outbox's and the inbox's vacuum figures, `$1` and `$2` their quoted names.
-    pub(crate) health_tables: String,
     /// How long the oldest due ready row has waited, in seconds (NULL when none is due).
     pub(crate) health_due: String,
     pub(crate) purge_inbox_keys: String,
@@ -379,12 +377,12 @@ impl Statements {
                           WHERE slot = $6 AND c.gone_sent > 0)
                  SELECT n FROM c"
             )?,
-            health_tables: values.render(HEALTH_TABLES)?,
             // The first entry of the ready index: the oldest row a relay could take as it is.
             health_due: values.render(
-                "SELECT extract(epoch FROM now() - min(available_at))::float8 FROM {table}
-                 WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                   AND available_at <= now()"
+                &format!(
+                    "SELECT extract(epoch FROM now() - min(o.available_at))::float8
+                     FROM {{table}} o WHERE {READY_ROWS}"
+                ),
             )?,
             // Pending rows through their two partial indexes, dead ones through the done
             // index: sent rows, however many, are never read.
@@ -719,8 +717,7 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
          -- A batch of one goes to either kind at random.
          ready AS (
            SELECT o.id, o.aggregate_key, o.available_at, {bytes} AS bytes FROM {table} o
-           WHERE o.status = 'pending' AND (o.head OR o.aggregate_key IS NULL)
-             AND o.available_at <= now()
+           WHERE {ready_rows}
            ORDER BY o.available_at, o.id
            LIMIT $1 - least((SELECT count(*) FROM behind WHERE due),
                             CASE WHEN $1 > 1 THEN $1 / 2 ELSE (random() < 0.5)::int END)
@@ -814,10 +811,17 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
             ("behind", behind),
             ("b_due", &b_due),
             ("bytes", CLAIMED_BYTES),
+            ("ready_rows", READY_ROWS),
             ("lease_taken", &lease_taken(t)?),
         ],
     )
 }
+
+/// The ready rows `o`, due now: rows without an aggregate key and heads marked at enqueue,
+/// in the words of `{ready_idx}`'s predicate (migration 0007), so that index serves each
+/// statement that reads them.
+const READY_ROWS: &str = "o.status = 'pending' AND (o.head OR o.aggregate_key IS NULL)
+     AND o.available_at <= now()";
 
 /// What a claimed row `o` weighs against a claim's byte budget: its payload and headers.
 const CLAIMED_BYTES: &str = "octet_length(o.payload) + pg_column_size(o.headers)";
@@ -871,8 +875,7 @@ fn claim_ready(t: &str) -> Result<String, RenderError> {
     render(
         "WITH ready AS (
            SELECT o.id, o.aggregate_key, o.available_at, {bytes} AS bytes FROM {table} o
-           WHERE o.status = 'pending' AND (o.head OR o.aggregate_key IS NULL)
-             AND o.available_at <= now()
+           WHERE {ready_rows}
            ORDER BY o.available_at, o.id
            LIMIT $1
            FOR UPDATE SKIP LOCKED),
@@ -891,6 +894,7 @@ fn claim_ready(t: &str) -> Result<String, RenderError> {
         &[
             ("table", t),
             ("bytes", CLAIMED_BYTES),
+            ("ready_rows", READY_ROWS),
             ("lease_taken", &lease_taken(t)?),
         ],
     )

@@ -270,7 +270,7 @@ fn reports_that_stopped_coming_are_found() {
     let (outbox, mut client) = common::outbox("gone");
     // What a relay killed by SIGKILL leaves behind: its last report, growing old. (Aged by
     // hand: the report's own clock is the database's.)
-    let relays = format!("\"{}_relays\"", outbox.table().replace('.', "\".\""));
+    let relays = common::quoted_with(&outbox, "_relays");
     client
         .execute(
             &format!(
@@ -289,4 +289,24 @@ fn reports_that_stopped_coming_are_found() {
         .execute(&format!("UPDATE {relays} SET seen_at = now()"), &[])
         .unwrap();
     assert!(outbox.health(&mut client).unwrap().is_healthy());
+}
+
+#[test]
+fn an_idle_relay_with_a_long_poll_interval_keeps_reporting() {
+    let (outbox, mut client) = common::outbox("idle_reports");
+    let config = common::relay_config(&outbox, |_: &Record| Ok(()))
+        .notify(false)
+        .poll_interval(Duration::from_secs(3600));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the first report", || {
+        outbox.relays(&mut client).unwrap().len() == 1
+    });
+    // Its workers sleep for an hour; the report's age grows, then drops at the next one.
+    let mut grew = false;
+    wait_until("a report written while idle", || {
+        let seen = outbox.relays(&mut client).unwrap()[0].last_seen;
+        grew |= seen >= Duration::from_secs(2);
+        grew && seen < Duration::from_secs(1)
+    });
+    relay.shutdown(Duration::from_secs(10)).unwrap();
 }

@@ -230,9 +230,9 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
     client
         .execute(
             &format!(
-                "INSERT INTO \"{}_relays\" (relay, pid, started_at, publisher, down_since)
+                "INSERT INTO {} (relay, pid, started_at, publisher, down_since)
                  VALUES ('r1', 4242, now(), 'down', now() - interval '90 seconds')",
-                a.table().replace('.', "\".\"")
+                quoted_with(&a, "_relays")
             ),
             &[],
         )

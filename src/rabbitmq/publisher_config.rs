@@ -1,7 +1,6 @@
 //! A `RabbitPublisher`'s settings, kept apart from its connection, so a relay's factory can
 //! build as many publishers as it needs from one value: `move || config.connect()`.
 
-use std::fmt;
 use std::time::Duration;
 
 use super::connect::Endpoints;
@@ -31,7 +30,8 @@ use super::publisher::RabbitPublisher;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
+// Debug shows no password: `Endpoints`' own Debug hides it.
+#[derive(Clone, Debug)]
 pub struct PublisherConfig {
     endpoints: Endpoints,
     exchange: String,
@@ -39,20 +39,6 @@ pub struct PublisherConfig {
     mandatory: Option<bool>,
     first_attempt_header: Option<bool>,
     max_message_size: Option<usize>,
-}
-
-impl fmt::Debug for PublisherConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // `Endpoints`' own Debug shows no password.
-        f.debug_struct("PublisherConfig")
-            .field("endpoints", &self.endpoints)
-            .field("exchange", &self.exchange)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("mandatory", &self.mandatory)
-            .field("first_attempt_header", &self.first_attempt_header)
-            .field("max_message_size", &self.max_message_size)
-            .finish()
-    }
 }
 
 impl PublisherConfig {

@@ -8,7 +8,6 @@
 //! backlog saw 649 connection attempts and 65,000 rows claimed and handed back.
 
 use std::error::Error as StdError;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -30,7 +29,8 @@ enum State {
     Unknown,
     Up,
     Down {
-        since: Instant,
+        /// When it went down (a wall-clock time: the relay reports it).
+        since: SystemTime,
         /// Probes failed since it went down (the outage itself counts as the first).
         failures: u32,
         /// When the next probe may start.
@@ -54,15 +54,12 @@ pub(crate) enum Access {
 
 pub(crate) struct Health {
     state: Mutex<State>,
-    /// It went up or down since `take_change` last looked: the relay's report is due.
-    changed: AtomicBool,
 }
 
 impl Health {
     pub(crate) fn new() -> Health {
         Health {
             state: Mutex::new(State::Unknown),
-            changed: AtomicBool::new(false),
         }
     }
 
@@ -74,15 +71,8 @@ impl Health {
         match &*state {
             State::Unknown => PublisherState::Unknown,
             State::Up => PublisherState::Up,
-            State::Down { since, .. } => PublisherState::Down {
-                since: SystemTime::now() - since.elapsed(),
-            },
+            State::Down { since, .. } => PublisherState::Down { since: *since },
         }
-    }
-
-    /// Whether it went up or down since the last call.
-    pub(crate) fn take_change(&self) -> bool {
-        self.changed.swap(false, Ordering::SeqCst)
     }
 
     /// Whether a worker may claim now, and whether it is to probe. At most one worker
@@ -142,7 +132,7 @@ impl Health {
             State::Unknown | State::Up => {
                 let first = wait(1);
                 *state = State::Down {
-                    since: now,
+                    since: SystemTime::now(),
                     failures: 1,
                     next: now + first,
                     probing: false,
@@ -154,7 +144,6 @@ impl Health {
                     describe(cause)
                 );
                 metrics.publisher_down(cause);
-                self.changed.store(true, Ordering::SeqCst);
                 first
             }
         }
@@ -171,13 +160,12 @@ impl Health {
             State::Down { since, .. } => {
                 log::info!(
                     "outbox {table}: publisher up again after {:.1} s",
-                    since.elapsed().as_secs_f64()
+                    since.elapsed().unwrap_or_default().as_secs_f64()
                 );
             }
             State::Unknown => {}
         }
         *state = State::Up;
-        self.changed.store(true, Ordering::SeqCst);
         metrics.publisher_up();
     }
 

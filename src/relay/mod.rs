@@ -24,7 +24,7 @@ mod worker;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{at, select};
 use rand::Rng;
@@ -334,13 +334,9 @@ fn work(shared: &Shared, worker: &mut Worker) {
         };
         // After the cycle, never between a wake-up and its claim: the report must not delay
         // a notified row.
-        shared.report.write_if_due(
-            worker,
-            sql,
-            shared.health.take_change(),
-            shared.health.state(),
-            shared.published.load(Ordering::SeqCst),
-        );
+        shared
+            .report
+            .write_if_due(worker, sql, &shared.health, &shared.published);
         // A pause or a wait for the publisher's destination is sat out whole: wake-ups
         // (other workers', producers' notifications) must not hurry a worker back to a
         // database or a broker that is in trouble.
@@ -349,27 +345,40 @@ fn work(shared: &Shared, worker: &mut Worker) {
             Cycle::Pause(pause, _) => clock::deadline(pause),
             Cycle::Wait(until) => until,
             Cycle::Idle => {
-                if config.notify && !shared.stopping() {
-                    let sql = config.outbox.statements();
-                    if shared
-                        .waiting
-                        .going_idle(sql, &mut |sql, relay| worker.execute(sql, relay))
-                    {
-                        continue;
-                    }
+                if config.notify
+                    && !shared.stopping()
+                    && shared.waiting.going_idle(sql, &mut |sql, relay| {
+                        worker.execute(sql, vec![Box::new(relay.to_owned())])
+                    })
+                {
+                    continue;
                 }
                 let poll = config
                     .poll_interval
                     .mul_f64(rand::thread_rng().gen_range(0.5..=1.0));
+                let poll_at = clock::deadline(poll);
                 let _idle = shared.waiting.idle();
-                select! {
-                    recv(shared.stop.receiver()) -> _ => {},
-                    recv(shared.wake) -> wake => {
-                        if wake == Ok(Wake::Notified) {
-                            worker.notified();
-                        }
-                    },
-                    recv(at(clock::deadline(poll))) -> _ => {},
+                // Woken for the report too, so a relay idle longer than it (a long poll
+                // interval) still says it runs. An idle worker's claims have just worked, so
+                // a due report is written and the next one is later.
+                loop {
+                    select! {
+                        recv(shared.stop.receiver()) -> _ => break,
+                        recv(shared.wake) -> wake => {
+                            if wake == Ok(Wake::Notified) {
+                                worker.notified();
+                            }
+                            break;
+                        },
+                        recv(at(poll_at.min(shared.report.next_due()))) -> _ => {
+                            if Instant::now() >= poll_at {
+                                break;
+                            }
+                            shared
+                                .report
+                                .write_if_due(worker, sql, &shared.health, &shared.published);
+                        },
+                    }
                 }
                 continue;
             }

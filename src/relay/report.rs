@@ -1,42 +1,34 @@
 //! The relay's row in `<table>_relays` (see [`Outbox::relays`](crate::Outbox::relays)):
-//! written between cycles by whichever worker finds it due, on that worker's connection,
-//! every few seconds and at once when the publisher goes up or down; deleted by the last
-//! worker to stop. It is for people: a report that cannot be written is logged once, and
-//! the relay goes on as before.
+//! written by whichever worker finds it due, on that worker's connection, after a cycle or
+//! while idle: every few seconds, and at once when the publisher goes up or down. The last
+//! worker to stop deletes it. It is for people: a report that cannot be written is logged
+//! once, and the relay goes on as before.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime};
 
-use super::worker::Worker;
+use super::health::Health;
+use super::worker::{Param, Worker};
 use crate::relays::{PublisherState, REPORT_EVERY};
 use crate::sql::Statements;
 
 pub(crate) struct Report {
+    /// The relay's id, the same as its row's in `<table>_waiting`.
     relay: String,
     started: SystemTime,
-    /// When the report was last written.
-    last: Mutex<Option<Instant>>,
+    /// When the report was last written, and the publisher's state it gave.
+    last: Mutex<Option<(Instant, &'static str)>>,
     /// Workers running: the last to stop deletes the row.
     workers: AtomicUsize,
     /// The last write failed (and was logged).
     failing: AtomicBool,
 }
 
-/// What a report says, as its statement takes it.
-pub(crate) struct Row {
-    pub(crate) relay: String,
-    pub(crate) pid: i32,
-    pub(crate) started: SystemTime,
-    pub(crate) publisher: &'static str,
-    pub(crate) down_since: Option<SystemTime>,
-    pub(crate) published: i64,
-}
-
 impl Report {
-    pub(crate) fn new() -> Report {
+    pub(crate) fn new(relay: String) -> Report {
         Report {
-            relay: uuid::Uuid::new_v4().to_string(),
+            relay,
             started: SystemTime::now(),
             last: Mutex::new(None),
             workers: AtomicUsize::new(0),
@@ -48,37 +40,54 @@ impl Report {
         self.workers.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// When the next report is due, whatever happens meanwhile: an idle worker wakes for
+    /// it, so a relay idle for long still says it runs.
+    pub(crate) fn next_due(&self) -> Instant {
+        match self.last.lock() {
+            Ok(last) => last.map_or_else(Instant::now, |(at, _)| at + REPORT_EVERY),
+            Err(_) => Instant::now() + REPORT_EVERY,
+        }
+    }
+
     /// Writes the report on `worker`'s connection if it is due: none written yet, the last
-    /// one `REPORT_EVERY` ago, or the publisher went up or down (`changed`).
+    /// one `REPORT_EVERY` ago, or the publisher has gone up or down since. Not while the
+    /// worker's claims fail for the database's reasons: it waits out its backoff first.
     pub(crate) fn write_if_due(
         &self,
         worker: &mut Worker,
         sql: &Statements,
-        changed: bool,
-        publisher: PublisherState,
-        published: u64,
+        health: &Health,
+        published: &AtomicU64,
     ) {
+        if worker.in_database_trouble() {
+            return;
+        }
+        let publisher = health.state();
         {
             let Ok(mut last) = self.last.lock() else {
                 return;
             };
-            if !changed && last.is_some_and(|at| at.elapsed() < REPORT_EVERY) {
+            let due = last
+                .is_none_or(|(at, said)| at.elapsed() >= REPORT_EVERY || said != publisher.name());
+            if !due {
                 return;
             }
-            *last = Some(Instant::now());
+            *last = Some((Instant::now(), publisher.name()));
         }
-        let row = Row {
-            relay: self.relay.clone(),
-            pid: i32::try_from(std::process::id()).unwrap_or(i32::MAX),
-            started: self.started,
-            publisher: publisher.name(),
-            down_since: match publisher {
-                PublisherState::Down { since } => Some(since),
-                _ => None,
-            },
-            published: i64::try_from(published).unwrap_or(i64::MAX),
+        let down_since = match publisher {
+            PublisherState::Down { since } => Some(since),
+            _ => None,
         };
-        match worker.report(&sql.report_relay, row) {
+        let published = i64::try_from(published.load(Ordering::SeqCst)).unwrap_or(i64::MAX);
+        let row: Vec<Param> = vec![
+            Box::new(self.relay.clone()),
+            Box::new(i32::try_from(std::process::id()).unwrap_or(i32::MAX)),
+            Box::new(self.started),
+            Box::new(publisher.name()),
+            Box::new(down_since),
+            Box::new(published),
+        ];
+        match worker.execute(&sql.report_relay, row) {
             Ok(()) => {
                 if self.failing.swap(false, Ordering::SeqCst) {
                     log::info!(
@@ -89,9 +98,14 @@ impl Report {
             }
             Err(e) => {
                 if !self.failing.swap(true, Ordering::SeqCst) {
+                    let hint = if e.is_not_migrated() {
+                        " (migrate to create its table)"
+                    } else {
+                        ""
+                    };
                     log::warn!(
-                        "outbox {}: the relay cannot write its report (Outbox::relays; \
-                         migrate to create its table) and goes on without: {e}",
+                        "outbox {}: the relay cannot write its report (Outbox::relays){hint} \
+                         and goes on without: {e}",
                         sql.table().as_str()
                     );
                 }
@@ -104,7 +118,7 @@ impl Report {
         if self.workers.fetch_sub(1, Ordering::SeqCst) != 1 || !in_time {
             return;
         }
-        if let Err(e) = worker.execute(&sql.forget_relay, &self.relay) {
+        if let Err(e) = worker.execute(&sql.forget_relay, vec![Box::new(self.relay.clone())]) {
             log::warn!(
                 "outbox {}: the relay could not delete its report; it is forgotten after a \
                  day: {e}",

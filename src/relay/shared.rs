@@ -49,6 +49,8 @@ pub(crate) struct Shared {
 impl Shared {
     pub(super) fn new(config: RelayConfig) -> Shared {
         let (wake_tx, wake) = bounded::<Wake>(config.concurrency);
+        // One id names the relay in `<table>_waiting` and `<table>_relays`.
+        let relay = uuid::Uuid::new_v4().to_string();
         Shared {
             config,
             stop: StopSignal::new(),
@@ -56,12 +58,12 @@ impl Shared {
             wake_tx,
             wake,
             listening: AtomicBool::new(false),
-            waiting: Waiting::new(),
+            waiting: Waiting::new(relay.clone()),
             published: AtomicU64::new(0),
             released: AtomicU64::new(0),
             holding: AtomicU64::new(0),
             health: Health::new(),
-            report: Report::new(),
+            report: Report::new(relay),
         }
     }
 

@@ -33,9 +33,10 @@ struct State {
 }
 
 impl Waiting {
-    pub(crate) fn new() -> Waiting {
+    /// The row of relay `relay`.
+    pub(crate) fn new(relay: String) -> Waiting {
         Waiting {
-            relay: uuid::Uuid::new_v4().to_string(),
+            relay,
             idle: AtomicUsize::new(0),
             state: Mutex::new(State {
                 registered: false,

@@ -10,9 +10,10 @@ use std::error::Error as StdError;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
+use postgres::types::ToSql;
+
 use super::config::RelayConfig;
 use super::health::Access;
-use super::report::Row;
 use crate::error::{describe, Result};
 use crate::fault::Fault;
 use crate::metrics::CycleTimes;
@@ -23,6 +24,9 @@ use crate::rounds::in_round_order;
 use crate::session::{sql_setup, Session};
 use crate::sql;
 use crate::store::{self, ClaimRequest, Claimed};
+
+/// A statement parameter a worker's connection thread can take.
+pub(crate) type Param = Box<dyn ToSql + Send + Sync>;
 
 /// What the worker reports to whoever runs it; a lone caller (`Relay::run_once`) ignores it.
 pub(crate) trait Control {
@@ -155,36 +159,24 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Runs a statement whose one parameter is `value`, on the worker's connection.
-    pub(crate) fn execute(&mut self, sql: &str, value: &str) -> Result<()> {
-        let (sql, value) = (sql.to_owned(), value.to_owned());
+    /// Runs a statement of the relay's own bookkeeping on the worker's connection.
+    pub(crate) fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<()> {
+        let (sql, outbox) = (sql.to_owned(), self.config.outbox.clone());
         self.session.run(move |conn| {
+            let params: Vec<&(dyn ToSql + Sync)> = params
+                .iter()
+                .map(|p| p.as_ref() as &(dyn ToSql + Sync))
+                .collect();
             conn.client
-                .execute(&sql, &[&value])
+                .execute(&sql, &params)
                 .map(drop)
-                .map_err(crate::error::Error::Db)
+                .map_err(|e| outbox.db_error(e))
         })
     }
 
-    /// Writes the relay's report (see `report.rs`) on the worker's connection.
-    pub(crate) fn report(&mut self, sql: &str, row: Row) -> Result<()> {
-        let sql = sql.to_owned();
-        self.session.run(move |conn| {
-            conn.client
-                .execute(
-                    &sql,
-                    &[
-                        &row.relay,
-                        &row.pid,
-                        &row.started,
-                        &row.publisher,
-                        &row.down_since,
-                        &row.published,
-                    ],
-                )
-                .map(drop)
-                .map_err(crate::error::Error::Db)
-        })
+    /// The last claim failed for reasons of the database: bookkeeping waits for it.
+    pub(crate) fn in_database_trouble(&self) -> bool {
+        self.db_failures > 0
     }
 
     /// A producer's notification woke the worker: its next claim takes the ready rows first.

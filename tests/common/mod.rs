@@ -344,8 +344,13 @@ pub fn row_state(client: &mut Client, outbox: &Outbox, key: &str) -> (String, i3
 
 /// The outbox table, quoted for the tests' own SQL.
 pub fn quoted(outbox: &Outbox) -> String {
-    outbox
-        .table()
+    quoted_with(outbox, "")
+}
+
+/// The outbox's companion table `<table><suffix>` (`_inbox`, `_relays`), quoted.
+pub fn quoted_with(outbox: &Outbox, suffix: &str) -> String {
+    let table = format!("{}{suffix}", outbox.table());
+    table
         .split('.')
         .map(|p| format!("\"{p}\""))
         .collect::<Vec<_>>()

@@ -278,11 +278,7 @@ impl Consumer {
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
-        let deadline = self
-            .shared
-            .stop
-            .deadline()
-            .unwrap_or_else(|| crate::clock::deadline(timeout));
+        let deadline = self.shared.stop_deadline();
         // The dispatcher closes the connection by the deadline; closing takes at most two
         // seconds more.
         let closed = deadline + Duration::from_secs(3);

@@ -80,6 +80,7 @@ enum Failure {
 }
 
 impl Failure {
+    /// A failure of `BEGIN` or `COMMIT`, which name none of the consumer's tables.
     fn db(error: postgres::Error) -> Failure {
         Failure::classify(crate::error::Error::Db(error))
     }
@@ -282,7 +283,7 @@ impl Worker {
                     &[&shared.config.name, &key],
                 )
                 .map(drop)
-                .map_err(crate::error::Error::Db)
+                .map_err(|e| shared.outbox.db_error(e))
         });
         if let Err(e) = forgot {
             self.release();
@@ -368,7 +369,8 @@ fn attempt_on(
                 (&delivery.key, Type::TEXT),
             ],
         )
-        .map_err(Failure::db)?;
+        // The consumer's own table: missing, it is not migrated (and the consumer stops).
+        .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
     }
     tx.commit().map_err(Failure::db)?;
     Ok(Outcome::Committed(started.elapsed()))
