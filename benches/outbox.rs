@@ -45,9 +45,10 @@
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
 //!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
-//! - `scale op=relay-cycle|stats|purge-1000-sent|enqueue`: the mean cost of each operation on
+//! - `scale op=relay-cycle|stats|stats-exact|purge-1000-sent|enqueue`: the mean cost of each operation on
 //!   a table retaining many rows (`small_ms`, `big_ms`, `vs_small`); runs only when asked for
-//!   by exactly that name, as filling the big table takes minutes and a few GB of disk.
+//!   by exactly that name, as filling the big table takes minutes and a few GB of disk;
+//!   `scale-stats-estimate` gives `stats()`'s estimates over `stats_exact()`'s counts on each.
 //!
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
@@ -1004,11 +1005,42 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
         Ok(started.elapsed())
     };
     scale_compare("relay-cycle", 20, &small, &big, cycle)?;
-    scale_compare("stats", 3, &small, &big, |outbox: &Outbox| {
+    // On one connection, as a gauge or a dashboard reads them.
+    let mut stats_client = scratch.client()?;
+    scale_compare("stats", 20, &small, &big, |outbox: &Outbox| {
         let started = Instant::now();
-        outbox.stats(&mut scratch.client()?)?;
+        outbox.stats(&mut stats_client)?;
         Ok(started.elapsed())
     })?;
+    scale_compare("stats-exact", 3, &small, &big, |outbox: &Outbox| {
+        let started = Instant::now();
+        outbox.stats_exact(&mut stats_client)?;
+        Ok(started.elapsed())
+    })?;
+    // How far the estimates of stats() are from the counts (neither table changes now).
+    for (table, outbox) in [("small", &small), ("big", &big)] {
+        let (estimated, exact) = (
+            outbox.stats(&mut stats_client)?,
+            outbox.stats_exact(&mut stats_client)?,
+        );
+        Line::new("scale-stats-estimate")
+            .kv("table", table)
+            .kv("exact", estimated.exact)
+            .kv(
+                "pending",
+                format!("{}/{}", estimated.pending, exact.pending),
+            )
+            .kv("due", format!("{}/{}", estimated.due, exact.due))
+            .kv(
+                "blocked",
+                format!("{}/{}", estimated.blocked, exact.blocked),
+            )
+            .kv(
+                "vs_exact",
+                ratio(estimated.pending as f64, exact.pending as f64),
+            )
+            .print();
+    }
     // Each purge takes the 1,000 oldest sent rows still there (one ends a second before
     // the next, so the age filter picks exactly them).
     let purged = std::cell::Cell::new(0_u64);

@@ -33,11 +33,11 @@ use metrics::{counter, gauge, histogram};
 
 use crate::health::Health;
 use crate::metrics::{CycleTimes, Metrics};
-use crate::operate::Stats;
 use crate::outbox::Outbox;
 use crate::publish::PublishError;
 use crate::record::Record;
 use crate::relays::PublisherState;
+use crate::stats::Stats;
 
 /// The relay's [`Metrics`], reported to the `metrics` facade under the outbox's table name.
 ///
@@ -437,6 +437,7 @@ pub(crate) mod tests {
             parked: 1,
             oldest_pending_age: Some(Duration::from_secs(90)),
             oldest_blocked_age: None,
+            exact: true,
         };
         let seen = reported(|| metrics.record_stats(&stats));
         let gauges: Vec<(String, f64)> = seen

@@ -88,6 +88,7 @@ mod retry;
 mod rounds;
 mod session;
 mod sql;
+mod stats;
 mod store;
 mod table;
 mod wire;
@@ -104,9 +105,7 @@ pub use health::{Check, Finding, Health, HealthThresholds, Holder, Slot, TableHe
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{CycleTimes, Metrics, NoMetrics};
 #[allow(deprecated)]
-pub use operate::{
-    DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection, Stats, TopicStats,
-};
+pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection};
 pub use outbox::{Outbox, OutboxBuilder};
 pub use pool::Connections;
 pub use process::ProcessReport;
@@ -118,6 +117,7 @@ pub use record::Record;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
 pub use relays::{PublisherState, RelayReport};
 pub use retry::Retry;
+pub use stats::{Stats, TopicStats};
 
 // The README's Rust examples are compiled as doc tests, so they cannot drift from the API.
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]

@@ -11,44 +11,11 @@ use postgres::types::ToSql;
 use postgres::Client;
 use rand::Rng;
 
-use crate::clock::seconds;
 use crate::error::{Error, Result};
 use crate::message::micros;
 use crate::outbox::Outbox;
 use crate::record::Record;
 use crate::sql::PURGE_BATCH;
-
-/// A snapshot of an outbox's state.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Rows waiting to be claimed: due now, delayed, backing off after a failure, or
-    /// blocked behind an earlier message of their aggregate.
-    pub pending: u64,
-    /// Of `pending`, those a relay could claim now: due, and (for a row with an aggregate
-    /// key) the oldest pending row of its aggregate. Blocked rows are not due.
-    pub due: u64,
-    /// Of `pending`, rows waiting behind an earlier pending message of their aggregate.
-    /// They move as soon as the messages before them are sent or dead.
-    pub blocked: u64,
-    /// Rows claimed by a relay whose lease has not run out.
-    pub in_flight: u64,
-    /// Rows published and not yet purged (kept as a counter, so this costs no scan).
-    pub sent: u64,
-    /// Dead letters: rows that ran out of attempts or failed permanently (parked ones
-    /// included).
-    pub dead: u64,
-    /// Aggregates held by a parked dead letter (see
-    /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)): their later
-    /// messages wait until it is redriven or skipped.
-    pub parked: u64,
-    /// Age of the oldest row not yet sent or dead (pending or in flight).
-    pub oldest_pending_age: Option<Duration>,
-    /// Age of the oldest message that holds others back: the head of an aggregate with
-    /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying,
-    /// delayed or parked); alert on it.
-    pub oldest_blocked_age: Option<Duration>,
-}
 
 /// A row that will not be published unless redriven.
 #[derive(Debug, Clone)]
@@ -410,52 +377,7 @@ pub struct ErrorGroup {
     pub sample_key: String,
 }
 
-/// Pending and dead rows of one topic, from [`Outbox::topic_stats`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct TopicStats {
-    /// The topic.
-    pub topic: String,
-    /// Rows not yet sent (including in flight).
-    pub pending: u64,
-    /// Dead letters.
-    pub dead: u64,
-}
-
 impl Outbox {
-    /// Counts rows by state. Reads only pending rows (through the two claim indexes), the
-    /// dead-letter index and a counter table, so it stays fast however many sent rows are
-    /// retained. It groups pending rows by aggregate to tell heads from blocked rows, so it
-    /// costs about as much as reading every pending row once: call it for monitoring, not
-    /// per message.
-    ///
-    /// ```no_run
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
-    /// let stats = postgres_outbox::Outbox::new("orders_outbox")?.stats(&mut client)?;
-    /// println!("{} pending, {} dead", stats.pending, stats.dead);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let row = client
-            .query_one(&self.statements().stats, &[])
-            .map_err(|e| self.db_error(e))?;
-        let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
-        let age = |i: usize| seconds(row.get(i));
-        Ok(Stats {
-            pending: count(0),
-            in_flight: count(1),
-            due: count(2),
-            sent: count(3),
-            dead: count(4),
-            oldest_pending_age: age(5),
-            blocked: count(6),
-            oldest_blocked_age: age(7),
-            parked: count(8),
-        })
-    }
-
     /// The dead letters that match `filter`, oldest first: all of them, or the first
     /// [`limit`](Filter::limit) (a number alone is such a limit: `dead_letters(client, 100)`).
     ///
@@ -538,22 +460,6 @@ impl Outbox {
             })
             .collect::<Result<_, postgres::Error>>()
             .map_err(Error::Db)
-    }
-
-    /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
-    /// are not read).
-    pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
-        let rows = client
-            .query(&self.statements().topic_stats, &[])
-            .map_err(|e| self.db_error(e))?;
-        Ok(rows
-            .iter()
-            .map(|row| TopicStats {
-                topic: row.get(0),
-                pending: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
-                dead: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
-            })
-            .collect())
     }
 
     /// Makes the dead letters that match `filter` pending again, due now with a fresh

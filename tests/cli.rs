@@ -95,6 +95,12 @@ fn stats_show_states_ages_and_topics() {
     );
     assert!(stats["oldest_pending_age_secs"].as_f64().is_some());
     assert_eq!(stats["oldest_blocked_age_secs"], Value::Null);
+    assert_eq!(stats["exact"], Value::from(true));
+    // The scanning form says the same of a table this small.
+    let exact = json(&ok(&outbox, &["stats", "--json", "--exact"]));
+    for field in ["pending", "due", "blocked", "in_flight", "sent", "dead", "exact"] {
+        assert_eq!(exact[field], stats[field], "{field}");
+    }
     assert_eq!(
         stats["topics"],
         json(

@@ -1223,7 +1223,7 @@ fn purge_deletes_more_than_one_batch() -> TestResult {
 #[test]
 fn stats_count_every_state() -> TestResult {
     let (outbox, mut client) = common::outbox("stats");
-    let empty = outbox.stats(&mut client)?;
+    let empty = common::stats(&outbox, &mut client);
     assert_eq!(
         (
             empty.pending,
@@ -1250,7 +1250,7 @@ fn stats_count_every_state() -> TestResult {
     outbox.enqueue(&mut tx, later)?;
     tx.commit()?;
 
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     let sql = format!(
         "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {}
          WHERE status = 'pending'",
@@ -1275,7 +1275,7 @@ fn stats_count_every_state() -> TestResult {
     );
 
     assert_eq!(held.finish()?.processed, 1);
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (
             stats.pending,
@@ -1331,9 +1331,11 @@ fn oldest_pending_age_is_none_when_nothing_is_pending() -> TestResult {
     let (outbox, mut client) = common::outbox("age");
     enqueue_keys(&outbox, &mut client, SEND, &["s"])?;
     enqueue_keys(&outbox, &mut client, DIE, &["d"])?;
-    assert!(outbox.stats(&mut client)?.oldest_pending_age.is_some());
+    assert!(common::stats(&outbox, &mut client)
+        .oldest_pending_age
+        .is_some());
     assert_eq!(settle(&outbox, &mut client)?, (1, 1));
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.sent, stats.dead), (0, 1, 1));
     assert_eq!(stats.oldest_pending_age, None);
     Ok(())
@@ -1387,7 +1389,7 @@ fn redrive_revives_the_chosen_keys_then_all() -> TestResult {
     assert_eq!(row_state(&mut client, &outbox, "a"), ("dead".into(), 1));
     assert_eq!(row_state(&mut client, &outbox, "c"), ("dead".into(), 1));
     assert_eq!(row_state(&mut client, &outbox, "ok"), ("sent".into(), 1));
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.due, stats.dead), (1, 1, 2));
 
     assert_eq!(outbox.redrive(&mut client, Filter::new())?, 2);
@@ -1396,7 +1398,7 @@ fn redrive_revives_the_chosen_keys_then_all() -> TestResult {
     }
     assert_eq!(row_state(&mut client, &outbox, "ok"), ("sent".into(), 1));
     assert_eq!(outbox.redrive(&mut client, Filter::new())?, 0);
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.due, stats.dead), (3, 3, 0));
 
     // Revived rows are claimed again, as a first attempt.
@@ -1496,6 +1498,72 @@ fn database_errors_show_their_sqlstate() -> TestResult {
     Ok(())
 }
 
+/// `actual` is within `share` of `expected`.
+fn near(actual: u64, expected: u64, share: f64) -> bool {
+    (actual as f64 - expected as f64).abs() <= expected as f64 * share
+}
+
+#[test]
+fn stats_past_their_reading_limit_are_estimates_and_say_so() -> TestResult {
+    let (outbox, mut client) = common::outbox("stats_estimated");
+    // 3,000 rows due without an aggregate and 2,500 behind the heads of five aggregates:
+    // more of each than stats() reads.
+    let mut tx = client.transaction()?;
+    outbox.enqueue_all(
+        &mut tx,
+        (0..3000).map(|i| Message::new(SEND, format!("u{i}"))),
+    )?;
+    outbox.enqueue_all(
+        &mut tx,
+        (0..2500).map(|i| Message::new(SEND, format!("a{i}")).aggregate_key(format!("a{}", i % 5))),
+    )?;
+    tx.commit()?;
+    // As autovacuum would, soon: the estimates rest on it.
+    client.batch_execute(&format!("ANALYZE {}", quoted(&outbox)))?;
+
+    let exact = outbox.stats_exact(&mut client)?;
+    assert_eq!(
+        (exact.pending, exact.due, exact.blocked, exact.exact),
+        (5500, 3005, 2495, true),
+        "{exact:?}"
+    );
+    let estimated = outbox.stats(&mut client)?;
+    assert!(!estimated.exact, "{estimated:?}");
+    for (what, got, want) in [
+        ("pending", estimated.pending, 5500),
+        ("due", estimated.due, 3005),
+        ("blocked", estimated.blocked, 2495),
+    ] {
+        assert!(
+            near(got, want, 0.02),
+            "{what}: {got} for {want}: {estimated:?}"
+        );
+    }
+    assert_eq!(
+        (estimated.in_flight, estimated.sent, estimated.dead),
+        (0, 0, 0)
+    );
+    assert!(estimated.oldest_pending_age.is_some() && estimated.oldest_blocked_age.is_some());
+
+    // The backlog grows past what the analyze saw: the index's new pages count for it.
+    let mut tx = client.transaction()?;
+    outbox.enqueue_all(
+        &mut tx,
+        (0..3000).map(|i| Message::new(SEND, format!("v{i}"))),
+    )?;
+    tx.commit()?;
+    let grown = outbox.stats(&mut client)?;
+    assert!(!grown.exact);
+    assert!(near(grown.pending, 8500, 0.2), "{grown:?}");
+    assert!(near(grown.due, 6005, 0.2), "{grown:?}");
+
+    // Drained, every count is exact again.
+    while outbox.process(&mut client, 1000, |_, _| Ok(()))?.processed > 0 {}
+    let drained = common::stats(&outbox, &mut client);
+    assert_eq!((drained.pending, drained.sent), (0, 8500));
+    Ok(())
+}
+
 #[test]
 fn stats_tell_blocked_rows_from_due_heads() -> TestResult {
     let (outbox, mut client) = common::outbox("stats_blocked");
@@ -1519,7 +1587,7 @@ fn stats_tell_blocked_rows_from_due_heads() -> TestResult {
     )?;
     tx.commit()?;
 
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (stats.pending, stats.due, stats.blocked, stats.in_flight),
         (8, 4, 3, 0),
@@ -1530,7 +1598,7 @@ fn stats_tell_blocked_rows_from_due_heads() -> TestResult {
     // One call handles the runs of a and b and the unordered rows; c waits for its head.
     let report = outbox.process(&mut client, 100, |_, _| Ok(()))?;
     assert_eq!(report.processed, 6, "{report:?}");
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (stats.pending, stats.due, stats.blocked, stats.sent),
         (2, 0, 1, 6),
@@ -1611,7 +1679,7 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     assert!(exists(&mut client, &format!("{name}_ordered")));
     assert!(!exists(&mut client, &format!("{name}_agg")));
     assert!(exists(&mut client, &format!("{name}_failures")));
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (
             stats.pending,

@@ -518,7 +518,7 @@ fn a_dead_message_parks_its_aggregate_and_a_redrive_sends_it_first() -> TestResu
 
     assert_eq!(sink.keys(), ["b-0"]);
     assert_eq!(row_state(&mut client, &outbox, "a-0"), ("parked".into(), 1));
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (
             stats.parked,
@@ -545,7 +545,7 @@ fn a_dead_message_parks_its_aggregate_and_a_redrive_sends_it_first() -> TestResu
     assert_eq!(outbox.redrive(&mut client, Filter::new().key("a-0"))?, 1);
     Relay::run_until_idle(&config)?;
     assert_eq!(sink.keys(), ["b-0", "a-0", "a-1", "a-2"]);
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.parked, stats.dead, stats.pending), (0, 0, 0));
     Ok(())
 }
@@ -572,7 +572,7 @@ fn skipping_a_parked_message_lets_the_rest_go_and_leaves_it_dead() -> TestResult
     relay.shutdown(Duration::from_secs(10))?;
     assert_eq!(sink.keys(), ["b-0", "a-1", "a-2"]);
     assert_eq!(row_state(&mut client, &outbox, "a-0"), ("dead".into(), 1));
-    let stats = outbox.stats(&mut client)?;
+    let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.parked, stats.dead, stats.pending), (0, 1, 0));
     // Skipped, it is an ordinary dead letter: purged like one, redriven like one.
     assert_eq!(

@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use postgres::{Client, NoTls};
 use postgres_outbox::{
-    publisher_fn, Connections, Metrics, Outbox, PublishError, Record, RelayConfig,
+    publisher_fn, Connections, Metrics, Outbox, PublishError, Record, RelayConfig, Stats,
 };
 use r2d2_postgres::PostgresConnectionManager;
 
@@ -329,6 +329,52 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 }
 
 /// Status and attempts of the row with `key`.
+/// `stats()` where no relay changes the table meanwhile: on a table this small it must
+/// count exactly, as `stats_exact()` does (the ages, read a moment apart, within a second).
+pub fn stats(outbox: &Outbox, client: &mut Client) -> Stats {
+    let bounded = outbox.stats(client).expect("stats");
+    let exact = outbox.stats_exact(client).expect("stats_exact");
+    assert!(bounded.exact && exact.exact, "{bounded:?}");
+    let counts = |s: &Stats| {
+        (
+            s.pending,
+            s.due,
+            s.blocked,
+            s.in_flight,
+            s.sent,
+            s.dead,
+            s.parked,
+        )
+    };
+    assert_eq!(
+        counts(&bounded),
+        counts(&exact),
+        "stats against stats_exact"
+    );
+    for (what, a, b) in [
+        (
+            "oldest pending",
+            bounded.oldest_pending_age,
+            exact.oldest_pending_age,
+        ),
+        (
+            "oldest blocked",
+            bounded.oldest_blocked_age,
+            exact.oldest_blocked_age,
+        ),
+    ] {
+        match (a, b) {
+            (None, None) => {}
+            (Some(a), Some(b)) => assert!(
+                a <= b && b - a < Duration::from_secs(1),
+                "{what} age: {a:?} against {b:?}"
+            ),
+            _ => panic!("{what} age: {a:?} against {b:?}"),
+        }
+    }
+    bounded
+}
+
 pub fn row_state(client: &mut Client, outbox: &Outbox, key: &str) -> (String, i32) {
     let row = client
         .query_one(

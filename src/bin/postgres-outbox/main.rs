@@ -54,10 +54,15 @@ enum Command {
     /// Print the DDL `migrate` would apply.
     Sql,
     /// Rows by state, the oldest pending and blocked ages, and per topic pending and dead.
+    /// Past 2,000 rows in a part of the backlog the counts are estimates, marked `~` (and
+    /// `"exact": false`) unless --exact is given.
     Stats {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Count every pending row, however long that takes (about 1.5 s per million).
+        #[arg(long)]
+        exact: bool,
     },
     /// Diagnose the outbox: dead tuples and vacuum, what holds back the xmin horizon (an old
     /// transaction, a prepared transaction, a replication slot), rows due and not claimed.
@@ -343,7 +348,7 @@ fn run(cli: Cli) -> Result<()> {
             outbox.migrate(&mut client)?;
             println!("migrated {}", outbox.table());
         }
-        Command::Stats { json } => stats(&outbox, &mut client, json)?,
+        Command::Stats { json, exact } => stats(&outbox, &mut client, json, exact)?,
         Command::Doctor { due_age, json } => {
             let thresholds = HealthThresholds::default().due_age(due_age);
             if !doctor(&outbox, &mut client, &thresholds, json)? {
@@ -688,8 +693,12 @@ fn doctor(
     Ok(health.is_healthy())
 }
 
-fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
-    let stats = outbox.stats(client)?;
+fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Result<()> {
+    let stats = if exact {
+        outbox.stats_exact(client)?
+    } else {
+        outbox.stats(client)?
+    };
     let topics = outbox.topic_stats(client)?;
     if as_json {
         let value = json!({
@@ -703,6 +712,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
             "parked": stats.parked,
             "oldest_pending_age_secs": secs(stats.oldest_pending_age),
             "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
+            "exact": stats.exact,
             "topics": topics.iter().map(|t| json!({
                 "topic": t.topic, "pending": t.pending, "dead": t.dead,
             })).collect::<Vec<_>>(),
@@ -710,16 +720,24 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool) -> Result<()> {
         println!("{value}");
         return Ok(());
     }
+    // Estimates read as such: "~1000000".
+    let about = if stats.exact { "" } else { "~" };
     println!("table              {}", outbox.table());
-    println!("pending            {}", stats.pending);
-    println!("  due              {}", stats.due);
-    println!("  blocked          {}", stats.blocked);
-    println!("in flight          {}", stats.in_flight);
+    println!("pending            {about}{}", stats.pending);
+    println!("  due              {about}{}", stats.due);
+    println!("  blocked          {about}{}", stats.blocked);
+    println!("in flight          {about}{}", stats.in_flight);
     println!("sent               {}", stats.sent);
     println!("dead               {}", stats.dead);
     println!("  parked           {}", stats.parked);
-    println!("oldest pending     {}", human(stats.oldest_pending_age));
-    println!("oldest blocked     {}", human(stats.oldest_blocked_age));
+    println!(
+        "oldest pending     {about}{}",
+        human(stats.oldest_pending_age)
+    );
+    println!(
+        "oldest blocked     {about}{}",
+        human(stats.oldest_blocked_age)
+    );
     if !topics.is_empty() {
         println!();
         println!("{:<32} {:>10} {:>10}", "topic", "pending", "dead");

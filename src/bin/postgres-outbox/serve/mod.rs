@@ -263,9 +263,8 @@ impl Scope {
 }
 
 impl App {
-    /// Samples every table's stats every `interval`, or less often when they take long
-    /// (stats read every pending row): sampling keeps to a twentieth of one backend's time
-    /// however large the backlog.
+    /// Samples every table's stats every `interval`, or less often when they take long (a
+    /// database under load): sampling keeps to a twentieth of one backend's time.
     fn sample_forever(&self, interval: Duration) {
         loop {
             let mut client = self.pool.get().ok();
@@ -399,8 +398,8 @@ impl App {
         Ok(self.frame("Overview", &body, who))
     }
 
-    /// One table on the overview. Its counts are the sampler's latest (a page load reads
-    /// no backlog: stats cost what the backlog holds), or read now before the first sample.
+    /// One table on the overview. Its counts are the sampler's latest (a page load adds no
+    /// load however often it is reloaded), or read now before the first sample.
     fn card(&self, outbox: &Outbox, mut client: Option<&mut postgres::Client>) -> String {
         let name = outbox.table();
         let mut html = format!("<section class=\"card\"><h2>{}</h2>", esc(name));
@@ -848,7 +847,7 @@ fn counts(table_name: &str, s: &Stats) -> String {
         cell(&human(s.oldest_pending_age)),
         cell(&human(s.oldest_blocked_age)),
     ];
-    table(
+    let mut html = table(
         &[
             "pending",
             "due",
@@ -861,7 +860,15 @@ fn counts(table_name: &str, s: &Stats) -> String {
             "oldest blocked",
         ],
         &[row],
-    )
+    );
+    if !s.exact {
+        html.push_str(
+            "<p class=\"note\">Pending, due, blocked, in flight and the ages are estimates: \
+             the backlog is larger than what a sample reads. \
+             <code>postgres-outbox stats --exact</code> counts every row.</p>",
+        );
+    }
+    html
 }
 
 /// The doctor's findings, or that there are none.

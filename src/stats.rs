@@ -1,0 +1,356 @@
+//! Counts of an outbox's rows by state: at a bounded cost, for monitoring, or exactly, by a
+//! scan of the backlog; and per topic.
+
+use std::time::Duration;
+
+use postgres::{Client, Row};
+
+use crate::clock::seconds;
+use crate::error::Result;
+use crate::outbox::Outbox;
+use crate::sql::STATS_COUNTED;
+
+/// A snapshot of an outbox's state, from [`Outbox::stats`] or [`Outbox::stats_exact`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Rows waiting to be claimed: due now, delayed, backing off after a failure, or
+    /// blocked behind an earlier message of their aggregate.
+    pub pending: u64,
+    /// Of `pending`, those a relay could claim now: due, and (for a row with an aggregate
+    /// key) the oldest pending row of its aggregate. Blocked rows are not due.
+    pub due: u64,
+    /// Of `pending`, rows waiting behind an earlier pending message of their aggregate.
+    /// They move as soon as the messages before them are sent or dead.
+    pub blocked: u64,
+    /// Rows claimed by a relay whose lease has not run out.
+    pub in_flight: u64,
+    /// Rows published and not yet purged (kept as a counter, so this costs no scan).
+    pub sent: u64,
+    /// Dead letters: rows that ran out of attempts or failed permanently (parked ones
+    /// included).
+    pub dead: u64,
+    /// Aggregates held by a parked dead letter (see
+    /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)): their later
+    /// messages wait until it is redriven or skipped.
+    pub parked: u64,
+    /// Age of the oldest row not yet sent or dead (pending or in flight).
+    pub oldest_pending_age: Option<Duration>,
+    /// Age of the oldest message that holds others back: the head of an aggregate with
+    /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying,
+    /// delayed or parked); alert on it.
+    pub oldest_blocked_age: Option<Duration>,
+    /// Whether every count above was counted row by row. Always true from
+    /// [`Outbox::stats_exact`]; from [`Outbox::stats`], false once a part of the backlog
+    /// held more rows than it reads, and then `pending`, `due`, `blocked`, `in_flight` and
+    /// the two ages are estimates (see there). `sent`, `dead` and `parked` are always exact.
+    pub exact: bool,
+}
+
+/// Pending and dead rows of one topic, from [`Outbox::topic_stats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicStats {
+    /// The topic.
+    pub topic: String,
+    /// Rows not yet sent (including in flight).
+    pub pending: u64,
+    /// Dead letters.
+    pub dead: u64,
+}
+
+impl Outbox {
+    /// Counts rows by state, at a cost that does not grow with the backlog (under 10 ms on
+    /// the reference machine with a million rows pending): for dashboards, gauges and
+    /// alerts, as often as every second.
+    ///
+    /// It reads at most 2,000 rows of each of three parts of the backlog: the rows due now,
+    /// the rows waiting for a later time (delayed, backing off, in flight), and the rows
+    /// behind an earlier message of their aggregate. While no part holds more, every count
+    /// is exact and [`Stats::exact`] is true. Past that, the counts of a part are scaled
+    /// from the rows it read to its size as the planner estimates it: the rows per page of
+    /// its index when vacuum or analyze last measured it, times the pages the index has
+    /// now. So an estimate is off by about the rows that left the backlog since autovacuum
+    /// last visited the table (the outbox asks for a visit after 1% of its rows changed),
+    /// and a backlog that refills pages an earlier one left empty shows once the table is
+    /// analyzed again (after 2%). On a table never vacuumed or analyzed, what was read is
+    /// all it reports: a lower bound. The oldest ages are those of the rows read: a row
+    /// retried long past its creation and sitting behind 2,000 others may be missed.
+    /// `sent` (a counter), `dead` and `parked` are always exact (these two read the
+    /// dead-letter index: their cost grows with the dead letters kept, not the backlog).
+    ///
+    /// [`stats_exact`](Outbox::stats_exact) reads every pending row instead.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let mut client = postgres::Client::connect("postgres://postgres@localhost/app", postgres::NoTls)?;
+    /// let stats = postgres_outbox::Outbox::new("orders_outbox")?.stats(&mut client)?;
+    /// let about = if stats.exact { "" } else { "about " };
+    /// println!("{about}{} pending, {} dead", stats.pending, stats.dead);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn stats(&self, client: &mut Client) -> Result<Stats> {
+        let row = client
+            .query_one(&self.statements().stats, &[])
+            .map_err(|e| self.db_error(e))?;
+        Ok(Counted::from_row(&row).stats())
+    }
+
+    /// Counts rows by state exactly: reads every pending and parked row (through the two
+    /// claim indexes), the dead-letter index and the sent counter. It groups pending rows
+    /// by aggregate to tell heads from blocked rows, so it costs about as much as reading
+    /// the backlog once (about 1.5 s for a million pending rows on the reference machine):
+    /// for an operator's question or a test, not for a gauge; see [`stats`](Outbox::stats).
+    pub fn stats_exact(&self, client: &mut Client) -> Result<Stats> {
+        let row = client
+            .query_one(&self.statements().stats_exact, &[])
+            .map_err(|e| self.db_error(e))?;
+        let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
+        let age = |i: usize| seconds(row.get(i));
+        Ok(Stats {
+            pending: count(0),
+            in_flight: count(1),
+            due: count(2),
+            sent: count(3),
+            dead: count(4),
+            oldest_pending_age: age(5),
+            blocked: count(6),
+            oldest_blocked_age: age(7),
+            parked: count(8),
+            exact: true,
+        })
+    }
+
+    /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
+    /// are not read).
+    pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
+        let rows = client
+            .query(&self.statements().topic_stats, &[])
+            .map_err(|e| self.db_error(e))?;
+        Ok(rows
+            .iter()
+            .map(|row| TopicStats {
+                topic: row.get(0),
+                pending: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+                dead: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+            })
+            .collect())
+    }
+}
+
+/// What one bounded read of the backlog counted (see `Statements::stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Part {
+    read: u64,
+    waiting: u64,
+    in_flight: u64,
+    due: u64,
+    blocked: u64,
+    /// Rows with an aggregate key: marked heads, which the ordered index holds too.
+    marked: u64,
+}
+
+impl Part {
+    /// The read stopped one row past its limit: there is more than it saw.
+    fn cut_short(&self) -> bool {
+        self.read > STATS_COUNTED.unsigned_abs()
+    }
+}
+
+/// The row of `Statements::stats`.
+#[derive(Debug, Clone, PartialEq)]
+struct Counted {
+    /// Ready rows due now.
+    due: Part,
+    /// Ready rows not due yet.
+    later: Part,
+    /// Rows of aggregates not marked as heads.
+    unmarked: Part,
+    parked: u64,
+    dead: u64,
+    sent: u64,
+    oldest_pending_age: Option<Duration>,
+    oldest_blocked_age: Option<Duration>,
+    /// The estimated entries of the ready and the ordered index, if ever measured.
+    ready_size: Option<f64>,
+    ordered_size: Option<f64>,
+    /// Marked heads, pending or parked, counted up to one past the limit.
+    marked: u64,
+}
+
+impl Counted {
+    fn from_row(row: &Row) -> Counted {
+        let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
+        let ready = |i: usize, due: bool| Part {
+            read: count(i),
+            waiting: count(i + 1),
+            in_flight: count(i + 2),
+            due: if due { count(i) } else { 0 },
+            blocked: 0,
+            marked: count(i + 3),
+        };
+        Counted {
+            due: ready(0, true),
+            later: ready(4, false),
+            unmarked: Part {
+                read: count(8),
+                waiting: count(9),
+                in_flight: count(10),
+                due: count(11),
+                blocked: count(12),
+                marked: 0,
+            },
+            parked: count(13),
+            dead: count(14),
+            sent: count(15),
+            oldest_pending_age: seconds(row.get(16)),
+            oldest_blocked_age: seconds(row.get(17)),
+            ready_size: row.get(18),
+            ordered_size: row.get(19),
+            marked: count(20),
+        }
+    }
+
+    /// The counts, each part that was cut short scaled up to its estimated size.
+    fn stats(&self) -> Stats {
+        let Counted {
+            due,
+            later,
+            unmarked,
+            ..
+        } = *self;
+        // The ready index holds the due and the later rows: a part read whole counts as it
+        // is, and the rest of the index's size goes to the parts cut short, in proportion
+        // to what each read.
+        let cut_short = |p: &Part| if p.cut_short() { p.read } else { 0 };
+        let read = due.read + later.read;
+        let short = cut_short(&due) + cut_short(&later);
+        let ready_scale = if short == 0 {
+            1.0
+        } else {
+            let whole = self.ready_size.unwrap_or(0.0).max(read as f64);
+            (whole - (read - short) as f64) / short as f64
+        };
+        let scale = |p: &Part, scale: f64| if p.cut_short() { scale } else { 1.0 };
+        let (due_scale, later_scale) = (scale(&due, ready_scale), scale(&later, ready_scale));
+        // The ordered index holds the unmarked rows and the marked heads. Past the limit,
+        // the pending heads are the ready rows with an aggregate key, as scaled (the ready
+        // rows read first are not a fair sample of the rest: a last resort).
+        let unmarked_scale = if unmarked.cut_short() {
+            let marked = if self.marked > STATS_COUNTED.unsigned_abs() {
+                (due.marked as f64 * due_scale + later.marked as f64 * later_scale)
+                    .max(self.marked as f64)
+            } else {
+                self.marked as f64
+            };
+            let whole = (self.ordered_size.unwrap_or(0.0) - marked).max(unmarked.read as f64);
+            whole / unmarked.read as f64
+        } else {
+            1.0
+        };
+        let total = |pick: fn(&Part) -> u64| -> u64 {
+            [
+                (due, due_scale),
+                (later, later_scale),
+                (unmarked, unmarked_scale),
+            ]
+            .iter()
+            .map(|(part, scale)| (pick(part) as f64 * scale).round() as u64)
+            .sum()
+        };
+        Stats {
+            pending: total(|p| p.waiting),
+            due: total(|p| p.due),
+            blocked: total(|p| p.blocked),
+            in_flight: total(|p| p.in_flight),
+            sent: self.sent,
+            dead: self.dead,
+            parked: self.parked,
+            oldest_pending_age: self.oldest_pending_age,
+            oldest_blocked_age: self.oldest_blocked_age,
+            exact: !(due.cut_short() || later.cut_short() || unmarked.cut_short()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMIT: u64 = STATS_COUNTED.unsigned_abs();
+
+    fn counted(due: Part, later: Part, unmarked: Part) -> Counted {
+        Counted {
+            due,
+            later,
+            unmarked,
+            parked: 0,
+            dead: 2,
+            sent: 9,
+            oldest_pending_age: Some(Duration::from_secs(5)),
+            oldest_blocked_age: None,
+            ready_size: Some(100_000.0),
+            ordered_size: Some(30_000.0),
+            marked: 10,
+        }
+    }
+
+    fn due(read: u64, marked: u64) -> Part {
+        Part {
+            read,
+            waiting: read,
+            due: read,
+            marked,
+            ..Part::default()
+        }
+    }
+
+    fn blocked(read: u64) -> Part {
+        Part {
+            read,
+            waiting: read,
+            blocked: read,
+            ..Part::default()
+        }
+    }
+
+    #[test]
+    fn parts_read_whole_are_counted_as_they_are() {
+        let stats = counted(due(7, 3), Part::default(), blocked(4)).stats();
+        assert!(stats.exact);
+        assert_eq!((stats.pending, stats.due, stats.blocked), (11, 7, 4));
+        assert_eq!((stats.sent, stats.dead), (9, 2));
+    }
+
+    #[test]
+    fn a_part_cut_short_takes_the_rest_of_its_index() {
+        // 100,000 ready rows, 500 of them in flight and read whole: the due ones are the rest.
+        let later = Part {
+            read: 500,
+            in_flight: 500,
+            ..Part::default()
+        };
+        let stats = counted(due(LIMIT + 1, 0), later, Part::default()).stats();
+        assert!(!stats.exact);
+        assert_eq!((stats.due, stats.in_flight), (99_500, 500));
+        assert_eq!(stats.pending, 99_500);
+    }
+
+    #[test]
+    fn unmarked_rows_are_the_ordered_index_less_its_marked_heads() {
+        let stats = counted(due(20, 10), Part::default(), blocked(LIMIT + 1)).stats();
+        assert_eq!(stats.blocked, 30_000 - 10);
+        assert_eq!(stats.pending, 20 + 30_000 - 10);
+    }
+
+    #[test]
+    fn without_statistics_what_was_read_is_a_lower_bound() {
+        let mut never_analyzed = counted(due(LIMIT + 1, 0), Part::default(), blocked(LIMIT + 1));
+        never_analyzed.ready_size = None;
+        never_analyzed.ordered_size = None;
+        let stats = never_analyzed.stats();
+        assert!(!stats.exact);
+        assert_eq!((stats.due, stats.blocked), (LIMIT + 1, LIMIT + 1));
+    }
+}
