@@ -48,7 +48,9 @@
 //! - `scale op=relay-cycle|stats|stats-exact|purge-1000-sent|enqueue`: the mean cost of each operation on
 //!   a table retaining many rows (`small_ms`, `big_ms`, `vs_small`); runs only when asked for
 //!   by exactly that name, as filling the big table takes minutes and a few GB of disk;
-//!   `scale-stats-estimate` gives `stats()`'s estimates over `stats_exact()`'s counts on each.
+//!   `scale-stats-estimate` gives `stats()`'s estimates over `stats_exact()`'s counts on each,
+//!   and `scale-retention` the cost of purging a day of sent rows (86,400) by DELETE, alone
+//!   and beside a relay draining the backlog, with the relay's rate alone and beside it;
 //!
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
@@ -65,7 +67,7 @@ mod common;
 
 use std::error::Error;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -1074,6 +1076,9 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
         tx.commit()?;
         Ok(started.elapsed())
     })?;
+    // The oldest sent rows left: the purges above took the 5,000 oldest.
+    let oldest = Duration::from_secs(settings.scale_sent as u64 - 5_000);
+    scale_retention(scratch, &big, oldest)?;
     if settings.scale_plans {
         scale_plans(&settings.url, &big)?;
     }
@@ -1118,6 +1123,81 @@ fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize)
         &[&i64::try_from(sent)?],
     )?;
     client.batch_execute(&format!("VACUUM ANALYZE {t}"))?;
+    Ok(())
+}
+
+const DAY: Duration = Duration::from_secs(86_400);
+const RETENTION_WINDOW: Duration = Duration::from_secs(10);
+
+/// Retention by DELETE at scale: a purge of one day of sent rows (86,400 of them, the fill
+/// finished one a second) alone, then a relay draining the backlog for `RETENTION_WINDOW`
+/// alone and as long again while a purge deletes day after day of the oldest sent rows.
+/// `oldest` is the age of the oldest sent row.
+fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Result<()> {
+    let days_purged = AtomicU32::new(0);
+    let purge_day = |client: &mut Client| -> Result<(Duration, u64)> {
+        let day = days_purged.fetch_add(1, Ordering::Relaxed) + 1;
+        let cutoff = oldest.saturating_sub(DAY * day);
+        let started = Instant::now();
+        let rows = outbox.purge(
+            client,
+            Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff)),
+        )?;
+        Ok((started.elapsed(), rows))
+    };
+    let (alone, alone_rows) = purge_day(&mut scratch.client()?)?;
+
+    let published = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&published);
+    let config = RelayConfig::new(
+        outbox.clone(),
+        scratch.pool(DEFAULT_RELAY_POOL_SIZE)?,
+        move || {
+            let counted = Arc::clone(&counted);
+            Ok::<_, std::io::Error>(publisher_fn(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }))
+        },
+    );
+    let relay = Relay::spawn(config)?;
+    let rate_for = |window: Duration| {
+        let (before, started) = (published.load(Ordering::Relaxed), Instant::now());
+        thread::sleep(window);
+        (published.load(Ordering::Relaxed) - before) as f64 / started.elapsed().as_secs_f64()
+    };
+    rate_for(Duration::from_secs(2)); // the relay settles
+    let relay_alone = rate_for(RETENTION_WINDOW);
+    let done = AtomicBool::new(false);
+    let (relay_beside, (purge_took, days, rows)) = thread::scope(|s| -> Result<_> {
+        let purger = s.spawn(|| -> Result<(Duration, u32, u64)> {
+            let mut client = scratch.client()?;
+            let (mut took, mut days, mut rows) = (Duration::ZERO, 0, 0);
+            while !done.load(Ordering::Relaxed) {
+                let (t, n) = purge_day(&mut client)?;
+                (took, days, rows) = (took + t, days + 1, rows + n);
+            }
+            Ok((took, days, rows))
+        });
+        let relay_beside = rate_for(RETENTION_WINDOW);
+        done.store(true, Ordering::Relaxed);
+        let purged = purger.join().map_err(|_| "the purge thread panicked")??;
+        Ok((relay_beside, purged))
+    })?;
+    relay.shutdown(Duration::from_secs(10))?;
+    Line::new("scale-retention")
+        .kv("purge_day_ms", format!("{:.0}", alone.as_secs_f64() * 1e3))
+        .kv("rows", alone_rows)
+        .kv(
+            "purge_day_ms_beside_relay",
+            format!("{:.0}", purge_took.as_secs_f64() * 1e3 / f64::from(days.max(1))),
+        )
+        .kv("days", days)
+        .kv("rows_beside_relay", rows)
+        .kv("relay_alone", format!("{relay_alone:.0}"))
+        .kv("relay_beside_purge", format!("{relay_beside:.0}"))
+        .kv("vs_alone", ratio(relay_beside, relay_alone))
+        .print();
     Ok(())
 }
 
