@@ -41,7 +41,13 @@
 //!   first), `stage_woken=` (to the worker's claim being sent), `stage_claim=`,
 //!   `stage_publish=` (confirm included), `stage_delivered=` (confirm to delivery; negative
 //!   when the delivery came first) and `stage_record=` (after the delivery: it delays the next
-//!   message, not this one).
+//!   message, not this one). Last the broker's part alone, `p50/p99/max`: a persistent
+//!   message published on a confirmed channel, 300 times one at a time, to its confirm
+//!   (`broker_confirm=`) and to the consumer holding it (`broker_delivery=`), then the same
+//!   each right after a committed one-row UPDATE, as a relay publishes after its claim
+//!   (`broker_confirm_after_commit=`, `broker_delivery_after_commit=`), and through
+//!   `RabbitPublisher::publish` after such a commit (`publisher_after_commit=`, to its
+//!   return, confirm included, and `publisher_delivery_after_commit=`).
 //!
 //! Messages are persistent, 512 bytes, into a durable queue, purged before each measurement.
 //! Env: OUTBOX_BENCH_DATABASE_URL or DATABASE_URL, OUTBOX_BENCH_AMQP_URL or AMQP_URL,
@@ -68,7 +74,9 @@ use common::{
 };
 use postgres::{Client, NoTls};
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, RabbitPublisher, AGGREGATE_HEADER};
-use postgres_outbox::{CycleTimes, Message, Metrics, Outbox, Relay, RelayConfig};
+use postgres_outbox::{
+    CycleTimes, Message, Metrics, Outbox, Publisher, Record, Relay, RelayConfig,
+};
 use r2d2_postgres::PostgresConnectionManager;
 
 const EXCHANGE: &str = "outbox.bench";
@@ -857,6 +865,57 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
         }
     }
     relay.shutdown(Duration::from_secs(10))?;
+
+    // The broker's part of the same path, alone, in the same run: a persistent message
+    // published on a confirmed channel to the consumer's queue, to its confirm and to the
+    // consumer holding it.
+    // Then the same right after a committed write to PostgreSQL, as a relay publishes right
+    // after its claim commits (both servers flush to the same disk), and last through
+    // `RabbitPublisher` (mandatory, with its properties and headers) after such a commit.
+    let mut broker = Broker::connect()?;
+    let mut confirmed = Confirmed::open(&mut broker.connection)?;
+    let mut publisher = RabbitPublisher::connect(amqp_url, EXCHANGE)?;
+    let scratch = format!("{}_floor", outbox.table());
+    client.batch_execute(&format!(
+        "CREATE TABLE {scratch} (n bigint); INSERT INTO {scratch} VALUES (0)"
+    ))?;
+    let write = format!("UPDATE {scratch} SET n = n + 1");
+    let mut floors: [(Vec<f64>, Vec<f64>); 3] = Default::default();
+    for (variant, (to_confirm, to_delivery)) in floors.iter_mut().enumerate() {
+        for i in 0..commits {
+            std::thread::sleep(Duration::from_millis(20));
+            if variant > 0 {
+                client.execute(&write, &[])?;
+            }
+            let started = Instant::now();
+            let key = if variant < 2 {
+                let tag = confirmed.publish()?;
+                let mut open = HashSet::from([tag]);
+                while !open.is_empty() {
+                    settle(&mut open, confirmed.confirms.recv_timeout(WAIT)?);
+                }
+                tag.to_string()
+            } else {
+                let key = format!("floor-{i}");
+                let record = Record::new(&key, "bench.latency", payload.clone());
+                if let Some(Err(e)) = publisher.publish(&[record]).pop() {
+                    return Err(e.to_string().into());
+                }
+                key
+            };
+            to_confirm.push(ms(started.elapsed()));
+            let arrived = loop {
+                let (got, at) = delivered.recv_timeout(WAIT)?;
+                if got == key {
+                    break at;
+                }
+            };
+            to_delivery.push(signed_ms(started, arrived));
+        }
+    }
+    client.batch_execute(&format!("DROP TABLE {scratch}"))?;
+    drop((confirmed, publisher));
+    broker.connection.close()?;
     stop.store(true, Ordering::SeqCst);
     receiving.join().map_err(|_| "the consumer panicked")??;
     drop_outbox(client, &outbox)?;
@@ -881,6 +940,18 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
     {
         let [p50, _, p99, _] = percentiles(values);
         line.push_str(&format!(" stage_{name}={p50:.2}/{p99:.2}"));
+    }
+    let [(confirm, delivery), (confirm_after, delivery_after), (ours, ours_delivery)] = &mut floors;
+    for (name, values) in [
+        ("broker_confirm", confirm),
+        ("broker_delivery", delivery),
+        ("broker_confirm_after_commit", confirm_after),
+        ("broker_delivery_after_commit", delivery_after),
+        ("publisher_after_commit", ours),
+        ("publisher_delivery_after_commit", ours_delivery),
+    ] {
+        let [p50, _, p99, max] = percentiles(values);
+        line.push_str(&format!(" {name}={p50:.2}/{p99:.2}/{max:.2}"));
     }
     println!("{line}");
     Ok(())
