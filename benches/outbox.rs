@@ -1190,7 +1190,10 @@ fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Resu
         .kv("rows", alone_rows)
         .kv(
             "purge_day_ms_beside_relay",
-            format!("{:.0}", purge_took.as_secs_f64() * 1e3 / f64::from(days.max(1))),
+            format!(
+                "{:.0}",
+                purge_took.as_secs_f64() * 1e3 / f64::from(days.max(1))
+            ),
         )
         .kv("days", days)
         .kv("rows_beside_relay", rows)

@@ -98,7 +98,15 @@ fn stats_show_states_ages_and_topics() {
     assert_eq!(stats["exact"], Value::from(true));
     // The scanning form says the same of a table this small.
     let exact = json(&ok(&outbox, &["stats", "--json", "--exact"]));
-    for field in ["pending", "due", "blocked", "in_flight", "sent", "dead", "exact"] {
+    for field in [
+        "pending",
+        "due",
+        "blocked",
+        "in_flight",
+        "sent",
+        "dead",
+        "exact",
+    ] {
         assert_eq!(exact[field], stats[field], "{field}");
     }
     assert_eq!(
