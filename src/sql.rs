@@ -334,14 +334,37 @@ impl Statements {
                    LIMIT {stats_counted} + 1),
                  uh AS (
                    SELECT u.*, h.created_at AS marked_created,
-                          u.status = 'pending' AND (u.lease_until IS NULL OR u.lease_until <= now())
-                            AS waiting,
                           u.first AND h.created_at IS NULL AS head
                    FROM u LEFT JOIN LATERAL (
                      SELECT o.created_at FROM {table} o
                      WHERE u.first AND o.head AND o.aggregate_key = u.aggregate_key
                        AND o.status IN ('pending', 'parked') AND o.id < u.id
                      ORDER BY o.id LIMIT 1) h ON true),
+                 -- Every row read, with what it counts as: `behind` a head, it is blocked
+                 -- while waiting, held back by the head created at `held_since`.
+                 read AS (
+                   SELECT 'due' AS part, true AS pending, lease_until, created_at, marked,
+                          true AS due, false AS behind, NULL::timestamptz AS held_since
+                   FROM d
+                   UNION ALL
+                   SELECT 'later', true, lease_until, created_at, marked, false, false, NULL
+                   FROM l
+                   UNION ALL
+                   SELECT 'unmarked', status = 'pending', lease_until, created_at, false,
+                          head AND status = 'pending' AND available_at <= now(), NOT head,
+                          CASE WHEN first THEN marked_created ELSE first_created END
+                   FROM uh),
+                 counted AS (
+                   SELECT *, pending AND (lease_until IS NULL OR lease_until <= now()) AS waiting
+                   FROM read),
+                 parts AS (
+                   SELECT part, count(*) AS n,
+                          count(*) FILTER (WHERE waiting) AS waiting,
+                          count(*) FILTER (WHERE pending AND lease_until > now()) AS in_flight,
+                          count(*) FILTER (WHERE due) AS due,
+                          count(*) FILTER (WHERE waiting AND behind) AS blocked,
+                          count(*) FILTER (WHERE marked) AS marked
+                   FROM counted GROUP BY part),
                  -- As the planner sizes a relation: the rows per page its last vacuum or
                  -- analyze found, times the pages it has now.
                  sizes AS (
@@ -351,41 +374,20 @@ impl Statements {
                    FROM (VALUES ('ready', to_regclass('{ready_idx}')),
                                 ('ordered', to_regclass('{ordered_idx}'))) AS i (name, oid)
                    JOIN pg_class c ON c.oid = i.oid)
-                 SELECT dd.n, dd.waiting, dd.in_flight, dd.marked,
-                        ll.n, ll.waiting, ll.in_flight, ll.marked,
-                        uu.n, uu.waiting, uu.in_flight, uu.due, uu.blocked,
+                 -- A row per part read (none when nothing was), the rest on each.
+                 SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
                         (SELECT count(*) FROM {table}
                          WHERE status = 'parked' AND aggregate_key IS NOT NULL),
                         (SELECT count(*) FROM {table} WHERE status IN ('dead', 'parked')),
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
-                        extract(epoch FROM now() - least(dd.oldest, ll.oldest, uu.oldest))::float8,
-                        extract(epoch FROM now() - uu.blocked_head)::float8,
+                        (SELECT extract(epoch FROM now() - min(created_at))::float8
+                         FROM counted WHERE pending),
+                        (SELECT extract(epoch FROM now() - min(held_since))::float8
+                         FROM counted WHERE waiting AND behind),
                         (SELECT rows FROM sizes WHERE name = 'ready'),
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
-                 FROM (SELECT count(*) AS n,
-                              count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
-                              count(*) FILTER (WHERE lease_until > now()) AS in_flight,
-                              count(*) FILTER (WHERE marked) AS marked,
-                              min(created_at) AS oldest
-                       FROM d) dd,
-                      (SELECT count(*) AS n,
-                              count(*) FILTER (WHERE lease_until IS NULL OR lease_until <= now()) AS waiting,
-                              count(*) FILTER (WHERE lease_until > now()) AS in_flight,
-                              count(*) FILTER (WHERE marked) AS marked,
-                              min(created_at) AS oldest
-                       FROM l) ll,
-                      (SELECT count(*) AS n,
-                              count(*) FILTER (WHERE waiting) AS waiting,
-                              count(*) FILTER (WHERE status = 'pending' AND lease_until > now())
-                                AS in_flight,
-                              count(*) FILTER (WHERE head AND status = 'pending'
-                                                     AND available_at <= now()) AS due,
-                              count(*) FILTER (WHERE waiting AND NOT head) AS blocked,
-                              min(created_at) FILTER (WHERE status = 'pending') AS oldest,
-                              min(CASE WHEN first THEN marked_created ELSE first_created END)
-                                FILTER (WHERE waiting AND NOT head) AS blocked_head
-                       FROM uh) uu"
+                 FROM (SELECT) AS one LEFT JOIN parts p ON true"
             )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
             // index in its order, so telling heads (oldest pending or parked row of their

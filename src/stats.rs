@@ -6,7 +6,7 @@ use std::time::Duration;
 use postgres::{Client, Row};
 
 use crate::clock::seconds;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::sql::STATS_COUNTED;
 
@@ -91,10 +91,12 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let row = client
-            .query_one(&self.statements().stats, &[])
+        let rows = client
+            .query(&self.statements().stats, &[])
             .map_err(|e| self.db_error(e))?;
-        Ok(Counted::from_row(&row).stats())
+        Counted::from_rows(&rows)
+            .map(|counted| counted.stats())
+            .map_err(Error::Db)
     }
 
     /// Counts rows by state exactly: reads every pending and parked row (through the two
@@ -158,8 +160,8 @@ impl Part {
     }
 }
 
-/// The row of `Statements::stats`.
-#[derive(Debug, Clone, PartialEq)]
+/// What `Statements::stats` read.
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Counted {
     /// Ready rows due now.
     due: Part,
@@ -180,36 +182,37 @@ struct Counted {
 }
 
 impl Counted {
-    fn from_row(row: &Row) -> Counted {
-        let count = |i: usize| -> u64 { u64::try_from(row.get::<_, i64>(i)).unwrap_or(0) };
-        let ready = |i: usize, due: bool| Part {
-            read: count(i),
-            waiting: count(i + 1),
-            in_flight: count(i + 2),
-            due: if due { count(i) } else { 0 },
-            blocked: 0,
-            marked: count(i + 3),
-        };
-        Counted {
-            due: ready(0, true),
-            later: ready(4, false),
-            unmarked: Part {
-                read: count(8),
-                waiting: count(9),
-                in_flight: count(10),
-                due: count(11),
-                blocked: count(12),
-                marked: 0,
-            },
-            parked: count(13),
-            dead: count(14),
-            sent: count(15),
-            oldest_pending_age: seconds(row.get(16)),
-            oldest_blocked_age: seconds(row.get(17)),
-            ready_size: row.get(18),
-            ordered_size: row.get(19),
-            marked: count(20),
+    /// The rows of `Statements::stats`: one per part read, each with the totals.
+    fn from_rows(rows: &[Row]) -> Result<Counted, postgres::Error> {
+        let mut counted = Counted::default();
+        for row in rows {
+            let count = |i: usize| -> Result<u64, postgres::Error> {
+                Ok(u64::try_from(row.try_get::<_, Option<i64>>(i)?.unwrap_or(0)).unwrap_or(0))
+            };
+            let part = Part {
+                read: count(1)?,
+                waiting: count(2)?,
+                in_flight: count(3)?,
+                due: count(4)?,
+                blocked: count(5)?,
+                marked: count(6)?,
+            };
+            match row.try_get::<_, Option<&str>>(0)? {
+                Some("due") => counted.due = part,
+                Some("later") => counted.later = part,
+                Some(_) => counted.unmarked = part,
+                None => {}
+            }
+            counted.parked = count(7)?;
+            counted.dead = count(8)?;
+            counted.sent = count(9)?;
+            counted.oldest_pending_age = seconds(row.try_get(10)?);
+            counted.oldest_blocked_age = seconds(row.try_get(11)?);
+            counted.ready_size = row.try_get(12)?;
+            counted.ordered_size = row.try_get(13)?;
+            counted.marked = count(14)?;
         }
+        Ok(counted)
     }
 
     /// The counts, each part that was cut short scaled up to its estimated size.
