@@ -363,7 +363,12 @@ impl Statements {
                           count(*) FILTER (WHERE pending AND lease_until > now()) AS in_flight,
                           count(*) FILTER (WHERE due) AS due,
                           count(*) FILTER (WHERE waiting AND behind) AS blocked,
-                          count(*) FILTER (WHERE marked) AS marked
+                          count(*) FILTER (WHERE marked) AS marked,
+                          extract(epoch FROM now() - min(created_at) FILTER (WHERE pending))
+                            ::float8 AS pending_age,
+                          extract(epoch FROM now() - min(held_since)
+                                                     FILTER (WHERE waiting AND behind))
+                            ::float8 AS blocked_age
                    FROM counted GROUP BY part),
                  -- As the planner sizes a relation: the rows per page its last vacuum or
                  -- analyze found, times the pages it has now.
@@ -376,14 +381,11 @@ impl Statements {
                    JOIN pg_class c ON c.oid = i.oid)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
+                        p.pending_age, p.blocked_age,
                         (SELECT count(*) FROM {table}
                          WHERE status = 'parked' AND aggregate_key IS NOT NULL),
                         (SELECT count(*) FROM {table} WHERE status IN ('dead', 'parked')),
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
-                        (SELECT extract(epoch FROM now() - min(created_at))::float8
-                         FROM counted WHERE pending),
-                        (SELECT extract(epoch FROM now() - min(held_since))::float8
-                         FROM counted WHERE waiting AND behind),
                         (SELECT rows FROM sizes WHERE name = 'ready'),
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)

@@ -203,11 +203,15 @@ impl Counted {
                 Some(_) => counted.unmarked = part,
                 None => {}
             }
-            counted.parked = count(7)?;
-            counted.dead = count(8)?;
-            counted.sent = count(9)?;
-            counted.oldest_pending_age = seconds(row.try_get(10)?);
-            counted.oldest_blocked_age = seconds(row.try_get(11)?);
+            // The oldest of the parts' oldest.
+            let older = |a: Option<Duration>, b: Option<Duration>| a.max(b);
+            counted.oldest_pending_age =
+                older(counted.oldest_pending_age, seconds(row.try_get(7)?));
+            counted.oldest_blocked_age =
+                older(counted.oldest_blocked_age, seconds(row.try_get(8)?));
+            counted.parked = count(9)?;
+            counted.dead = count(10)?;
+            counted.sent = count(11)?;
             counted.ready_size = row.try_get(12)?;
             counted.ordered_size = row.try_get(13)?;
             counted.marked = count(14)?;
