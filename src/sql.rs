@@ -152,7 +152,7 @@ pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
 
 /// How many rows of each part of the backlog `stats` reads: past that, it estimates. Reading
 /// 2,000 of each, the whole statement takes about 3 ms on the reference machine (`scale` bench).
-pub(crate) const STATS_COUNTED: i64 = 2000;
+pub(crate) const STATS_COUNTED: u64 = 2000;
 
 /// How many rows one purge statement deletes, so no statement holds locks for long.
 pub(crate) const PURGE_BATCH: i64 = 1000;
@@ -332,9 +332,14 @@ impl Statements {
                    SELECT 1 FROM {table}
                    WHERE head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
                    LIMIT {stats_counted} + 1),
+                 -- The head that holds an aggregate's rows back: the marked one ahead of
+                 -- them if any (created before them or, when the transactions overlapped,
+                 -- after), else the first of them.
                  uh AS (
-                   SELECT u.*, h.created_at AS marked_created,
-                          u.first AND h.created_at IS NULL AS head
+                   SELECT u.*, u.first AND h.created_at IS NULL AS head,
+                          coalesce(first_value(h.created_at) OVER (PARTITION BY u.aggregate_key
+                                                                   ORDER BY u.id),
+                                   u.first_created) AS head_created
                    FROM u LEFT JOIN LATERAL (
                      SELECT o.created_at FROM {table} o
                      WHERE u.first AND o.head AND o.aggregate_key = u.aggregate_key
@@ -352,7 +357,7 @@ impl Statements {
                    UNION ALL
                    SELECT 'unmarked', status = 'pending', lease_until, created_at, false,
                           head AND status = 'pending' AND available_at <= now(), NOT head,
-                          CASE WHEN first THEN marked_created ELSE first_created END
+                          head_created
                    FROM uh),
                  counted AS (
                    SELECT *, pending AND (lease_until IS NULL OR lease_until <= now()) AS waiting
@@ -381,15 +386,16 @@ impl Statements {
                    JOIN pg_class c ON c.oid = i.oid)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
-                        p.pending_age, p.blocked_age,
-                        (SELECT count(*) FROM {table}
-                         WHERE status = 'parked' AND aggregate_key IS NOT NULL),
-                        (SELECT count(*) FROM {table} WHERE status IN ('dead', 'parked')),
+                        p.pending_age, p.blocked_age, dead.parked, dead.total,
                         (SELECT coalesce(sum(sent), 0)::bigint FROM {counts}),
                         (SELECT rows FROM sizes WHERE name = 'ready'),
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
-                 FROM (SELECT) AS one LEFT JOIN parts p ON true"
+                 FROM (SELECT count(*) AS total,
+                              count(*) FILTER (WHERE status = 'parked'
+                                                 AND aggregate_key IS NOT NULL) AS parked
+                       FROM {table} WHERE status IN ('dead', 'parked')) AS dead
+                      LEFT JOIN parts p ON true"
             )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
             // index in its order, so telling heads (oldest pending or parked row of their

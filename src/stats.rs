@@ -74,8 +74,12 @@ impl Outbox {
     /// last visited the table (the outbox asks for a visit after 1% of its rows changed),
     /// and a backlog that refills pages an earlier one left empty shows once the table is
     /// analyzed again (after 2%). On a table never vacuumed or analyzed, what was read is
-    /// all it reports: a lower bound. The oldest ages are those of the rows read: a row
-    /// retried long past its creation and sitting behind 2,000 others may be missed.
+    /// all it reports: a lower bound. Past 2,000 rows waiting for a later time, those count
+    /// as read and the rest of the ready rows as due; `in_flight` is always what was read
+    /// (a relay holds a few batches, and they come first). The oldest ages are those of the
+    /// rows read: the rows behind a head are read in the order of their aggregate keys, so
+    /// past 2,000 of them an aggregate stuck for long whose key sorts late is missed, as is
+    /// a row retried long past its creation behind 2,000 later ones.
     /// `sent` (a counter), `dead` and `parked` are always exact (these two read the
     /// dead-letter index: their cost grows with the dead letters kept, not the backlog).
     ///
@@ -156,7 +160,7 @@ struct Part {
 impl Part {
     /// The read stopped one row past its limit: there is more than it saw.
     fn cut_short(&self) -> bool {
-        self.read > STATS_COUNTED.unsigned_abs()
+        self.read > STATS_COUNTED
     }
 }
 
@@ -200,8 +204,8 @@ impl Counted {
             match row.try_get::<_, Option<&str>>(0)? {
                 Some("due") => counted.due = part,
                 Some("later") => counted.later = part,
-                Some(_) => counted.unmarked = part,
-                None => {}
+                Some("unmarked") => counted.unmarked = part,
+                _ => {}
             }
             // The oldest of the parts' oldest.
             let older = |a: Option<Duration>, b: Option<Duration>| a.max(b);
@@ -227,32 +231,40 @@ impl Counted {
             unmarked,
             ..
         } = *self;
-        // The ready index holds the due and the later rows: a part read whole counts as it
-        // is, and the rest of the index's size goes to the parts cut short, in proportion
-        // to what each read.
-        let cut_short = |p: &Part| if p.cut_short() { p.read } else { 0 };
-        let read = due.read + later.read;
-        let short = cut_short(&due) + cut_short(&later);
-        let ready_scale = if short == 0 {
+        // The ready index holds the due and the later rows. The later ones (in flight,
+        // backing off, delayed) are the fewer as a rule: a relay holds at most its batches
+        // in flight. So what the index holds beyond the rows read is due, unless the due
+        // rows were read whole; past the limit, the later rows count as read.
+        let ready = self
+            .ready_size
+            .unwrap_or(0.0)
+            .max((due.read + later.read) as f64);
+        let scale_of = |part: &Part, rest: f64| {
+            if part.cut_short() {
+                rest.max(part.read as f64) / part.read as f64
+            } else {
+                1.0
+            }
+        };
+        let due_scale = scale_of(&due, ready - later.read as f64);
+        let later_scale = if due.cut_short() {
             1.0
         } else {
-            let whole = self.ready_size.unwrap_or(0.0).max(read as f64);
-            (whole - (read - short) as f64) / short as f64
+            scale_of(&later, ready - due.read as f64)
         };
-        let scale = |p: &Part, scale: f64| if p.cut_short() { scale } else { 1.0 };
-        let (due_scale, later_scale) = (scale(&due, ready_scale), scale(&later, ready_scale));
         // The ordered index holds the unmarked rows and the marked heads. Past the limit,
         // the pending heads are the ready rows with an aggregate key, as scaled (the ready
         // rows read first are not a fair sample of the rest: a last resort).
         let unmarked_scale = if unmarked.cut_short() {
-            let marked = if self.marked > STATS_COUNTED.unsigned_abs() {
-                (due.marked as f64 * due_scale + later.marked as f64 * later_scale)
+            let marked = if self.marked > STATS_COUNTED {
+                (due.marked as f64 * due_scale
+                    + later.marked as f64 * later_scale
+                    + self.parked as f64)
                     .max(self.marked as f64)
             } else {
                 self.marked as f64
             };
-            let whole = (self.ordered_size.unwrap_or(0.0) - marked).max(unmarked.read as f64);
-            whole / unmarked.read as f64
+            scale_of(&unmarked, self.ordered_size.unwrap_or(0.0) - marked)
         } else {
             1.0
         };
@@ -270,7 +282,9 @@ impl Counted {
             pending: total(|p| p.waiting),
             due: total(|p| p.due),
             blocked: total(|p| p.blocked),
-            in_flight: total(|p| p.in_flight),
+            // Never scaled: leases run out in the order they were taken, so the rows in
+            // flight come first among the later ones, and a relay holds a few batches.
+            in_flight: due.in_flight + later.in_flight + unmarked.in_flight,
             sent: self.sent,
             dead: self.dead,
             parked: self.parked,
@@ -285,7 +299,7 @@ impl Counted {
 mod tests {
     use super::*;
 
-    const LIMIT: u64 = STATS_COUNTED.unsigned_abs();
+    const LIMIT: u64 = STATS_COUNTED;
 
     fn counted(due: Part, later: Part, unmarked: Part) -> Counted {
         Counted {
@@ -342,6 +356,20 @@ mod tests {
         assert!(!stats.exact);
         assert_eq!((stats.due, stats.in_flight), (99_500, 500));
         assert_eq!(stats.pending, 99_500);
+    }
+
+    #[test]
+    fn past_the_limit_on_both_sides_the_later_rows_count_as_read() {
+        let later = Part {
+            read: LIMIT + 1,
+            in_flight: 700,
+            waiting: LIMIT + 1 - 700,
+            ..Part::default()
+        };
+        let stats = counted(due(LIMIT + 1, 0), later, Part::default()).stats();
+        assert_eq!(stats.due, 100_000 - (LIMIT + 1));
+        assert_eq!(stats.in_flight, 700);
+        assert_eq!(stats.pending, 100_000 - 700);
     }
 
     #[test]

@@ -1565,6 +1565,36 @@ fn stats_past_their_reading_limit_are_estimates_and_say_so() -> TestResult {
 }
 
 #[test]
+fn the_blocked_age_is_the_heads_even_when_the_rows_behind_it_began_first() -> TestResult {
+    let (outbox, mut client) = common::outbox("stats_overlap");
+    let mut tx = client.transaction()?;
+    for key in ["h", "b-1", "b-2"] {
+        outbox.enqueue(&mut tx, Message::new(SEND, key).key(key).aggregate_key("a"))?;
+    }
+    tx.commit()?;
+    // `created_at` is when a transaction began, so rows written behind a head by a
+    // transaction that began before the head's are older than it. An hour older here, and
+    // the head delayed, so it holds them back.
+    client.batch_execute(&format!(
+        "UPDATE {t} SET created_at = now() - interval '1 hour' WHERE key <> 'h';
+         UPDATE {t} SET available_at = now() + interval '1 hour' WHERE key = 'h'",
+        t = quoted(&outbox)
+    ))?;
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!(
+        (stats.pending, stats.blocked, stats.due),
+        (3, 2, 0),
+        "{stats:?}"
+    );
+    let blocked = stats.oldest_blocked_age.expect("rows are blocked");
+    assert!(
+        blocked < Duration::from_secs(600),
+        "the head's age: {blocked:?}"
+    );
+    Ok(())
+}
+
+#[test]
 fn stats_tell_blocked_rows_from_due_heads() -> TestResult {
     let (outbox, mut client) = common::outbox("stats_blocked");
     let mut tx = client.transaction()?;

@@ -2102,15 +2102,14 @@ fn an_idle_relay_whose_publisher_cannot_be_built_reports_it_down_and_probes_with
         })
     }
     .poll_interval(Duration::from_millis(10))
-    .backoff(Duration::from_millis(100), Duration::from_secs(1))
     .metrics(metrics.clone());
     let relay = Relay::spawn(config).unwrap();
     wait_until("the destination is known down with no row waiting", || {
         metrics.downs() >= 1
     });
     // A window to count builds in, not a wait for a condition: load can only lower the
-    // count. On the backoff, a probe at a time: about four in a second. Four workers
-    // building at every 10 ms poll would make hundreds.
+    // count. On the destination's backoff (500 ms, doubling), a probe at a time: one or two
+    // in a second. Four workers building at every 10 ms poll would make hundreds.
     let at_down = builds.load(Ordering::SeqCst);
     thread::sleep(Duration::from_secs(1));
     let in_a_second = builds.load(Ordering::SeqCst) - at_down;

@@ -340,6 +340,13 @@ fn work(shared: &Shared, worker: &mut Worker) {
         // A pause or a wait for the publisher's destination is sat out whole: wake-ups
         // (other workers', producers' notifications) must not hurry a worker back to a
         // database or a broker that is in trouble.
+        let next = match next {
+            Cycle::Idle => match worker.get_ready(shared) {
+                Some((pause, cause)) => Cycle::Pause(pause, cause),
+                None => Cycle::Idle,
+            },
+            next => next,
+        };
         let until = match next {
             Cycle::Worked(_) => continue,
             Cycle::Pause(pause, _) => clock::deadline(pause),

@@ -328,7 +328,6 @@ pub fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
     }
 }
 
-/// Status and attempts of the row with `key`.
 /// `stats()` where no relay changes the table meanwhile: on a table this small it must
 /// count exactly, as `stats_exact()` does (the ages, read a moment apart, within a second).
 pub fn stats(outbox: &Outbox, client: &mut Client) -> Stats {
@@ -375,6 +374,7 @@ pub fn stats(outbox: &Outbox, client: &mut Client) -> Stats {
     bounded
 }
 
+/// Status and attempts of the row with `key`.
 pub fn row_state(client: &mut Client, outbox: &Outbox, key: &str) -> (String, i32) {
     let row = client
         .query_one(
