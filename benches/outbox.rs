@@ -1076,8 +1076,8 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
         tx.commit()?;
         Ok(started.elapsed())
     })?;
-    // The oldest sent rows left: the purges above took the 5,000 oldest.
-    let oldest = Duration::from_secs(settings.scale_sent as u64 - 5_000);
+    // The oldest sent row left, the purges above having taken the oldest ones.
+    let oldest = Duration::from_secs(settings.scale_sent as u64 - purged.get());
     scale_retention(scratch, &big, oldest)?;
     if settings.scale_plans {
         scale_plans(&settings.url, &big)?;

@@ -833,12 +833,7 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
         )?;
         tx.commit()?;
         let committed = Instant::now();
-        let arrived = loop {
-            let (got, at) = delivered.recv_timeout(WAIT)?;
-            if got == key {
-                break at;
-            }
-        };
+        let arrived = delivery_of(&delivered, &key, WAIT)?;
         totals.push(ms(arrived - committed));
         // The cycle's hook runs after its record: wait for it.
         let waited = Instant::now();
@@ -880,15 +875,20 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
         "CREATE TABLE {scratch} (n bigint); INSERT INTO {scratch} VALUES (0)"
     ))?;
     let write = format!("UPDATE {scratch} SET n = n + 1");
-    let mut floors: [(Vec<f64>, Vec<f64>); 3] = Default::default();
-    for (variant, (to_confirm, to_delivery)) in floors.iter_mut().enumerate() {
+    // (name, after a commit, through RabbitPublisher): to the confirm, to the delivery.
+    let mut floors = [
+        ("broker", false, false, Vec::new(), Vec::new()),
+        ("broker", true, false, Vec::new(), Vec::new()),
+        ("publisher", true, true, Vec::new(), Vec::new()),
+    ];
+    for (_, after_commit, ours, to_confirm, to_delivery) in &mut floors {
         for i in 0..commits {
             std::thread::sleep(Duration::from_millis(20));
-            if variant > 0 {
+            if *after_commit {
                 client.execute(&write, &[])?;
             }
             let started = Instant::now();
-            let key = if variant < 2 {
+            let key = if !*ours {
                 let tag = confirmed.publish()?;
                 let mut open = HashSet::from([tag]);
                 while !open.is_empty() {
@@ -904,13 +904,7 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
                 key
             };
             to_confirm.push(ms(started.elapsed()));
-            let arrived = loop {
-                let (got, at) = delivered.recv_timeout(WAIT)?;
-                if got == key {
-                    break at;
-                }
-            };
-            to_delivery.push(signed_ms(started, arrived));
+            to_delivery.push(signed_ms(started, delivery_of(&delivered, &key, WAIT)?));
         }
     }
     client.batch_execute(&format!("DROP TABLE {scratch}"))?;
@@ -941,20 +935,31 @@ fn latency(client: &mut Client, db_url: &str, amqp_url: &str, commits: usize) ->
         let [p50, _, p99, _] = percentiles(values);
         line.push_str(&format!(" stage_{name}={p50:.2}/{p99:.2}"));
     }
-    let [(confirm, delivery), (confirm_after, delivery_after), (ours, ours_delivery)] = &mut floors;
-    for (name, values) in [
-        ("broker_confirm", confirm),
-        ("broker_delivery", delivery),
-        ("broker_confirm_after_commit", confirm_after),
-        ("broker_delivery_after_commit", delivery_after),
-        ("publisher_after_commit", ours),
-        ("publisher_delivery_after_commit", ours_delivery),
-    ] {
-        let [p50, _, p99, max] = percentiles(values);
-        line.push_str(&format!(" {name}={p50:.2}/{p99:.2}/{max:.2}"));
+    for (name, after_commit, ours, to_confirm, to_delivery) in &mut floors {
+        let after = if *after_commit { "_after_commit" } else { "" };
+        // RabbitPublisher::publish returns with the confirm.
+        let confirm = if *ours { "" } else { "_confirm" };
+        for (part, values) in [(confirm, to_confirm), ("_delivery", to_delivery)] {
+            let [p50, _, p99, max] = percentiles(values);
+            line.push_str(&format!(" {name}{part}{after}={p50:.2}/{p99:.2}/{max:.2}"));
+        }
     }
     println!("{line}");
     Ok(())
+}
+
+/// When the consumer held the delivery with message id `key` (earlier ones are skipped).
+fn delivery_of(
+    delivered: &crossbeam_channel::Receiver<(String, Instant)>,
+    key: &str,
+    wait: Duration,
+) -> Result<Instant> {
+    loop {
+        let (got, at) = delivered.recv_timeout(wait)?;
+        if got == key {
+            return Ok(at);
+        }
+    }
 }
 
 /// COMMIT of a bare `pg_notify` to its receipt on a listening connection, in ms, `commits`

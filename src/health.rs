@@ -18,6 +18,7 @@ use crate::error::Result;
 use crate::outbox::Outbox;
 use crate::relays::{PublisherState, RelayReport};
 use crate::sql;
+use crate::store::count;
 
 /// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
 /// hear sooner.
@@ -251,8 +252,8 @@ impl Outbox {
             .into_iter()
             .map(|row| TableHealth {
                 table: row.get(0),
-                live_tuples: u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
-                dead_tuples: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                live_tuples: count(&row, 1),
+                dead_tuples: count(&row, 2),
                 since_vacuum: seconds(row.get(3)),
                 since_analyze: seconds(row.get(4)),
             });
@@ -277,7 +278,7 @@ impl Outbox {
             .map(|row| Slot {
                 name: row.get(0),
                 xmin_age: row.get(1),
-                wal_bytes: u64::try_from(row.get::<_, i64>(2)).unwrap_or(0),
+                wal_bytes: count(&row, 2),
                 kind: row.get(3),
                 active: row.get(4),
             })

@@ -8,6 +8,7 @@ use postgres::Client;
 use crate::clock::seconds;
 use crate::error::Result;
 use crate::outbox::Outbox;
+use crate::store::count;
 
 /// How often a relay writes its report, and at once when its publisher goes up or down.
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(5);
@@ -89,7 +90,7 @@ impl Outbox {
                         ("down", Some(since)) => PublisherState::Down { since },
                         _ => PublisherState::Unknown,
                     },
-                    published: u64::try_from(row.get::<_, i64>(7)).unwrap_or(0),
+                    published: count(row, 7),
                 }
             })
             .collect())

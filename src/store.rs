@@ -21,6 +21,11 @@ type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 #[derive(Default)]
 pub(crate) struct StatementCache(HashMap<String, Statement>);
 
+/// Column `i` of `row`, a `count(*)` or other bigint that cannot be negative, as a `u64`.
+pub(crate) fn count(row: &Row, i: usize) -> u64 {
+    u64::try_from(row.get::<_, i64>(i)).unwrap_or(0)
+}
+
 /// A client and, for long-lived connections, its statement cache.
 pub(crate) struct Conn<'a, C: GenericClient> {
     pub(crate) client: &'a mut C,
@@ -304,10 +309,7 @@ pub(crate) fn record(
             ],
         )
         .map_err(|e| outbox.db_error(e))?;
-    let count = |i: usize| {
-        rows.first()
-            .map_or(0, |row| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0))
-    };
+    let count = |i: usize| rows.first().map_or(0, |row| count(row, i));
     Ok(Recorded {
         changed: count(0),
         sent: count(1),

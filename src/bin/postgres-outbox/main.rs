@@ -60,7 +60,7 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
-        /// Count every pending row, however long that takes (about 1.5 s per million).
+        /// Count every pending row, however long that takes (about 2 s per million).
         #[arg(long)]
         exact: bool,
     },
