@@ -13,6 +13,7 @@ use postgres::Transaction;
 
 use crate::error::{Error, Result};
 use crate::message::Message;
+use crate::outbox::Outbox;
 use crate::sql::Statements;
 
 /// From this many messages a batch due at once goes by `COPY`: its extra round trips
@@ -104,15 +105,13 @@ impl Batch {
     /// Writes the batch, all or nothing, and returns its keys in order; an existing key
     /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
     /// woken at commit.
-    pub(crate) fn write(
-        self,
-        sql: &Statements,
-        notify: bool,
-        tx: &mut Transaction<'_>,
-    ) -> Result<Vec<String>> {
+    pub(crate) fn write(self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<Vec<String>> {
+        let (sql, notify) = (outbox.statements(), outbox.notifies());
         let due_now =
             self.available_at.iter().all(Option::is_none) && self.delays.iter().all(|d| *d == 0);
-        if due_now && self.keys.len() >= COPY_FROM {
+        // The caller's keys in a partitioned table are unique across partitions by the
+        // batch function's look into each (see `sql/partitioned.sql`), which COPY skips.
+        if due_now && self.keys.len() >= COPY_FROM && (self.generated || !outbox.partitioned(tx)?) {
             self.copy(sql, notify, tx)?;
         } else {
             self.insert(sql, notify, tx)?;

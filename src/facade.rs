@@ -18,6 +18,7 @@
 //! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
 //! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
+//! | `outbox_partitions`, `outbox_partitions_ahead` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, and those ready ahead of the open one (not set for a plain table) |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
 //! | `outbox_consumer_duplicates_total` | counter | `queue`, `consumer` | redeliveries skipped |
@@ -121,6 +122,12 @@ impl OutboxMetrics {
             .count();
         gauge!("outbox_relays", "table" => table.clone()).set(reporting.count() as f64);
         gauge!("outbox_relays_publisher_down", "table" => table.clone()).set(down as f64);
+        if let Some(open) = health.partitions.iter().find(|p| p.is_open()) {
+            let exist = health.partitions.iter().filter(|p| p.exists);
+            let ahead = exist.clone().filter(|p| p.number > open.number).count();
+            gauge!("outbox_partitions", "table" => table.clone()).set(exist.count() as f64);
+            gauge!("outbox_partitions_ahead", "table" => table.clone()).set(ahead as f64);
+        }
         gauge!("outbox_health_findings", "table" => table).set(health.findings.len() as f64);
     }
 
@@ -352,7 +359,7 @@ pub(crate) mod tests {
 
     #[test]
     fn health_becomes_gauges() {
-        use crate::health::{Check, Finding, Holder, TableHealth};
+        use crate::health::{Check, Finding, Holder, Partition, TableHealth};
         use crate::relays::{PublisherState, RelayReport};
         use std::time::SystemTime;
         let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
@@ -373,6 +380,16 @@ pub(crate) mod tests {
             oldest_prepared: None,
             slots: Vec::new(),
             oldest_due_age: Some(Duration::from_millis(1500)),
+            partitions: (0..3)
+                .map(|number| Partition {
+                    number,
+                    every: Duration::from_secs(86_400),
+                    opened: (number < 2).then_some(Duration::from_secs(60)),
+                    closed: (number < 1).then_some(Duration::from_secs(60)),
+                    exists: true,
+                    rows: 0,
+                })
+                .collect(),
             relays: [
                 PublisherState::Up,
                 PublisherState::Down {
@@ -419,6 +436,8 @@ pub(crate) mod tests {
             gauge("outbox_relays", &[table], 2.0),
             gauge("outbox_relays_publisher_down", &[table], 1.0),
             gauge("outbox_health_findings", &[table], 1.0),
+            gauge("outbox_partitions", &[table], 3.0),
+            gauge("outbox_partitions_ahead", &[table], 1.0),
         ] {
             assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");
         }

@@ -101,6 +101,8 @@ pub struct Health {
     pub oldest_due_age: Option<Duration>,
     /// What the relays of this outbox report of themselves (see [`Outbox::relays`]).
     pub relays: Vec<RelayReport>,
+    /// A partitioned outbox's partitions, oldest first; empty for a plain table.
+    pub partitions: Vec<Partition>,
     /// Figures past their thresholds, each with its remedy; empty when all is well.
     pub findings: Vec<Finding>,
 }
@@ -126,6 +128,31 @@ pub struct TableHealth {
     pub since_vacuum: Option<Duration>,
     /// Since the last analyze, manual or auto; `None` if never.
     pub since_analyze: Option<Duration>,
+}
+
+/// A partition of a partitioned outbox (see `OutboxBuilder::partition_interval`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partition {
+    /// Its number: it holds ids from `number << 40` to the next partition's first.
+    pub number: i64,
+    /// How long it stays open once new rows go to it.
+    pub every: Duration,
+    /// Since new rows began to go to it; `None` while it waits ahead.
+    pub opened: Option<Duration>,
+    /// Since new rows went to the next one instead; `None` while it is open or ahead.
+    pub closed: Option<Duration>,
+    /// Whether its table exists (a partition ahead that could not be made does not).
+    pub exists: bool,
+    /// Its rows, as the planner last estimated them.
+    pub rows: u64,
+}
+
+impl Partition {
+    /// New rows go to it now.
+    pub fn is_open(&self) -> bool {
+        self.opened.is_some() && self.closed.is_none()
+    }
 }
 
 /// Something holding the xmin horizon: a backend (`id` its pid) or a prepared transaction
@@ -175,11 +202,14 @@ pub enum Check {
     Publisher,
     /// Relays reported, and none has for a while: they stopped without saying so.
     Relays,
+    /// A partitioned outbox lacks a partition ahead, or its open one is long past its
+    /// interval: no relay keeps them.
+    Partitions,
 }
 
 impl Check {
     /// A short name: `dead_tuples`, `transaction`, `prepared_transaction`,
-    /// `replication_slot`, `due`, `publisher`, `relays`.
+    /// `replication_slot`, `due`, `publisher`, `relays`, `partitions`.
     pub fn name(self) -> &'static str {
         match self {
             Check::DeadTuples => "dead_tuples",
@@ -189,6 +219,7 @@ impl Check {
             Check::Due => "due",
             Check::Publisher => "publisher",
             Check::Relays => "relays",
+            Check::Partitions => "partitions",
         }
     }
 }
@@ -290,6 +321,19 @@ impl Outbox {
                 .get(0),
         );
         let relays = self.relays(client)?;
+        let partitions = client
+            .query(&sql.partitions, &[])
+            .map_err(|e| self.db_error(e))?
+            .into_iter()
+            .map(|row| Partition {
+                number: row.get(0),
+                every: seconds(row.get(1)).unwrap_or_default(),
+                opened: seconds(row.get(2)),
+                closed: seconds(row.get(3)),
+                exists: row.get(4),
+                rows: count(&row, 5),
+            })
+            .collect();
         let mut health = Health {
             outbox_table,
             inbox_table,
@@ -298,6 +342,7 @@ impl Outbox {
             slots,
             oldest_due_age,
             relays,
+            partitions,
             findings: Vec::new(),
         };
         health.findings = findings(self, &health, thresholds);
@@ -424,6 +469,45 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 "check the broker and the relay's log; it claims nothing meanwhile and tries \
                  again with backoff, and nothing is lost or charged an attempt"
                     .to_owned(),
+            );
+        }
+    }
+    if let Some(open) = health.partitions.iter().find(|p| p.is_open()) {
+        let upkeep = format!(
+            "run a relay on {0}: it keeps the partitions every few seconds (or SELECT \
+             {0}_partition(false) now)",
+            outbox.table()
+        );
+        let ahead = health
+            .partitions
+            .iter()
+            .filter(|p| p.number > open.number && p.exists)
+            .count();
+        if ahead == 0 {
+            finding(
+                Check::Partitions,
+                format!(
+                    "{} has no partition ahead of the open one (partition {}): the next cut \
+                     cannot happen",
+                    outbox.table(),
+                    open.number
+                ),
+                upkeep.clone(),
+            );
+        }
+        let open_for = open.opened.unwrap_or_default();
+        if open_for > open.every * 2 {
+            finding(
+                Check::Partitions,
+                format!(
+                    "partition {} of {} has been open for {}, its interval {}: no cut \
+                     happened, so retention cannot drop its rows",
+                    open.number,
+                    outbox.table(),
+                    whole(open_for),
+                    whole(open.every)
+                ),
+                upkeep,
             );
         }
     }

@@ -191,6 +191,17 @@ impl Filter {
         }
     }
 
+    /// The age of a filter that selects by age alone (or selects every row: age zero), which
+    /// a partitioned outbox's retention serves by dropping partitions.
+    fn age_alone(&self) -> Option<Duration> {
+        let only_age = self.keys.is_none()
+            && self.topic.is_none()
+            && self.error_contains.is_none()
+            && self.parked.is_none()
+            && self.limit.is_none();
+        only_age.then(|| self.older_than.unwrap_or(Duration::ZERO))
+    }
+
     /// The five parameters of the SQL filter (`sql::FILTER`) over rows in `states`;
     /// `parked` narrows dead letters to one kind.
     fn params<'a>(&'a self, states: &'static [&'static str]) -> FilterParams<'a> {
@@ -549,6 +560,9 @@ impl Outbox {
     /// letters left out, refused as `purge` refuses it.
     pub fn would_purge(&self, client: &mut Client, rows: impl Into<Selection>) -> Result<u64> {
         let Selection { rows, filter } = purged(rows.into())?;
+        if let Some(age) = self.retired_by_partition(client, rows, &filter)? {
+            return self.retire(client, age, true);
+        }
         let filter = match rows {
             Rows::Dead => filter.unparked(),
             _ => filter,
@@ -639,6 +653,9 @@ impl Outbox {
                 };
             }
         };
+        if let Some(age) = self.retired_by_partition(client, rows, &filter)? {
+            return self.retire(client, age, false);
+        }
         let (keys, topic, error, age, states) = filter.params(states);
         let mut total = 0;
         loop {
@@ -657,6 +674,46 @@ impl Outbox {
         }
         if total > 0 {
             log::info!("outbox {}: purged {total} {} rows", self.table(), states[0]);
+        }
+        Ok(total)
+    }
+
+    /// The age before which sent rows go by whole partitions: on a partitioned outbox, a
+    /// purge of sent rows by age alone.
+    fn retired_by_partition(
+        &self,
+        client: &mut Client,
+        rows: Rows,
+        filter: &Filter,
+    ) -> Result<Option<Duration>> {
+        match filter.age_alone() {
+            Some(age) if rows == Rows::Sent && self.partitioned(client)? => Ok(Some(age)),
+            _ => Ok(None),
+        }
+    }
+
+    /// Drops, oldest first, each partition whose rows were all sent longer than `age` ago
+    /// (one statement and transaction each, see migration 0012), and returns how many rows
+    /// they held; with `dry_run`, how many they hold.
+    fn retire(&self, client: &mut Client, age: Duration, dry_run: bool) -> Result<u64> {
+        let sql = self.statements();
+        let age = micros(age);
+        let mut total = 0;
+        loop {
+            let slot: i16 = rand::thread_rng().gen_range(0..16);
+            let rows: Option<i64> = client
+                .query_one(&sql.retire_partition, &[&age, &slot, &dry_run])
+                .map_err(|e| self.db_error(e))?
+                .get(0);
+            let Some(rows) = rows else { break };
+            total += u64::try_from(rows).unwrap_or(0);
+            if dry_run {
+                break;
+            }
+            log::info!(
+                "outbox {}: dropped a partition of {rows} sent rows",
+                self.table()
+            );
         }
         Ok(total)
     }

@@ -1,6 +1,7 @@
 //! The outbox handle: schema, producing and consumer-side deduplication.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,9 +11,9 @@ use postgres::{Client, GenericClient, Transaction};
 
 use crate::batch::Batch;
 use crate::error::{Error, Result};
-use crate::message::{at_most, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
+use crate::message::{at_most, micros, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 use crate::retry::{check_lease, check_retry, Retry};
-use crate::sql::{migrations, Statements, MIGRATIONS};
+use crate::sql::{self, migrations, Statements, MIGRATIONS};
 use crate::table::TableName;
 
 /// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
@@ -39,6 +40,9 @@ pub struct Outbox {
 
 struct Inner {
     notify: bool,
+    partition_interval: Option<Duration>,
+    /// What this process last learned of the table: `UNKNOWN`, `PLAIN` or `PARTITIONED`.
+    kind: AtomicU8,
     lease: Duration,
     retry: Retry,
     park: bool,
@@ -53,6 +57,11 @@ impl fmt::Debug for Outbox {
             .finish()
     }
 }
+
+/// What an `Outbox` knows of its table's kind.
+const UNKNOWN: u8 = 0;
+const PLAIN: u8 = 1;
+const PARTITIONED: u8 = 2;
 
 /// Builds an [`Outbox`] with non-default settings.
 ///
@@ -72,6 +81,7 @@ impl fmt::Debug for Outbox {
 pub struct OutboxBuilder {
     table: String,
     notify: bool,
+    partition_interval: Option<Duration>,
     lease: Duration,
     retry: Retry,
     park: bool,
@@ -82,6 +92,7 @@ impl Default for OutboxBuilder {
         OutboxBuilder {
             table: "outbox".to_owned(),
             notify: true,
+            partition_interval: None,
             lease: Duration::from_secs(30),
             retry: Retry::default(),
             park: false,
@@ -144,14 +155,35 @@ impl OutboxBuilder {
         self
     }
 
+    /// Makes the table, when [`Outbox::migrate`] creates it, partitioned by time: each
+    /// partition takes the messages enqueued in one interval (from 1 minute to 366 days;
+    /// a day suits most), and [`Outbox::purge`] of sent rows by age drops a partition
+    /// whole, once every row in it is sent, instead of deleting rows one by one. Relays
+    /// keep partitions ready ahead of time. Default: a plain table. On a table already
+    /// partitioned, `migrate` sets the interval of the open and later partitions; a plain
+    /// table that holds rows is not converted (the README's "Retention" section says how).
+    pub fn partition_interval(mut self, every: Duration) -> OutboxBuilder {
+        self.partition_interval = Some(every);
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Outbox> {
         let table = TableName::parse(&self.table)?;
         check_lease(self.lease)?;
         check_retry(&self.retry)?;
+        if let Some(every) = self.partition_interval {
+            if every < Duration::from_secs(60) || every > Duration::from_secs(366 * 24 * 3600) {
+                return Err(Error::InvalidConfig(format!(
+                    "partition_interval must be between 1 minute and 366 days, got {every:?}"
+                )));
+            }
+        }
         Ok(Outbox {
             inner: Arc::new(Inner {
                 notify: self.notify,
+                partition_interval: self.partition_interval,
+                kind: AtomicU8::new(UNKNOWN),
                 lease: self.lease,
                 retry: self.retry,
                 park: self.park,
@@ -301,8 +333,52 @@ impl Outbox {
                 &[&migration.version, &migration.name],
             )?;
         }
+        let partitioned: bool = tx.query_one(&sql.is_partitioned, &[])?.get(0);
+        let partitioned = match self.inner.partition_interval {
+            Some(every) if !partitioned => {
+                if tx.query_one(&sql.has_rows, &[])?.get::<_, bool>(0) {
+                    return Err(Error::InvalidConfig(format!(
+                        "outbox {} holds rows, and only an empty table is made partitioned: \
+                         see the README's \"Retention\" section to convert one",
+                        self.table()
+                    )));
+                }
+                log::info!("outbox {}: making the table partitioned", self.table());
+                tx.batch_execute(&sql::partitioned(&table, every))?;
+                true
+            }
+            Some(every) => {
+                tx.execute(&sql.set_partition_interval, &[&micros(every)])?;
+                true
+            }
+            None => partitioned,
+        };
         tx.commit()?;
+        self.learned(partitioned);
         Ok(())
+    }
+
+    /// Whether the table is partitioned, asked of the database once per `Outbox` (a table
+    /// becomes partitioned only while empty, by `migrate`, which tells every `Outbox` it
+    /// runs on).
+    pub(crate) fn partitioned(&self, client: &mut impl GenericClient) -> Result<bool> {
+        match self.inner.kind.load(Ordering::Relaxed) {
+            PLAIN => Ok(false),
+            PARTITIONED => Ok(true),
+            _ => {
+                let partitioned: bool = client
+                    .query_one(&self.statements().is_partitioned, &[])
+                    .map_err(|e| self.db_error(e))?
+                    .get(0);
+                self.learned(partitioned);
+                Ok(partitioned)
+            }
+        }
+    }
+
+    fn learned(&self, partitioned: bool) {
+        let kind = if partitioned { PARTITIONED } else { PLAIN };
+        self.inner.kind.store(kind, Ordering::Relaxed);
     }
 
     /// The DDL [`Outbox::migrate`] applies, for teams that run their own migration tool.
@@ -310,7 +386,7 @@ impl Outbox {
     /// record it yet, and records it, so a later `migrate` finds nothing to do either. Use
     /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
-        self.statements().script()
+        self.statements().script(self.inner.partition_interval)
     }
 
     /// Enqueues a message in the caller's transaction and returns its key; it is published
@@ -382,7 +458,7 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        Batch::new(messages)?.write(self.statements(), self.notifies(), tx)
+        Batch::new(messages)?.write(self, tx)
     }
 
     /// Records that `consumer` has processed the message `key`, in the consumer's own

@@ -80,7 +80,21 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0011_relay_reports",
         template: include_str!("../sql/0011_relay_reports.sql"),
     },
+    Migration {
+        version: 12,
+        name: "0012_partitions",
+        template: include_str!("../sql/0012_partitions.sql"),
+    },
 ];
+
+/// The DDL that makes an outbox's table, still empty, a partitioned one (see
+/// `Outbox::migrate` and `OutboxBuilder::partition_interval`). A later migration that
+/// replaces an enqueue function must replace this file's version too, on a partitioned
+/// table.
+const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
+
+/// How many partitions are kept ahead of the one new ids fall in.
+pub(crate) const PARTITIONS_AHEAD: i32 = 2;
 
 /// The columns of a record, in the order `Record::from_row` reads them, its attempt being
 /// `{attempt}`.
@@ -113,12 +127,19 @@ const FILTER: &str = "t.status = ANY($5::text[])
 
 /// Live and dead tuples, ages of the last vacuum and analyze (manual or auto) of the
 /// relations named in `$1` and `$2`.
+/// A partitioned table's figures are its partitions', summed; its last vacuum and analyze
+/// the most recent of any.
 pub(crate) const HEALTH_TABLES: &str =
-    "SELECT coalesce(v.rel::text, v.name), coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
-            extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8,
-            extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
+    "SELECT coalesce(v.rel::text, v.name), coalesce(sum(s.n_live_tup), 0)::bigint,
+            coalesce(sum(s.n_dead_tup), 0)::bigint,
+            extract(epoch FROM now() - max(greatest(s.last_vacuum, s.last_autovacuum)))::float8,
+            extract(epoch FROM now() - max(greatest(s.last_analyze, s.last_autoanalyze)))::float8
      FROM (VALUES (1, $1, to_regclass($1)), (2, $2, to_regclass($2))) AS v(n, name, rel)
-     LEFT JOIN pg_stat_user_tables s ON s.relid = v.rel
+     LEFT JOIN LATERAL (SELECT v.rel AS leaf
+                        UNION ALL
+                        SELECT relid FROM pg_partition_tree(v.rel) WHERE isleaf) l ON true
+     LEFT JOIN pg_stat_user_tables s ON s.relid = l.leaf
+     GROUP BY v.n, v.rel, v.name
      ORDER BY v.n";
 
 /// The oldest open transaction that holds back the xmin horizon of this database (a
@@ -239,6 +260,20 @@ pub(crate) struct Statements {
     /// A relay's report of itself (and forgets reports unseen for a day).
     pub(crate) report_relay: String,
     pub(crate) forget_relay: String,
+    /// Keeps a partitioned outbox's partitions (migration 0012; NULL on a plain one).
+    pub(crate) maintain_partitions: String,
+    /// Drops the oldest partition if its rows are all sent longer ago than $1 us, taking
+    /// them off the sent count's slot $2; returns how many rows it held (NULL: none
+    /// dropped). With $3, drops nothing and counts the rows of every partition it would.
+    pub(crate) retire_partition: String,
+    /// Whether the table is partitioned (migration 0012 records its partitions).
+    pub(crate) is_partitioned: String,
+    /// The partitions, oldest first, with their rows as the planner estimates them.
+    pub(crate) partitions: String,
+    /// Whether the table holds any row.
+    pub(crate) has_rows: String,
+    /// Sets how long the open and later partitions stay open.
+    pub(crate) set_partition_interval: String,
     /// The relays' reports, oldest relay first.
     pub(crate) relays: String,
     pub(crate) probe: String,
@@ -268,6 +303,8 @@ impl Statements {
             ("stats_counted", STATS_COUNTED.to_string()),
             ("ready_idx", table.companion("_ready")),
             ("ordered_idx", table.companion("_ordered")),
+            ("schema_text", format!("'{}'", table.schema_prefix())),
+            ("name_text", format!("'{}_p'", table.name())),
         ]);
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = Statements {
@@ -377,13 +414,22 @@ impl Statements {
                    FROM counted GROUP BY part),
                  -- As the planner sizes a relation: the rows per page its last vacuum or
                  -- analyze found, times the pages it has now.
+                 -- A partitioned index: its partitions' rows per page, times their pages.
                  sizes AS (
-                   SELECT i.name, CASE WHEN c.reltuples >= 0 AND c.relpages > 0
-                                  THEN c.reltuples / c.relpages * (pg_relation_size(c.oid)
-                                       / current_setting('block_size')::float8) END AS rows
+                   SELECT i.name,
+                          (sum(c.reltuples) FILTER (WHERE c.reltuples >= 0 AND c.relpages > 0))::float8
+                          / nullif(sum(c.relpages) FILTER (WHERE c.reltuples >= 0
+                                                             AND c.relpages > 0), 0)
+                          * sum(pg_relation_size(c.oid)) / current_setting('block_size')::float8
+                            AS rows
                    FROM (VALUES ('ready', to_regclass('{ready_idx}')),
                                 ('ordered', to_regclass('{ordered_idx}'))) AS i (name, oid)
-                   JOIN pg_class c ON c.oid = i.oid)
+                   CROSS JOIN LATERAL (SELECT i.oid AS leaf
+                                       WHERE NOT EXISTS (SELECT FROM pg_partition_tree(i.oid))
+                                       UNION ALL
+                                       SELECT relid FROM pg_partition_tree(i.oid) WHERE isleaf) l
+                   JOIN pg_class c ON c.oid = l.leaf
+                   GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
                         p.pending_age, p.blocked_age, dead.parked, dead.total,
@@ -655,6 +701,26 @@ impl Statements {
                    down_since = excluded.down_since, published = excluded.published"
             )?,
             forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
+            maintain_partitions: values.render("SELECT {partition_fn}(false)")?,
+            retire_partition: values.render(
+                "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2, $3)"
+            )?,
+            is_partitioned: values.render("SELECT EXISTS (SELECT 1 FROM {partitions})")?,
+            partitions: values.render(
+                "SELECT p.n, extract(epoch FROM p.every)::float8,
+                        extract(epoch FROM now() - p.opened_at)::float8,
+                        extract(epoch FROM now() - p.closed_at)::float8,
+                        c.oid IS NOT NULL, greatest(c.reltuples, 0)::bigint
+                 FROM {partitions} p
+                 LEFT JOIN pg_class c
+                   ON c.oid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
+                 ORDER BY p.n"
+            )?,
+            has_rows: values.render("SELECT EXISTS (SELECT 1 FROM {table})")?,
+            set_partition_interval: values.render(
+                "UPDATE {partitions} SET every = $1::bigint * interval '1 microsecond'
+                 WHERE closed_at IS NULL AND every <> $1::bigint * interval '1 microsecond'"
+            )?,
             relays: values.render(
                 "SELECT relay, client_addr, pid, started_at,
                         extract(epoch FROM now() - seen_at)::float8, publisher, down_since,
@@ -692,11 +758,11 @@ impl Statements {
 
     /// The DDL script of `Outbox::sql`: the migrations for the table these statements were
     /// rendered for, each run, and recorded, only if `<table>_migrations` does not record it.
-    pub(crate) fn script(&self) -> String {
-        checked(self.render_script())
+    pub(crate) fn script(&self, partition_interval: Option<Duration>) -> String {
+        checked(self.render_script(partition_interval))
     }
 
-    fn render_script(&self) -> Result<String, RenderError> {
+    fn render_script(&self, partition_interval: Option<Duration>) -> Result<String, RenderError> {
         let mut ddl = String::new();
         if let Some(create_schema) = &self.create_schema {
             ddl.push_str(create_schema);
@@ -726,6 +792,17 @@ impl Statements {
                 ],
             )?);
         }
+        if let Some(every) = partition_interval {
+            ddl.push_str(&render(
+                PARTITIONED_STEP,
+                &[
+                    ("partitions", &self.table.companion("_partitions")),
+                    ("table", &self.table.quoted()),
+                    ("name", self.table.as_str()),
+                    ("body", &render_partitioned(&self.table, every)?),
+                ],
+            )?);
+        }
         Ok(ddl)
     }
 }
@@ -742,6 +819,19 @@ const SCRIPT_STEP: &str = "-- {name}\n\
      IF NOT EXISTS ({applied} WHERE version = {version}) THEN\n\
      EXECUTE $outbox_ddl$\n{body}\n$outbox_ddl$;\n\
      {record};\n\
+     END IF;\n\
+     END\n\
+     $outbox_migration$;\n\n";
+
+/// The partitioned table in the script of `Outbox::sql`, made once, from an empty table.
+const PARTITIONED_STEP: &str = "-- partitioned\n\
+     DO $outbox_migration$\n\
+     BEGIN\n\
+     IF NOT EXISTS (SELECT 1 FROM {partitions}) THEN\n\
+     IF EXISTS (SELECT 1 FROM {table}) THEN\n\
+     RAISE EXCEPTION 'outbox {name} holds rows, and only an empty table is made partitioned';\n\
+     END IF;\n\
+     EXECUTE $outbox_ddl$\n{body}\n$outbox_ddl$;\n\
      END IF;\n\
      END\n\
      $outbox_migration$;\n\n";
@@ -1030,6 +1120,9 @@ fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("lock_heads_fn", table.companion("_lock_heads")),
         ("notify_fn", table.companion("_notify")),
         ("channel_fn", table.companion("_channel")),
+        ("partitions", table.companion("_partitions")),
+        ("partition_fn", table.companion("_partition")),
+        ("retire_fn", table.companion("_retire")),
     ]
 }
 
@@ -1070,12 +1163,67 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("ordered_idx", table.derived("_ordered")),
         ("agg_idx_qualified", table.companion("_agg")),
         ("done_idx", table.derived("_done")),
+        ("partition_lock", bigint(table.partition_lock_key())),
+        ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
+        ("schema_prefix", table.schema_prefix()),
+        ("name", table.name().to_owned()),
     ]);
     let mut values = Values::new(&borrowed(&vars))?;
     let rendered = MIGRATIONS
         .iter()
         .map(|migration| values.render(migration.template))
         .collect::<Result<Vec<String>, RenderError>>()?;
+    values.finish()?;
+    Ok(rendered)
+}
+
+/// The DDL that makes `table`, created by the migrations and still empty, a partitioned
+/// table whose partitions stay open for `every` (see `sql/partitioned.sql`).
+///
+/// # Panics
+///
+/// As [`Statements::new`]: if the template does not match its values.
+pub(crate) fn partitioned(table: &TableName, every: Duration) -> String {
+    checked(render_partitioned(table, every))
+}
+
+fn render_partitioned(table: &TableName, every: Duration) -> Result<String, RenderError> {
+    let mut vars = objects(table);
+    vars.retain(|(name, _)| {
+        [
+            "table",
+            "enqueue_fn",
+            "enqueue_n_fn",
+            "lock_n_fn",
+            "lock_heads_fn",
+            "notify_fn",
+            "partitions",
+            "partition_fn",
+        ]
+        .contains(name)
+    });
+    vars.extend([
+        ("busy_fn", table.companion("_busy")),
+        ("key_guard_fn", table.companion("_key_guard")),
+        ("table_lock_text", table.ordered_lock_key().to_string()),
+        ("table_lock", bigint(table.ordered_lock_key())),
+        ("lock_seed", bigint(table.aggregate_lock_seed())),
+        ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
+        ("unpartitioned_name", table.derived("_plain")),
+        ("unpartitioned", table.companion("_plain")),
+        ("pkey", table.derived("_pkey")),
+        ("ready_idx", table.derived("_ready")),
+        ("ordered_idx", table.derived("_ordered")),
+        ("done_idx", table.derived("_done")),
+        ("name", table.name().to_owned()),
+        (
+            "every",
+            format!("interval '{} microseconds'", every.as_micros()),
+        ),
+        ("ahead", PARTITIONS_AHEAD.to_string()),
+    ]);
+    let mut values = Values::new(&borrowed(&vars))?;
+    let rendered = values.render(PARTITIONED)?;
     values.finish()?;
     Ok(rendered)
 }
@@ -1179,11 +1327,17 @@ mod tests {
                     placeholders(ddl)
                 );
             }
-            let script = statements.render_script().unwrap();
+            let script = statements.render_script(None).unwrap();
             assert!(placeholders(&script).is_empty(), "{}", table.as_str());
             for ddl in &migrations {
                 assert!(script.contains(ddl.as_str()));
             }
+            let day = Duration::from_secs(24 * 3600);
+            let partitioned = render_partitioned(&table, day).unwrap();
+            assert!(placeholders(&partitioned).is_empty(), "{}", table.as_str());
+            assert!(partitioned.contains("interval '86400000000 microseconds'"));
+            let script = statements.render_script(Some(day)).unwrap();
+            assert!(script.contains(&partitioned), "{}", table.as_str());
         }
     }
 

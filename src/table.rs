@@ -26,6 +26,14 @@ const SUFFIXES: &[&str] = &[
     "_ready",
     "_ordered",
     "_lock_heads",
+    "_partitions",
+    "_partition",
+    "_retire",
+    "_key_guard",
+    "_plain",
+    "_pkey",
+    // A partition and its key index: `_p<n>`, `_k<n>`, n below ten million.
+    "_p9999999",
 ];
 
 /// A validated `[schema.]table` with its quoted forms.
@@ -74,6 +82,18 @@ impl TableName {
         self.schema.as_deref()
     }
 
+    /// The name without its schema: `events`.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What qualifies a name in the table's schema, quoted: `"audit".`, or nothing.
+    pub(crate) fn schema_prefix(&self) -> String {
+        self.schema
+            .as_deref()
+            .map_or_else(String::new, |schema| format!("{}.", quote(schema)))
+    }
+
     /// The quoted, schema-qualified table: `"audit"."events"`.
     pub(crate) fn quoted(&self) -> String {
         self.qualified(&self.name)
@@ -110,6 +130,17 @@ impl TableName {
     /// low four bits clear, so adding a bucket never overflows.
     pub(crate) fn ordered_lock_key(&self) -> i64 {
         self.hash("postgres-outbox:ordered:") & 0x00ff_ffff_ffff_fff0
+    }
+
+    /// The advisory-lock key of a partitioned outbox's maintenance (one caller at a time).
+    pub(crate) fn partition_lock_key(&self) -> i64 {
+        self.hash("postgres-outbox:partitions:")
+    }
+
+    /// The advisory-lock key producers of the caller's keys hold shared, and a partition
+    /// cut exclusively (see `sql/partitioned.sql`).
+    pub(crate) fn key_epoch_lock_key(&self) -> i64 {
+        self.hash("postgres-outbox:keys:")
     }
 
     /// The seed of the aggregate locks' keys, so aggregates of different tables get

@@ -2,7 +2,8 @@
 //! written by whichever worker finds it due, on that worker's connection, after a cycle or
 //! while idle: every few seconds, and at once when the publisher goes up or down. The last
 //! worker to stop deletes it. It is for people: a report that cannot be written is logged
-//! once, and the relay goes on as before.
+//! once, and the relay goes on as before. Each report is followed by the upkeep of a
+//! partitioned table's partitions (a call that returns at once on a plain table).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -23,6 +24,8 @@ pub(crate) struct Report {
     workers: AtomicUsize,
     /// The last write failed (and was logged).
     failing: AtomicBool,
+    /// The last partition maintenance failed (and was logged).
+    maintaining_fails: AtomicBool,
 }
 
 impl Report {
@@ -33,6 +36,7 @@ impl Report {
             last: Mutex::new(None),
             workers: AtomicUsize::new(0),
             failing: AtomicBool::new(false),
+            maintaining_fails: AtomicBool::new(false),
         }
     }
 
@@ -95,6 +99,7 @@ impl Report {
                         sql.table().as_str()
                     );
                 }
+                self.maintain_partitions(worker, sql);
             }
             Err(e) => {
                 if !self.failing.swap(true, Ordering::SeqCst) {
@@ -106,6 +111,26 @@ impl Report {
                     log::warn!(
                         "outbox {}: the relay cannot write its report (Outbox::relays){hint} \
                          and goes on without: {e}",
+                        sql.table().as_str()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Keeps a partitioned outbox's partitions: cut on time, made ahead (migration 0012).
+    /// On the report's cadence, which is frequent enough: partitions are made intervals
+    /// ahead, and a cut a few seconds late only makes a partition a little longer.
+    fn maintain_partitions(&self, worker: &mut Worker, sql: &Statements) {
+        match worker.execute(&sql.maintain_partitions, Vec::new()) {
+            Ok(()) => {
+                self.maintaining_fails.store(false, Ordering::SeqCst);
+            }
+            Err(e) => {
+                if !self.maintaining_fails.swap(true, Ordering::SeqCst) {
+                    log::warn!(
+                        "outbox {}: the relay cannot keep the table's partitions, and tries \
+                         again at its next report: {e}",
                         sql.table().as_str()
                     );
                 }

@@ -1,0 +1,182 @@
+-- Partitions, for outboxes that ask for them (`partition_interval`).
+--
+-- A busy outbox deletes as many rows as it writes, and DELETE is the wall queues built on
+-- PostgreSQL hit first: each row a dead tuple for vacuum to find, a day's purge slower than
+-- a day's traffic. A partitioned outbox instead drops a partition whole once every row in
+-- it is sent: the cost of dropping one table.
+--
+-- The partition key is the id, not the enqueue time. Every statement after an enqueue (the
+-- claim's lock, the outcome, a fence) finds its row by id, so by id each touches one
+-- partition; by time each would probe every partition's primary key, which would have to
+-- hold the time as well. Ids follow time because the relay moves the id sequence on: each
+-- partition holds 2^40 ids, and when a partition has been open for its interval (by the
+-- clock: a day's partition is cut at midnight UTC) the sequence jumps to the first id of
+-- the next one, which exists by then. A partition is created a few intervals ahead, and a
+-- partition whose interval passed with no relay running simply stays open longer: a
+-- producer never meets an id no partition takes, and there is no default partition to
+-- fill up.
+--
+-- This migration creates the bookkeeping and the two functions on every outbox. On a plain
+-- one, whose {partitions} stays empty, the relay's periodic call returns at once.
+
+-- One row per partition: partition n holds ids [n * 2^40, (n + 1) * 2^40). `every` is how
+-- long it stays open once ids start to fall in it (`opened_at`); `closed_at`, when the
+-- sequence moved past it.
+CREATE TABLE {partitions} (
+    n         bigint      PRIMARY KEY CHECK (n >= 0),
+    every     interval    NOT NULL CHECK (every > interval '0'),
+    ahead     integer     NOT NULL CHECK (ahead >= 1),
+    opened_at timestamptz,
+    closed_at timestamptz
+);
+
+-- Keeps the partitions: cuts the open one when its interval is over, if the next one was
+-- created by an earlier call (so the sequence never points past a partition that might
+-- still roll back), then creates what is missing ahead of the open one. One caller at a
+-- time; a caller that cannot lock the table within a second gives up until its next call
+-- rather than keep producers queued behind it. `p_cut`: cut now, whatever the clock says.
+-- Returns how many partitions exist ahead of the open one, NULL on a plain outbox or when
+-- another caller holds the maintenance.
+CREATE FUNCTION {partition_fn}(p_cut boolean) RETURNS integer
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    width constant bigint := 1099511627776;
+    seq text;
+    last bigint;
+    called boolean;
+    open_n bigint;
+    open_row {partitions};
+    k bigint;
+    part text;
+BEGIN
+    PERFORM FROM {partitions} LIMIT 1;
+    IF NOT FOUND OR NOT pg_try_advisory_xact_lock({partition_lock}) THEN
+        RETURN NULL;
+    END IF;
+    PERFORM set_config('lock_timeout', '1s', true);
+    seq := pg_get_serial_sequence('{table}', 'id');
+    EXECUTE format('SELECT last_value, is_called FROM %s', seq) INTO last, called;
+    open_n := (CASE WHEN called THEN last + 1 ELSE last END) / width;
+    SELECT * INTO open_row FROM {partitions} WHERE n = open_n;
+    IF NOT FOUND THEN
+        -- Past the last partition made (2^40 ids in one interval): the newest one's settings.
+        SELECT * INTO open_row FROM {partitions} ORDER BY n DESC LIMIT 1;
+    END IF;
+    IF open_row.opened_at IS NULL THEN
+        UPDATE {partitions} SET opened_at = now() WHERE n = open_n;
+        open_row.opened_at := now();
+    END IF;
+    IF (p_cut OR floor(extract(epoch FROM now()) / extract(epoch FROM open_row.every))
+                 > floor(extract(epoch FROM open_row.opened_at)
+                         / extract(epoch FROM open_row.every)))
+       AND to_regclass(format('%s%I', '{schema_prefix}', '{name}_p' || (open_n + 1))) IS NOT NULL
+    THEN
+        -- A producer of a key the caller gave holds {key_epoch_lock} shared from before it
+        -- looks for the key in every partition until it commits. The cut waits until none
+        -- does: every such key written before the cut is then committed, where every probe
+        -- after it sees it. (Keys the crate makes are unique by construction.)
+        BEGIN
+            PERFORM pg_advisory_xact_lock({key_epoch_lock});
+            PERFORM setval(seq, (open_n + 1) * width, false);
+            UPDATE {partitions} SET closed_at = now() WHERE n = open_n;
+            UPDATE {partitions} SET opened_at = now() WHERE n = open_n + 1;
+            open_n := open_n + 1;
+            SELECT * INTO open_row FROM {partitions} WHERE n = open_n;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE WARNING 'outbox {name}: partition % not cut: a producer held it', open_n;
+        END;
+    END IF;
+    FOR k IN open_n .. open_n + open_row.ahead LOOP
+        part := format('%s%I', '{schema_prefix}', '{name}_p' || k);
+        CONTINUE WHEN to_regclass(part) IS NOT NULL;
+        BEGIN
+            -- Made apart and attached: ATTACH locks the table against DDL only, where
+            -- CREATE TABLE .. PARTITION OF would lock out producers and relays too.
+            EXECUTE format('CREATE TABLE %s (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
+                              WITH (autovacuum_vacuum_scale_factor = 0.01,
+                                    autovacuum_vacuum_threshold = 1000,
+                                    autovacuum_analyze_scale_factor = 0.02)', part);
+            -- Keys are unique in each partition by this index, and across partitions by
+            -- the enqueue functions' probe (see the partitioned outbox's DDL).
+            EXECUTE format('CREATE UNIQUE INDEX %I ON %s (key)', '{name}_k' || k, part);
+            EXECUTE format('ALTER TABLE %s ADD CONSTRAINT ids CHECK (id >= %s AND id < %s)',
+                           part, k * width, (k + 1) * width);
+            EXECUTE format('ALTER TABLE {table} ATTACH PARTITION %s FOR VALUES FROM (%s) TO (%s)',
+                           part, k * width, (k + 1) * width);
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE WARNING 'outbox {name}: partition % not created: the table is locked', k;
+            EXIT;
+        END;
+        INSERT INTO {partitions} (n, every, ahead)
+        VALUES (k, open_row.every, open_row.ahead)
+        ON CONFLICT DO NOTHING;
+    END LOOP;
+    RETURN (SELECT count(*) FROM {partitions} WHERE n > open_n
+              AND to_regclass(format('%s%I', '{schema_prefix}', '{name}_p' || n))
+                  IS NOT NULL);
+END
+$fn$;
+
+-- Retention by partition: drops the oldest partition if the sequence has moved past it and
+-- its rows are all sent, the last of them before `p_before`, and takes its rows off the sent
+-- count (slot `p_slot`). A partition that holds a pending, dead or parked row stays whole
+-- until that row is sent, redriven and sent, skipped or purged, and so do the ones after
+-- it. The table is locked for the drop itself (a second at most, or the partition waits for
+-- the next call), and the check made again under the lock. One partition per call, so no
+-- lock outlives a drop. Returns the rows the partition held, NULL when none was dropped.
+-- `p_dry`: drops nothing, and returns the rows of every partition calls would drop now.
+CREATE FUNCTION {retire_fn}(p_before timestamptz, p_slot smallint, p_dry boolean)
+RETURNS bigint LANGUAGE plpgsql AS $fn$
+DECLARE
+    width constant bigint := 1099511627776;
+    seq text;
+    last bigint;
+    called boolean;
+    p record;
+    part text;
+    -- Through the partial indexes: pending rows in the claim's two, dead and parked ones in
+    -- the done index, whose last sent entry is the newest.
+    probe constant text := 'SELECT EXISTS (SELECT 1 FROM %1$s WHERE status = ''pending''
+                                             AND (head OR aggregate_key IS NULL))
+                                OR EXISTS (SELECT 1 FROM %1$s
+                                           WHERE status IN (''pending'', ''parked'')
+                                             AND aggregate_key IS NOT NULL)
+                                OR EXISTS (SELECT 1 FROM %1$s WHERE status IN (''dead'', ''parked'')),
+                                (SELECT max(done_at) FROM %1$s WHERE status = ''sent'')';
+    unfinished boolean;
+    newest timestamptz;
+    n_sent bigint;
+    total bigint;
+BEGIN
+    seq := pg_get_serial_sequence('{table}', 'id');
+    EXECUTE format('SELECT last_value, is_called FROM %s', seq) INTO last, called;
+    FOR p IN SELECT n FROM {partitions}
+             WHERE n < (CASE WHEN called THEN last + 1 ELSE last END) / width ORDER BY n LOOP
+        part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+        EXIT WHEN to_regclass(part) IS NULL;
+        EXECUTE format(probe, part) INTO unfinished, newest;
+        EXIT WHEN unfinished OR newest >= p_before;
+        EXECUTE format('SELECT count(*) FROM %s WHERE status = ''sent''', part) INTO n_sent;
+        IF p_dry THEN
+            total := coalesce(total, 0) + n_sent;
+            CONTINUE;
+        END IF;
+        PERFORM set_config('lock_timeout', '1s', true);
+        BEGIN
+            LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE WARNING 'outbox {name}: partition % not dropped: the table is busy', p.n;
+            RETURN NULL;
+        END;
+        EXECUTE format(probe, part) INTO unfinished, newest;
+        IF unfinished OR newest >= p_before THEN
+            RETURN NULL;
+        END IF;
+        EXECUTE format('DROP TABLE %s', part);
+        DELETE FROM {partitions} WHERE n = p.n;
+        UPDATE {counts} SET sent = sent - n_sent WHERE slot = p_slot;
+        RETURN n_sent;
+    END LOOP;
+    RETURN total;
+END
+$fn$;

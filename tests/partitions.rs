@@ -1,0 +1,351 @@
+//! Partitioned outboxes (`OutboxBuilder::partition_interval`): partitions kept ahead, cuts
+//! by the clock, keys unique across partitions, retention by dropping partitions whole. The
+//! relay, consumer, ordering and parking suites run on partitioned tables too, with
+//! `OUTBOX_TEST_TABLES=partitioned` (see `.ci/run`).
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::{client, quoted_with, relay_config, unique_name, wait_until, Sink};
+use postgres::Client;
+use postgres_outbox::{Check, Filter, Message, Outbox, Relay, Rows};
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+fn partitioned(prefix: &str) -> (Outbox, Client) {
+    let outbox = Outbox::builder()
+        .table(unique_name(prefix))
+        .partition_interval(DAY)
+        .build()
+        .expect("valid settings");
+    let mut client = client();
+    outbox.migrate(&mut client).expect("migrate");
+    (outbox, client)
+}
+
+/// The partitions that exist, by number.
+fn partitions(client: &mut Client, outbox: &Outbox) -> Vec<i64> {
+    client
+        .query(
+            &format!(
+                "SELECT n FROM {} WHERE to_regclass($1 || n) IS NOT NULL ORDER BY n",
+                quoted_with(outbox, "_partitions")
+            ),
+            &[&format!("{}_p", outbox.table())],
+        )
+        .expect("partitions")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// The partition a message's row is in.
+fn partition_of(client: &mut Client, outbox: &Outbox, key: &str) -> String {
+    client
+        .query_one(
+            &format!(
+                "SELECT tableoid::regclass::text FROM {} WHERE key = $1",
+                common::quoted(outbox)
+            ),
+            &[&key],
+        )
+        .expect("the row")
+        .get::<_, String>(0)
+        .replace('"', "")
+}
+
+/// Runs the relay's partition upkeep once; `cut`: cut the open partition whatever the clock.
+fn upkeep(client: &mut Client, outbox: &Outbox, cut: bool) -> Option<i32> {
+    client
+        .query_one(
+            &format!("SELECT {}($1)", quoted_with(outbox, "_partition")),
+            &[&cut],
+        )
+        .expect("partition upkeep")
+        .get(0)
+}
+
+fn enqueue(
+    client: &mut Client,
+    outbox: &Outbox,
+    message: Message,
+) -> postgres_outbox::Result<String> {
+    let mut tx = client.transaction().expect("begin");
+    let key = outbox.enqueue(&mut tx, message)?;
+    tx.commit().expect("commit");
+    Ok(key)
+}
+
+fn message(key: &str) -> Message {
+    Message::new("t", b"{}".to_vec()).key(key)
+}
+
+/// Sends every due row through a relay that publishes into `published`.
+fn send_all(outbox: &Outbox) -> Sink {
+    let published = Sink::default();
+    let config = relay_config(outbox, published.collect());
+    Relay::run_until_idle(&config).expect("run until idle");
+    published
+}
+
+#[test]
+fn a_partitioned_outbox_keeps_partitions_ahead_and_cuts_them_by_the_clock() {
+    let (outbox, mut client) = partitioned("part_clock");
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
+    let first = enqueue(&mut client, &outbox, message("first")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &first).ends_with("_p0"));
+
+    // Within its day the open partition stays open.
+    assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
+    let second = enqueue(&mut client, &outbox, message("second")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &second).ends_with("_p0"));
+
+    // Opened yesterday: cut, new ids go to the next partition, one more is made ahead.
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET opened_at = now() - interval '1 day' WHERE n = 0",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    let third = enqueue(&mut client, &outbox, message("third")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &third).ends_with("_p1"));
+
+    // A relay does the same on its own: drop the partitions ahead, and it makes them again.
+    for n in [2, 3] {
+        client
+            .batch_execute(&format!(
+                "DROP TABLE {}",
+                quoted_with(&outbox, &format!("_p{n}"))
+            ))
+            .unwrap();
+    }
+    let relay = Relay::spawn(relay_config(&outbox, |_| Ok(()))).expect("spawn");
+    wait_until("the relay makes the partitions ahead again", || {
+        partitions(&mut client, &outbox) == vec![0, 1, 2, 3]
+    });
+    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+}
+
+#[test]
+fn keys_the_caller_gives_stay_unique_across_partitions() {
+    let (outbox, mut client) = partitioned("part_keys");
+    enqueue(&mut client, &outbox, message("k1")).unwrap();
+    enqueue(&mut client, &outbox, message("k2")).unwrap();
+    upkeep(&mut client, &outbox, true);
+    let fresh = enqueue(&mut client, &outbox, message("k3")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &fresh).ends_with("_p1"));
+
+    // The same key in the open partition and in the one before: both refused.
+    for key in ["k1", "k3"] {
+        let err = enqueue(&mut client, &outbox, message(key)).unwrap_err();
+        assert!(err.is_duplicate_key(), "{key}: {err}");
+    }
+    // A batch, small (the function) and large (the function too: no COPY for these keys).
+    for size in [3, 100] {
+        let mut batch: Vec<Message> = (0..size)
+            .map(|i| message(&format!("batch-{size}-{i}")))
+            .collect();
+        batch.push(message("k2"));
+        let mut tx = client.transaction().unwrap();
+        let err = outbox.enqueue_all(&mut tx, batch).unwrap_err();
+        assert!(err.is_duplicate_key(), "{err}");
+        tx.commit().unwrap();
+    }
+    // Keys the crate makes go in as before, by COPY too.
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue_all(&mut tx, (0..100).map(|_| Message::new("t", b"{}".to_vec())))
+        .unwrap();
+    tx.commit().unwrap();
+    let rows: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {}", common::quoted(&outbox)),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 103);
+}
+
+/// A producer of a caller's key holds the next cut off until it commits: a cut in between
+/// would let the same key go into the next partition unseen.
+#[test]
+fn a_cut_waits_for_producers_of_the_callers_keys() {
+    let (outbox, mut client) = partitioned("part_cut_wait");
+    let (started, wait) = mpsc::channel();
+    let (release, released) = mpsc::channel::<()>();
+    let producer = {
+        let outbox = outbox.clone();
+        std::thread::spawn(move || {
+            let mut client = common::client();
+            let mut tx = client.transaction().unwrap();
+            outbox.enqueue(&mut tx, message("held")).unwrap();
+            started.send(()).unwrap();
+            released.recv().unwrap();
+            tx.commit().unwrap();
+        })
+    };
+    wait.recv().unwrap();
+    // The upkeep gives up on its lock after a second, and the open partition stays open.
+    upkeep(&mut client, &outbox, true);
+    let during = enqueue(&mut client, &outbox, Message::new("t", b"{}".to_vec())).unwrap();
+    assert!(partition_of(&mut client, &outbox, &during).ends_with("_p0"));
+    release.send(()).unwrap();
+    producer.join().unwrap();
+    upkeep(&mut client, &outbox, true);
+    let err = enqueue(&mut client, &outbox, message("held")).unwrap_err();
+    assert!(err.is_duplicate_key(), "{err}");
+    let after = enqueue(&mut client, &outbox, Message::new("t", b"{}".to_vec())).unwrap();
+    assert!(partition_of(&mut client, &outbox, &after).ends_with("_p1"));
+}
+
+#[test]
+fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
+    let (outbox, mut client) = partitioned("part_retire");
+    for i in 0..5 {
+        enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
+    }
+    enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
+    upkeep(&mut client, &outbox, true);
+    enqueue(&mut client, &outbox, message("new")).unwrap();
+    let published = Sink::default();
+    let config = relay_config(&outbox, {
+        let published = published.clone();
+        move |record| {
+            if record.key == "doomed" {
+                return Err(postgres_outbox::PublishError::permanent("refused"));
+            }
+            published.push(record);
+            Ok(())
+        }
+    });
+    Relay::run_until_idle(&config).expect("run until idle");
+    assert_eq!(published.len(), 6);
+    let sent = Rows::Sent.matching(Filter::new());
+
+    // Partition 0 holds a dead letter: it stays, and so does every row in it.
+    assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 0);
+    assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 0);
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    assert_eq!(common::stats(&outbox, &mut client).sent, 6);
+
+    // Once the dead letter is gone, the partition goes whole; the open one never does.
+    assert_eq!(
+        outbox
+            .purge(&mut client, Rows::Dead.matching(Filter::new()))
+            .unwrap(),
+        1
+    );
+    assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 5);
+    // Sent too recently for a purge of what is a day old.
+    let day_old = Rows::Sent.matching(Filter::new().older_than(DAY));
+    assert_eq!(outbox.purge(&mut client, day_old).unwrap(), 0);
+    assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 5);
+    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.sent, stats.pending, stats.dead), (1, 0, 0));
+    assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
+
+    // A filter by anything but age deletes rows, as on a plain table.
+    let by_topic = Rows::Sent.matching(Filter::new().topic("t"));
+    assert_eq!(outbox.purge(&mut client, by_topic).unwrap(), 1);
+    assert_eq!(common::stats(&outbox, &mut client).sent, 0);
+    assert_eq!(send_all(&outbox).len(), 0);
+}
+
+#[test]
+fn only_an_empty_table_becomes_partitioned() {
+    let table = unique_name("part_refused");
+    let plain = Outbox::new(&table).unwrap();
+    let mut client = client();
+    plain.migrate(&mut client).unwrap();
+    enqueue(&mut client, &plain, message("kept")).unwrap();
+    let asked = Outbox::builder()
+        .table(&table)
+        .partition_interval(DAY)
+        .build()
+        .unwrap();
+    let err = asked.migrate(&mut client).unwrap_err();
+    assert!(err.is_invalid_input(), "{err}");
+    assert!(err.to_string().contains("holds rows"), "{err}");
+    let kind: String = client
+        .query_one(
+            "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)",
+            &[&common::quoted(&plain)],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(kind, "r");
+    assert_eq!(partition_of(&mut client, &plain, "kept"), plain.table());
+
+    for bad in [
+        Duration::from_secs(59),
+        Duration::from_secs(367 * 24 * 3600),
+    ] {
+        let err = Outbox::builder()
+            .table(&table)
+            .partition_interval(bad)
+            .build()
+            .unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+    }
+}
+
+#[test]
+fn the_sql_script_makes_the_same_partitioned_table_and_runs_again() {
+    let table = format!("{}.{}", common::schema(), unique_name("part_script"));
+    let outbox = Outbox::builder()
+        .table(&table)
+        .partition_interval(DAY)
+        .build()
+        .unwrap();
+    let mut client = client();
+    let script = outbox.sql();
+    client.batch_execute(&script).expect("the script");
+    client.batch_execute(&script).expect("the script again");
+    outbox.migrate(&mut client).expect("migrate finds it done");
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
+    let key = enqueue(&mut client, &outbox, message("scripted")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &key).ends_with("_p0"));
+    assert_eq!(send_all(&outbox).keys(), vec!["scripted".to_owned()]);
+}
+
+#[test]
+fn the_doctor_reports_missing_partitions() {
+    let (outbox, mut client) = partitioned("part_doctor");
+    assert!(!outbox
+        .health(&mut client)
+        .unwrap()
+        .findings
+        .iter()
+        .any(|f| f.check == Check::Partitions));
+    for n in [1, 2] {
+        client
+            .batch_execute(&format!(
+                "DROP TABLE {}",
+                quoted_with(&outbox, &format!("_p{n}"))
+            ))
+            .unwrap();
+    }
+    let health = outbox.health(&mut client).unwrap();
+    let finding = health
+        .findings
+        .iter()
+        .find(|f| f.check == Check::Partitions)
+        .expect("a partitions finding");
+    assert!(finding.problem.contains("ahead"), "{finding}");
+    upkeep(&mut client, &outbox, false);
+    assert!(!outbox
+        .health(&mut client)
+        .unwrap()
+        .findings
+        .iter()
+        .any(|f| f.check == Check::Partitions));
+}
