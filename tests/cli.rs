@@ -75,6 +75,28 @@ fn migrate_and_sql() {
 }
 
 #[test]
+fn migrate_makes_a_partitioned_table_and_the_doctor_lists_its_partitions() {
+    let outbox = Outbox::new(&unique_name("cli_partitioned")).unwrap();
+    let ddl = ok(&outbox, &["sql", "--partition-interval", "1d"]);
+    assert!(ddl.contains("PARTITION BY RANGE (id)"), "{ddl}");
+    assert!(!ok(&outbox, &["sql"]).contains("PARTITION BY RANGE (id)"));
+    let error = fails(&outbox, &["migrate", "--partition-interval", "10s"], 1);
+    assert!(error.contains("partition_interval"), "{error}");
+    for _ in 0..2 {
+        ok(&outbox, &["migrate", "--partition-interval", "1d"]);
+    }
+    let doctor = json(&ok(&outbox, &["doctor", "--json"]));
+    let partitions = doctor["partitions"].as_array().expect("partitions");
+    let numbers: Vec<i64> = partitions
+        .iter()
+        .map(|p| p["number"].as_i64().unwrap())
+        .collect();
+    assert_eq!(numbers, [0, 1, 2]);
+    assert_eq!(partitions[0]["every_secs"], 86_400.0);
+    assert!(ok(&outbox, &["doctor"]).contains("partition 0 (1day each): open for"));
+}
+
+#[test]
 fn stats_show_states_ages_and_topics() {
     let (outbox, mut client) = outbox("cli_stats");
     operator_rows(&mut client, &outbox);

@@ -50,9 +50,19 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Create or upgrade the outbox's tables (safe to run again).
-    Migrate,
+    Migrate {
+        /// Make the table, still empty, partitioned by time: a partition per interval (`1d`),
+        /// dropped whole by `purge sent` once all its rows are sent (see the README's
+        /// "Retention"). On a partitioned table, sets the interval from the open partition on.
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        partition_interval: Option<Duration>,
+    },
     /// Print the DDL `migrate` would apply.
-    Sql,
+    Sql {
+        /// As `migrate --partition-interval`.
+        #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+        partition_interval: Option<Duration>,
+    },
     /// Rows by state, the oldest pending and blocked ages, and per topic pending and dead.
     /// Past 2,000 rows in a part of the backlog the counts are estimates, marked `~` (and
     /// `"exact": false`) unless --exact is given.
@@ -331,8 +341,20 @@ fn run(cli: Cli) -> Result<()> {
             )
             .exit();
     };
-    let outbox = Outbox::new(table)?;
-    if let Command::Sql = cli.command {
+    let partition_interval = match cli.command {
+        Command::Migrate { partition_interval } | Command::Sql { partition_interval } => {
+            partition_interval
+        }
+        _ => None,
+    };
+    let outbox = match partition_interval {
+        Some(every) => Outbox::builder()
+            .table(table)
+            .partition_interval(every)
+            .build()?,
+        None => Outbox::new(table)?,
+    };
+    if let Command::Sql { .. } = cli.command {
         print!("{}", outbox.sql());
         return Ok(());
     }
@@ -344,7 +366,7 @@ fn run(cli: Cli) -> Result<()> {
         .connect(tls)
         .map_err(|e| format!("cannot connect to the database: {}", one_line(&e)))?;
     match cli.command {
-        Command::Migrate => {
+        Command::Migrate { .. } => {
             outbox.migrate(&mut client)?;
             println!("migrated {}", outbox.table());
         }
@@ -417,7 +439,7 @@ fn run(cli: Cli) -> Result<()> {
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
         }
-        Command::Sql | Command::Relay(_) | Command::Serve(_) => {}
+        Command::Sql { .. } | Command::Relay(_) | Command::Serve(_) => {}
     }
     Ok(())
 }
@@ -636,6 +658,11 @@ fn doctor(
                     _ => Value::Null,
                 },
             })).collect::<Vec<_>>(),
+            "partitions": health.partitions.iter().map(|p| json!({
+                "number": p.number, "every_secs": p.every.as_secs_f64(),
+                "opened_secs": secs(p.opened), "closed_secs": secs(p.closed),
+                "exists": p.exists, "rows": p.rows,
+            })).collect::<Vec<_>>(),
             "findings": health.findings.iter().map(|f| json!({
                 "check": f.check.name(), "problem": f.problem, "remedy": f.remedy,
             })).collect::<Vec<_>>(),
@@ -681,6 +708,20 @@ fn doctor(
             r.publisher.name(),
             r.published,
             human(Some(r.last_seen))
+        );
+    }
+    for p in &health.partitions {
+        let state = match (p.opened, p.closed, p.exists) {
+            (_, _, false) => "missing".to_owned(),
+            (Some(_), Some(closed), _) => format!("closed {} ago", human(Some(closed))),
+            (Some(opened), None, _) => format!("open for {}", human(Some(opened))),
+            (None, _, _) => "ahead".to_owned(),
+        };
+        println!(
+            "partition {} ({} each): {state}, ~{} rows",
+            p.number,
+            human(Some(p.every)),
+            p.rows
         );
     }
     if health.is_healthy() {
