@@ -409,7 +409,7 @@ fn duplicate_key_is_an_error_and_the_transaction_stays_usable() -> TestResult {
 #[test]
 fn enqueue_notifies_on_commit_only_while_a_relay_waits() -> TestResult {
     let (outbox, mut client) = common::outbox("notify");
-    let quiet = Outbox::builder()
+    let quiet = common::builder()
         .table(outbox.table())
         .notify(false)
         .build()?;
@@ -1128,6 +1128,9 @@ fn dedupe_rejects_empty_and_nul_and_stays_usable() -> TestResult {
 
 #[test]
 fn purge_sent_leaves_pending_and_dead_rows() -> TestResult {
+    if common::plain_only("a purge of sent rows by age drops whole partitions there") {
+        return Ok(());
+    }
     let (outbox, mut client) = common::outbox("purge_sent");
     enqueue_keys(&outbox, &mut client, SEND, &["s1", "s2", "s3"])?;
     enqueue_keys(&outbox, &mut client, DIE, &["d1"])?;
@@ -1195,6 +1198,9 @@ fn purge_dead_leaves_pending_and_sent_rows() -> TestResult {
 
 #[test]
 fn purge_deletes_more_than_one_batch() -> TestResult {
+    if common::plain_only("a purge of sent rows by age drops whole partitions there") {
+        return Ok(());
+    }
     let (outbox, mut client) = common::outbox("purge_many");
     // Thousands of one-row handler transactions; durability is beside the point here.
     client.batch_execute("SET synchronous_commit = off")?;
@@ -1292,7 +1298,7 @@ fn stats_count_every_state() -> TestResult {
 
 #[test]
 fn a_row_whose_lease_ran_out_is_due_again() -> TestResult {
-    let outbox = Outbox::builder()
+    let outbox = common::builder()
         .table(unique_name("lease"))
         .lease(Duration::from_secs(1))
         .build()?;
@@ -1999,6 +2005,9 @@ fn a_limit_only_lists_and_parking_only_narrows_dead_letters() -> TestResult {
 
 #[test]
 fn purge_where_deletes_exactly_what_its_filter_names() -> TestResult {
+    if common::plain_only("a purge of sent rows by age drops whole partitions there") {
+        return Ok(());
+    }
     let (outbox, mut client) = common::outbox("purge_filter");
     common::operator_rows(&mut client, &outbox);
     let week = Duration::from_secs(7 * 24 * 3600);

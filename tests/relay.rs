@@ -801,7 +801,7 @@ fn each_aggregate_arrives_in_order_despite_a_failed_head() {
 #[test]
 fn a_handler_whose_lease_was_taken_changes_nothing() {
     let table = common::unique_name("rl_fence");
-    let outbox = Outbox::builder()
+    let outbox = common::builder()
         .table(&table)
         .lease(Duration::from_secs(1))
         .build()
@@ -864,7 +864,7 @@ fn a_handler_whose_lease_was_taken_changes_nothing() {
 #[test]
 fn a_stale_worker_cannot_complete_a_row_reclaimed_and_released_since() {
     let table = common::unique_name("rl_aba");
-    let outbox = Outbox::builder()
+    let outbox = common::builder()
         .table(&table)
         .lease(Duration::from_secs(1))
         .build()
@@ -1313,7 +1313,7 @@ fn delayed_messages_wait_and_run_once_counts() {
 #[test]
 fn process_commits_writes_with_the_ack_and_rolls_both_back_on_error() {
     // Failed rows back off for an hour, so each process() call below sees only new rows.
-    let outbox = Outbox::builder()
+    let outbox = common::builder()
         .table(common::unique_name("rl_process"))
         .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
         .build()
@@ -2423,7 +2423,7 @@ fn transient_failures_of_a_publisher_that_then_breaks_cost_no_attempt() {
 
 #[test]
 fn one_retry_value_sets_attempts_and_backoff_for_the_outbox_and_the_relay() {
-    let refused = Outbox::builder()
+    let refused = common::builder()
         .table(common::unique_name("rl_retry_bad"))
         .retry(Retry::new(0))
         .build()

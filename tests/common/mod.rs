@@ -22,7 +22,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use postgres::{Client, NoTls};
 use postgres_outbox::{
-    publisher_fn, Connections, Metrics, Outbox, PublishError, Record, RelayConfig, Stats,
+    publisher_fn, Connections, Metrics, Outbox, OutboxBuilder, PublishError, Record, RelayConfig,
+    Stats,
 };
 use r2d2_postgres::PostgresConnectionManager;
 
@@ -311,9 +312,40 @@ pub fn unique_name(prefix: &str) -> String {
     )
 }
 
-/// A freshly migrated outbox on its own table.
+/// Set to `partitioned` to run a suite on partitioned tables: every outbox `outbox` and
+/// `builder` make is then partitioned by day (`OutboxBuilder::partition_interval`).
+pub const TABLES_VAR: &str = "OUTBOX_TEST_TABLES";
+
+/// Whether this run's outboxes are partitioned (see [`TABLES_VAR`]).
+pub fn partitioned() -> bool {
+    std::env::var(TABLES_VAR).is_ok_and(|kind| kind == "partitioned")
+}
+
+/// Whether a test of what holds on plain tables only should stop here, on a partitioned
+/// run: it says so, and where the partitioned form is tested.
+pub fn plain_only(why: &str) -> bool {
+    if partitioned() {
+        eprintln!("plain tables only ({why}); tests/partitions.rs tests partitioned tables");
+    }
+    partitioned()
+}
+
+/// An outbox builder of this run's kind of table (see [`TABLES_VAR`]).
+pub fn builder() -> OutboxBuilder {
+    let builder = Outbox::builder();
+    if partitioned() {
+        builder.partition_interval(Duration::from_secs(24 * 3600))
+    } else {
+        builder
+    }
+}
+
+/// A freshly migrated outbox on its own table, of this run's kind (see [`TABLES_VAR`]).
 pub fn outbox(prefix: &str) -> (Outbox, Client) {
-    let outbox = Outbox::new(&unique_name(prefix)).expect("valid table name");
+    let outbox = builder()
+        .table(unique_name(prefix))
+        .build()
+        .expect("valid table name");
     let mut client = client();
     outbox.migrate(&mut client).expect("migrate");
     (outbox, client)
