@@ -45,12 +45,14 @@
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
 //!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
-//! - `scale op=relay-cycle|stats|stats-exact|purge-1000-sent|enqueue`: the mean cost of each operation on
-//!   a table retaining many rows (`small_ms`, `big_ms`, `vs_small`); runs only when asked for
-//!   by exactly that name, as filling the big table takes minutes and a few GB of disk;
+//! - `scale tables=plain|partitioned op=relay-cycle|stats|stats-exact|enqueue|enqueue-keyed|purge-day-sent`:
+//!   the mean cost of each operation on a table retaining many rows (`small_ms`, `big_ms`,
+//!   `vs_small`), plain and then partitioned by day; runs only when asked for by exactly that
+//!   name, as filling the big tables takes minutes and a few GB of disk;
 //!   `scale-stats-estimate` gives `stats()`'s estimates over `stats_exact()`'s counts on each,
-//!   and `scale-retention` the cost of purging a day of sent rows (86,400) by DELETE, alone
-//!   and beside a relay draining the backlog, with the relay's rate alone and beside it;
+//!   and `scale-retention` the cost of purging a day of sent rows (a tenth of them: by DELETE,
+//!   or by dropping a partition), alone and beside a relay draining the backlog, with the
+//!   relay's rate alone and beside it;
 //!
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
@@ -61,7 +63,8 @@
 //! default 120), `OUTBOX_BENCH_RSS_ROWS` (1 MiB rows for `rss`, default 2000: 2 GiB through
 //! the relay, though the repeated bytes compress to a few MB on disk),
 //! `OUTBOX_BENCH_SCALE_SENT` / `OUTBOX_BENCH_SCALE_PENDING` (the big table of `scale`, default
-//! 10000000 / 1000000), `OUTBOX_BENCH_SCALE_PLANS=1` (print its plans).
+//! 10000000 / 1000000), `OUTBOX_BENCH_SCALE_TABLES` (`plain`, `partitioned`, default both),
+//! `OUTBOX_BENCH_SCALE_PLANS=1` (print its plans).
 
 mod common;
 
@@ -140,6 +143,7 @@ struct Settings {
     scale_sent: usize,
     scale_pending: usize,
     scale_plans: bool,
+    scale_tables: Vec<TableKind>,
     filter: Option<String>,
 }
 
@@ -164,6 +168,17 @@ impl Settings {
             scale_sent: env_or("OUTBOX_BENCH_SCALE_SENT", 10_000_000)?,
             scale_pending: env_or("OUTBOX_BENCH_SCALE_PENDING", 1_000_000)?,
             scale_plans: env_or("OUTBOX_BENCH_SCALE_PLANS", 0_u8)? == 1,
+            scale_tables: match std::env::var("OUTBOX_BENCH_SCALE_TABLES").as_deref() {
+                Ok("plain") => vec![TableKind::Plain],
+                Ok("partitioned") => vec![TableKind::Partitioned],
+                Ok("" | "both") | Err(_) => vec![TableKind::Plain, TableKind::Partitioned],
+                Ok(other) => {
+                    return Err(format!(
+                        "OUTBOX_BENCH_SCALE_TABLES: plain, partitioned or both, not {other:?}"
+                    )
+                    .into())
+                }
+            },
             // `cargo bench` passes `--bench`; the first other argument is the filter.
             filter: std::env::args().skip(1).find(|a| !a.starts_with('-')),
         })
@@ -256,6 +271,18 @@ impl Scratch {
             .table(self.fresh_name("outbox"))
             .notify(notify)
             .build()?;
+        outbox.migrate(&mut self.client()?)?;
+        Ok(outbox)
+    }
+
+    /// A fresh outbox of `kind` for `scale`: partitioned by day, as an outbox that retains
+    /// days of rows would be.
+    fn scale_outbox(&self, kind: TableKind) -> Result<Outbox> {
+        let builder = Outbox::builder().table(self.fresh_name("outbox"));
+        let outbox = match kind {
+            TableKind::Plain => builder.build()?,
+            TableKind::Partitioned => builder.partition_interval(DAY).build()?,
+        };
         outbox.migrate(&mut self.client()?)?;
         Ok(outbox)
     }
@@ -972,26 +999,64 @@ fn prefill(client: &mut Client, outbox: &Outbox, rows: usize) -> Result<()> {
 /// Rows of the small table `scale` compares the big one with: a backlog to claim from.
 const SCALE_SMALL_ROWS: usize = 20_000;
 
+/// The sent rows of each table, in days of as many rows each: on a partitioned table, a
+/// partition each, as a day's partition holds a day of traffic.
+const SCALE_DAYS: usize = 10;
+
 /// Whether what the outbox retains makes its everyday operations dearer: a relay cycle
-/// (`Relay::run_once`: claim, publish to a no-op publisher, record), `stats()`, one purge of
-/// the 1,000 oldest sent rows and one enqueue, on a table holding `scale_sent` sent rows and
-/// `scale_pending` pending rows (each its own aggregate, 128-byte payloads), against the same
-/// on a table holding `SCALE_SMALL_ROWS` of each. Both are vacuumed and analysed first, as
-/// autovacuum would have them. `vs_small=` is the big table's cost over the small one's.
-/// With `OUTBOX_BENCH_SCALE_PLANS=1` it prints the claim's and `stats()`'s plans on the
-/// big table (auto_explain, as notices).
+/// (`Relay::run_once`: claim, publish to a no-op publisher, record), `stats()`, one enqueue
+/// with a key of the crate's and one with the caller's, and the purge of a day of sent rows,
+/// on a table holding `scale_sent` sent rows (`SCALE_DAYS` days of them) and `scale_pending`
+/// pending rows (each its own aggregate, 128-byte payloads), against the same on a table
+/// holding `SCALE_SMALL_ROWS` of each: plain tables, then partitioned ones (a partition per
+/// day; `OUTBOX_BENCH_SCALE_TABLES=plain` or `partitioned` for one kind). Tables are
+/// vacuumed and analysed first, as autovacuum would have them. `vs_small=` is the big
+/// table's cost over the small one's. With `OUTBOX_BENCH_SCALE_PLANS=1` it prints the
+/// claim's and `stats()`'s plans on each big table (auto_explain, as notices).
 fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
+    for kind in &settings.scale_tables {
+        scale_tables(settings, scratch, *kind)?;
+    }
+    Ok(())
+}
+
+/// The kind of table `scale` measures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TableKind {
+    Plain,
+    Partitioned,
+}
+
+impl TableKind {
+    fn name(self) -> &'static str {
+        match self {
+            TableKind::Plain => "plain",
+            TableKind::Partitioned => "partitioned",
+        }
+    }
+}
+
+fn scale_tables(settings: &Settings, scratch: &Scratch, kind: TableKind) -> Result<()> {
     let mut client = scratch.client()?;
-    let (small, big) = (scratch.outbox(false)?, scratch.outbox(false)?);
+    let (small, big) = (scratch.scale_outbox(kind)?, scratch.scale_outbox(kind)?);
     let started = Instant::now();
-    scale_fill(&mut client, &small, SCALE_SMALL_ROWS, SCALE_SMALL_ROWS)?;
+    scale_fill(
+        &mut client,
+        &small,
+        kind,
+        SCALE_SMALL_ROWS,
+        SCALE_SMALL_ROWS,
+    )?;
     scale_fill(
         &mut client,
         &big,
+        kind,
         settings.scale_sent,
         settings.scale_pending,
     )?;
+    let filled = Instant::now();
     Line::new("scale-fill")
+        .kv("tables", kind.name())
         .kv("sent", settings.scale_sent)
         .kv("pending", settings.scale_pending)
         .kv("secs", format!("{:.0}", started.elapsed().as_secs_f64()))
@@ -1006,15 +1071,15 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
         Relay::run_once(&config)?;
         Ok(started.elapsed())
     };
-    scale_compare("relay-cycle", 20, &small, &big, cycle)?;
+    scale_compare(kind, "relay-cycle", 20, &small, &big, cycle)?;
     // On one connection, as a gauge or a dashboard reads them.
     let mut stats_client = scratch.client()?;
-    scale_compare("stats", 20, &small, &big, |outbox: &Outbox| {
+    scale_compare(kind, "stats", 20, &small, &big, |outbox: &Outbox| {
         let started = Instant::now();
         outbox.stats(&mut stats_client)?;
         Ok(started.elapsed())
     })?;
-    scale_compare("stats-exact", 3, &small, &big, |outbox: &Outbox| {
+    scale_compare(kind, "stats-exact", 3, &small, &big, |outbox: &Outbox| {
         let started = Instant::now();
         outbox.stats_exact(&mut stats_client)?;
         Ok(started.elapsed())
@@ -1026,6 +1091,7 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
             outbox.stats_exact(&mut stats_client)?,
         );
         Line::new("scale-stats-estimate")
+            .kv("tables", kind.name())
             .kv("table", table)
             .kv("exact", estimated.exact)
             .kv(
@@ -1043,47 +1109,60 @@ fn scale(settings: &Settings, scratch: &Scratch) -> Result<()> {
             )
             .print();
     }
-    // Each purge takes the 1,000 oldest sent rows still there (one ends a second before
-    // the next, so the age filter picks exactly them).
-    let purged = std::cell::Cell::new(0_u64);
-    let purge = |rows: usize| {
-        let purged = &purged;
-        move |outbox: &Outbox| -> Result<Duration> {
-            let n = purged.get() + 1_000;
-            let cutoff = Duration::from_secs(rows as u64 - n + 1);
-            let mut client = scratch.client()?;
-            let started = Instant::now();
-            outbox.purge(
-                &mut client,
-                Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff)),
-            )?;
-            Ok(started.elapsed())
-        }
-    };
-    let (purge_small, purge_big) = (purge(SCALE_SMALL_ROWS), purge(settings.scale_sent));
-    let mut took = (Duration::ZERO, Duration::ZERO);
-    for _ in 0..5 {
-        took.0 += purge_small(&small)?;
-        took.1 += purge_big(&big)?;
-        purged.set(purged.get() + 1_000);
-    }
-    scale_line("purge-1000-sent", 5, took);
-    scale_compare("enqueue", 200, &small, &big, |outbox: &Outbox| {
-        let mut client = scratch.client()?;
+    let mut producer = scratch.client()?;
+    scale_compare(kind, "enqueue", 200, &small, &big, |outbox: &Outbox| {
         let started = Instant::now();
-        let mut tx = client.transaction()?;
+        let mut tx = producer.transaction()?;
         outbox.enqueue(&mut tx, event(i64::from(rand_u32())))?;
         tx.commit()?;
         Ok(started.elapsed())
     })?;
-    // The oldest sent row left, the purges above having taken the oldest ones.
-    let oldest = Duration::from_secs(settings.scale_sent as u64 - purged.get());
-    scale_retention(scratch, &big, oldest)?;
+    // A key of the caller's: on a partitioned table, looked for in every partition.
+    let keyed = AtomicU32::new(0);
+    scale_compare(
+        kind,
+        "enqueue-keyed",
+        200,
+        &small,
+        &big,
+        |outbox: &Outbox| {
+            let n = keyed.fetch_add(1, Ordering::Relaxed);
+            let started = Instant::now();
+            let mut tx = producer.transaction()?;
+            outbox.enqueue(&mut tx, event(i64::from(n)).key(format!("keyed-{n}")))?;
+            tx.commit()?;
+            Ok(started.elapsed())
+        },
+    )?;
+    // A day of sent rows, the oldest, from each table.
+    let day = |rows: usize| move |j: usize| day_cutoff(rows, j, filled);
+    let mut took = (Duration::ZERO, Duration::ZERO);
+    for (outbox, cutoff, took) in [
+        (&small, day(SCALE_SMALL_ROWS)(1), &mut took.0),
+        (&big, day(settings.scale_sent)(1), &mut took.1),
+    ] {
+        let mut client = scratch.client()?;
+        let started = Instant::now();
+        outbox.purge(
+            &mut client,
+            Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff)),
+        )?;
+        *took = started.elapsed();
+    }
+    scale_line(kind, "purge-day-sent", 1, took);
+    scale_retention(scratch, &big, kind, day(settings.scale_sent))?;
     if settings.scale_plans {
         scale_plans(&settings.url, &big)?;
     }
     drop_outbox(&mut client, &small)?;
     drop_outbox(&mut client, &big)
+}
+
+/// The age past which sent rows are the first `days` days of a table filled with `sent`
+/// rows `filled` ago, one finished a second, the oldest first (see `scale_fill`).
+fn day_cutoff(sent: usize, days: usize, filled: Instant) -> Duration {
+    let rows = (sent / SCALE_DAYS * days).min(sent) as u64;
+    Duration::from_secs(sent as u64 - rows) + filled.elapsed()
 }
 
 /// A random number, for aggregate keys that do not repeat.
@@ -1095,20 +1174,38 @@ fn rand_u32() -> u32 {
 }
 
 /// Fills `outbox` straight through SQL: `sent` rows finished a second apart, oldest first,
-/// and `pending` rows each its own aggregate, marked as its head as an enqueue marks it; sets
-/// the sent counter; vacuums and analyses.
-fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize) -> Result<()> {
+/// `SCALE_DAYS` days of them (on a partitioned table, a partition each: the partition is
+/// cut after each day), and `pending` rows each its own aggregate, marked as its head as an
+/// enqueue marks it; sets the sent counter; vacuums and analyses.
+fn scale_fill(
+    client: &mut Client,
+    outbox: &Outbox,
+    kind: TableKind,
+    sent: usize,
+    pending: usize,
+) -> Result<()> {
     let t = outbox.table();
-    client.execute(
-        &format!(
-            "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
-             INSERT INTO {t} (key, topic, aggregate_key, payload, status, attempts, done_at) \
-             SELECT 'sent-' || i, 'scale.event', 'sent-' || i, p.payload, 'sent', 1, \
-                    now() - ($1::bigint - i + 1) * interval '1 second' \
-             FROM generate_series(1, $1::bigint) AS i, p ORDER BY i"
-        ),
-        &[&i64::try_from(sent)?],
-    )?;
+    let day = sent / SCALE_DAYS;
+    for first in (0..sent).step_by(day.max(1)) {
+        let last = (first + day).min(sent);
+        client.execute(
+            &format!(
+                "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
+                 INSERT INTO {t} (key, topic, aggregate_key, payload, status, attempts, done_at) \
+                 SELECT 'sent-' || i, 'scale.event', 'sent-' || i, p.payload, 'sent', 1, \
+                        now() - ($3::bigint - i + 1) * interval '1 second' \
+                 FROM generate_series($1::bigint, $2::bigint) AS i, p ORDER BY i"
+            ),
+            &[
+                &i64::try_from(first + 1)?,
+                &i64::try_from(last)?,
+                &i64::try_from(sent)?,
+            ],
+        )?;
+        if kind == TableKind::Partitioned {
+            client.execute(&format!("SELECT {t}_partition(true)"), &[])?;
+        }
+    }
     client.execute(
         &format!(
             "WITH p AS MATERIALIZED (SELECT decode(repeat('78', 128), 'hex') AS payload) \
@@ -1118,9 +1215,16 @@ fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize)
         ),
         &[&i64::try_from(pending)?],
     )?;
+    // The sent count, by partition as the relay keeps it (all in partition 0 on a plain
+    // table).
     client.execute(
-        &format!("UPDATE {t}_counts SET sent = $1 WHERE slot = 0"),
-        &[&i64::try_from(sent)?],
+        &format!(
+            "UPDATE {t}_counts c SET sent = s.n \
+             FROM (SELECT id >> 40 AS part, count(*) AS n FROM {t} WHERE status = 'sent' \
+                   GROUP BY 1) s \
+             WHERE c.part = s.part AND c.slot = 0"
+        ),
+        &[],
     )?;
     client.batch_execute(&format!("VACUUM ANALYZE {t}"))?;
     Ok(())
@@ -1129,23 +1233,32 @@ fn scale_fill(client: &mut Client, outbox: &Outbox, sent: usize, pending: usize)
 const DAY: Duration = Duration::from_secs(86_400);
 const RETENTION_WINDOW: Duration = Duration::from_secs(10);
 
-/// Retention by DELETE at scale: a purge of one day of sent rows (86,400 of them, the fill
-/// finished one a second) alone, then a relay draining the backlog for `RETENTION_WINDOW`
-/// alone and as long again while a purge deletes day after day of the oldest sent rows.
-/// `oldest` is the age of the oldest sent row.
-fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Result<()> {
-    let days_purged = AtomicU32::new(0);
-    let purge_day = |client: &mut Client| -> Result<(Duration, u64)> {
-        let day = days_purged.fetch_add(1, Ordering::Relaxed) + 1;
-        let cutoff = oldest.saturating_sub(DAY * day);
+/// Retention at scale: a purge of the next day of sent rows alone (by DELETE on a plain
+/// table, by dropping its partition on a partitioned one), then a relay draining the backlog
+/// for `RETENTION_WINDOW` alone and as long again while a purge takes day after day of the
+/// oldest sent rows, until none is left. `cutoff(j)` is the age past which the first `j`
+/// days are.
+fn scale_retention(
+    scratch: &Scratch,
+    outbox: &Outbox,
+    kind: TableKind,
+    cutoff: impl Fn(usize) -> Duration + Sync,
+) -> Result<()> {
+    // The first day went in `purge-day-sent`.
+    let days_purged = AtomicU32::new(1);
+    let purge_day = |client: &mut Client| -> Result<Option<(Duration, u64)>> {
+        let day = days_purged.fetch_add(1, Ordering::Relaxed) as usize + 1;
+        if day > SCALE_DAYS {
+            return Ok(None);
+        }
         let started = Instant::now();
         let rows = outbox.purge(
             client,
-            Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff)),
+            Rows::Sent.matching(postgres_outbox::Filter::new().older_than(cutoff(day))),
         )?;
-        Ok((started.elapsed(), rows))
+        Ok(Some((started.elapsed(), rows)))
     };
-    let (alone, alone_rows) = purge_day(&mut scratch.client()?)?;
+    let (alone, alone_rows) = purge_day(&mut scratch.client()?)?.unwrap_or_default();
 
     let published = Arc::new(AtomicU64::new(0));
     let counted = Arc::clone(&published);
@@ -1174,7 +1287,9 @@ fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Resu
             let mut client = scratch.client()?;
             let (mut took, mut days, mut rows) = (Duration::ZERO, 0, 0);
             while !done.load(Ordering::Relaxed) {
-                let (t, n) = purge_day(&mut client)?;
+                let Some((t, n)) = purge_day(&mut client)? else {
+                    break;
+                };
                 (took, days, rows) = (took + t, days + 1, rows + n);
             }
             Ok((took, days, rows))
@@ -1186,12 +1301,13 @@ fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Resu
     })?;
     relay.shutdown(Duration::from_secs(10))?;
     Line::new("scale-retention")
-        .kv("purge_day_ms", format!("{:.0}", alone.as_secs_f64() * 1e3))
+        .kv("tables", kind.name())
+        .kv("purge_day_ms", format!("{:.1}", alone.as_secs_f64() * 1e3))
         .kv("rows", alone_rows)
         .kv(
             "purge_day_ms_beside_relay",
             format!(
-                "{:.0}",
+                "{:.1}",
                 purge_took.as_secs_f64() * 1e3 / f64::from(days.max(1))
             ),
         )
@@ -1206,6 +1322,7 @@ fn scale_retention(scratch: &Scratch, outbox: &Outbox, oldest: Duration) -> Resu
 
 /// Runs `op` `times` times on each table, taking turns, and prints the mean costs.
 fn scale_compare(
+    kind: TableKind,
     name: &str,
     times: u32,
     small: &Outbox,
@@ -1217,13 +1334,14 @@ fn scale_compare(
         took.0 += op(small)?;
         took.1 += op(big)?;
     }
-    scale_line(name, times, took);
+    scale_line(kind, name, times, took);
     Ok(())
 }
 
-fn scale_line(name: &str, times: u32, (small, big): (Duration, Duration)) {
+fn scale_line(kind: TableKind, name: &str, times: u32, (small, big): (Duration, Duration)) {
     let ms = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(times);
     Line::new("scale")
+        .kv("tables", kind.name())
         .kv("op", name)
         .kv("times", times)
         .kv("small_ms", format!("{:.2}", ms(small)))

@@ -19,6 +19,18 @@
 -- This migration creates the bookkeeping and the two functions on every outbox. On a plain
 -- one, whose {partitions} stays empty, the relay's periodic call returns at once.
 
+-- The sent count by partition as well as by slot, so that dropping a partition takes its
+-- rows off the count without counting them. On a plain table every row is in partition 0.
+ALTER TABLE {counts} ADD COLUMN part bigint NOT NULL DEFAULT 0;
+DO $do$
+BEGIN
+    EXECUTE format('ALTER TABLE {counts} DROP CONSTRAINT %I',
+                   (SELECT conname FROM pg_constraint
+                    WHERE conrelid = '{counts}'::regclass AND contype = 'p'));
+END
+$do$;
+ALTER TABLE {counts} ADD PRIMARY KEY (part, slot);
+
 -- One row per partition: partition n holds ids [n * 2^40, (n + 1) * 2^40). `every` is how
 -- long it stays open once ids start to fall in it (`opened_at`); `closed_at`, when the
 -- sequence moved past it.
@@ -110,6 +122,8 @@ BEGIN
         INSERT INTO {partitions} (n, every, ahead)
         VALUES (k, open_row.every, open_row.ahead)
         ON CONFLICT DO NOTHING;
+        INSERT INTO {counts} (part, slot) SELECT k, generate_series(0, 15)
+        ON CONFLICT DO NOTHING;
     END LOOP;
     RETURN (SELECT count(*) FROM {partitions} WHERE n > open_n
               AND to_regclass(format('%s%I', '{schema_prefix}', '{name}_p' || n))
@@ -118,14 +132,13 @@ END
 $fn$;
 
 -- Retention by partition: drops the oldest partition if the sequence has moved past it and
--- its rows are all sent, the last of them before `p_before`, and takes its rows off the sent
--- count (slot `p_slot`). A partition that holds a pending, dead or parked row stays whole
+-- its rows are all sent, the last of them before `p_before`, and its sent count with it. A partition that holds a pending, dead or parked row stays whole
 -- until that row is sent, redriven and sent, skipped or purged, and so do the ones after
 -- it. The table is locked for the drop itself (a second at most, or the partition waits for
 -- the next call), and the check made again under the lock. One partition per call, so no
 -- lock outlives a drop. Returns the rows the partition held, NULL when none was dropped.
 -- `p_dry`: drops nothing, and returns the rows of every partition calls would drop now.
-CREATE FUNCTION {retire_fn}(p_before timestamptz, p_slot smallint, p_dry boolean)
+CREATE FUNCTION {retire_fn}(p_before timestamptz, p_dry boolean)
 RETURNS bigint LANGUAGE plpgsql AS $fn$
 DECLARE
     width constant bigint := 1099511627776;
@@ -156,7 +169,7 @@ BEGIN
         EXIT WHEN to_regclass(part) IS NULL;
         EXECUTE format(probe, part) INTO unfinished, newest;
         EXIT WHEN unfinished OR newest >= p_before;
-        EXECUTE format('SELECT count(*) FROM %s WHERE status = ''sent''', part) INTO n_sent;
+        SELECT coalesce(sum(c.sent), 0) INTO n_sent FROM {counts} c WHERE c.part = p.n;
         IF p_dry THEN
             total := coalesce(total, 0) + n_sent;
             CONTINUE;
@@ -174,7 +187,8 @@ BEGIN
         END IF;
         EXECUTE format('DROP TABLE %s', part);
         DELETE FROM {partitions} WHERE n = p.n;
-        UPDATE {counts} SET sent = sent - n_sent WHERE slot = p_slot;
+        SELECT coalesce(sum(c.sent), 0) INTO n_sent FROM {counts} c WHERE c.part = p.n;
+        DELETE FROM {counts} c WHERE c.part = p.n;
         RETURN n_sent;
     END LOOP;
     RETURN total;

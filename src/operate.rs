@@ -700,9 +700,8 @@ impl Outbox {
         let age = micros(age);
         let mut total = 0;
         loop {
-            let slot: i16 = rand::thread_rng().gen_range(0..16);
             let rows: Option<i64> = client
-                .query_one(&sql.retire_partition, &[&age, &slot, &dry_run])
+                .query_one(&sql.retire_partition, &[&age, &dry_run])
                 .map_err(|e| self.db_error(e))?
                 .get(0);
             let Some(rows) = rows else { break };

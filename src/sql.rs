@@ -262,9 +262,9 @@ pub(crate) struct Statements {
     pub(crate) forget_relay: String,
     /// Keeps a partitioned outbox's partitions (migration 0012; NULL on a plain one).
     pub(crate) maintain_partitions: String,
-    /// Drops the oldest partition if its rows are all sent longer ago than $1 us, taking
-    /// them off the sent count's slot $2; returns how many rows it held (NULL: none
-    /// dropped). With $3, drops nothing and counts the rows of every partition it would.
+    /// Drops the oldest partition if its rows are all sent longer ago than $1 us, and its
+    /// sent count with it; returns how many rows it held (NULL: none dropped). With $2,
+    /// drops nothing and counts the rows of every partition it would.
     pub(crate) retire_partition: String,
     /// Whether the table is partitioned (migration 0012 records its partitions).
     pub(crate) is_partitioned: String,
@@ -524,13 +524,12 @@ impl Statements {
                      SELECT t.id FROM {table} t WHERE {filter}
                      ORDER BY t.status, t.done_at LIMIT {purge_batch}
                      FOR UPDATE SKIP LOCKED)
-                   RETURNING status),
-                 c AS (SELECT count(*) FILTER (WHERE status = 'sent') AS gone_sent,
-                              count(*) AS n
-                       FROM gone),
-                 bump AS (UPDATE {counts} SET sent = sent - c.gone_sent FROM c
-                          WHERE slot = $6 AND c.gone_sent > 0)
-                 SELECT n FROM c"
+                   RETURNING status, id),
+                 c AS (SELECT id >> 40 AS part, count(*) FILTER (WHERE status = 'sent') AS sent
+                       FROM gone GROUP BY 1),
+                 bump AS (UPDATE {counts} k SET sent = k.sent - c.sent FROM c
+                          WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0)
+                 SELECT count(*) FROM gone"
             )?,
             // The first entry of the ready index: the oldest row a relay could take as it is.
             health_due: values.render(
@@ -656,12 +655,15 @@ impl Statements {
                    FROM o
                    WHERE t.id = o.id AND t.attempts = o.attempts AND t.status = 'pending'
                      AND t.lease_until = o.lease
-                   RETURNING t.status),
-                 c AS (SELECT count(*) AS n, count(*) FILTER (WHERE status = 'sent') AS sent
-                       FROM upd),
-                 bump AS (UPDATE {counts} SET sent = {counts}.sent + c.sent FROM c
-                          WHERE slot = $6 AND c.sent > 0)
-                 SELECT n, sent FROM c"
+                   RETURNING t.status, t.id),
+                 -- Counted by partition (migration 0012; all are partition 0 on a plain
+                 -- table), so a partition dropped is taken off the count without a count.
+                 c AS (SELECT id >> 40 AS part, count(*) AS n,
+                              count(*) FILTER (WHERE status = 'sent') AS sent
+                       FROM upd GROUP BY 1),
+                 bump AS (UPDATE {counts} k SET sent = k.sent + c.sent FROM c
+                          WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0)
+                 SELECT coalesce(sum(n), 0)::bigint, coalesce(sum(sent), 0)::bigint FROM c"
             )?,
             migrations_table: values.render(
                 "CREATE TABLE IF NOT EXISTS {migrations} (
@@ -703,7 +705,7 @@ impl Statements {
             forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
             maintain_partitions: values.render("SELECT {partition_fn}(false)")?,
             retire_partition: values.render(
-                "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2, $3)"
+                "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             is_partitioned: values.render("SELECT EXISTS (SELECT 1 FROM {partitions})")?,
             partitions: values.render(
@@ -1204,7 +1206,8 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
     });
     vars.extend([
         ("busy_fn", table.companion("_busy")),
-        ("key_guard_fn", table.companion("_key_guard")),
+        ("key_taken_fn", table.companion("_key_taken")),
+        ("keys_taken_fn", table.companion("_keys_taken")),
         ("table_lock_text", table.ordered_lock_key().to_string()),
         ("table_lock", bigint(table.ordered_lock_key())),
         ("lock_seed", bigint(table.aggregate_lock_seed())),

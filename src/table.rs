@@ -29,7 +29,8 @@ const SUFFIXES: &[&str] = &[
     "_partitions",
     "_partition",
     "_retire",
-    "_key_guard",
+    "_key_taken",
+    "_keys_taken",
     "_plain",
     "_pkey",
     // A partition and its key index: `_p<n>`, `_k<n>`, n below ten million.

@@ -240,6 +240,11 @@ const FEATURES: &[Feature] = &[
         ],
     },
     Feature {
+        name: "declarative partitioning (PARTITION BY RANGE, ATTACH PARTITION)",
+        since: Version(10, 0),
+        patterns: &["PARTITION BY RANGE", "ATTACH PARTITION"],
+    },
+    Feature {
         // Internal and undocumented, but stable: hash partitioning is built on it.
         name: "hashtextextended()",
         since: Version(11, 0),
@@ -261,6 +266,13 @@ const FEATURES: &[Feature] = &[
         name: "WITH ... AS MATERIALIZED",
         since: Version(12, 0),
         patterns: &["AS MATERIALIZED ("],
+    },
+    Feature {
+        // Also from 11 on, what a partitioned outbox needs: a primary key and ON CONFLICT
+        // DO NOTHING on a partitioned table; those have no pattern of their own.
+        name: "pg_partition_tree()",
+        since: Version(12, 0),
+        patterns: &["pg_partition_tree("],
     },
     Feature {
         // What makes 13 the minimum: txid_current() is what came before.
