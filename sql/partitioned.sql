@@ -9,6 +9,17 @@
 -- {partition_fn}); after the cut, producers write to one partition, whose index decides.
 -- Keys the crate makes need neither: nothing else can hold them.
 
+-- No producer may write while the table is found empty and made again (the crate's own
+-- check comes after the same lock).
+LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;
+DO $do$
+BEGIN
+    IF EXISTS (SELECT FROM {table}) THEN
+        RAISE EXCEPTION 'outbox {name} holds rows, and only an empty table is made partitioned'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+END
+$do$;
 ALTER TABLE {table} RENAME TO {unpartitioned_name};
 CREATE TABLE {table} (LIKE {unpartitioned} INCLUDING DEFAULTS INCLUDING CONSTRAINTS
                       INCLUDING IDENTITY INCLUDING STORAGE INCLUDING COMMENTS)
@@ -37,23 +48,20 @@ INSERT INTO {partitions} (n, every, ahead) VALUES (0, {every}, {ahead});
 SELECT {partition_fn}(false);
 
 -- What an enqueue of keys the caller gave does first: hold off the next cut until this
--- transaction ends, and look for the keys in every partition. Under REPEATABLE READ the
--- snapshot may predate keys committed just before the last cut, in the partition before:
--- a transaction that began before it gets a serialization failure, to be retried, as a
--- plain table's unique index would give. The look is forced to probe each partition's key
--- index: a partition still empty when a plan was made looks cheaper to read whole, and
--- stays so in the cached plan for a while after it has filled. The guard is written out
--- in both functions: a call of a third cost as much as the probe.
+-- transaction ends, and look for the keys in every partition. The look is forced to probe
+-- each partition's key index: a partition still empty when a plan was made looks cheaper
+-- to read whole, and stays so in the cached plan for a while after it has filled. (The
+-- lock is written out in both functions: a call of a third cost as much as the probe.)
+--
+-- Under REPEATABLE READ the snapshot may predate keys committed just before the last cut,
+-- in the partition before, which the look cannot see. So a row that such a transaction
+-- writes into a partition its snapshot does not know as open (a cut came after it) is a
+-- serialization failure, to be retried, as a plain table's unique index would give; see
+-- {enqueue_fn} and {enqueue_n_fn}. (SERIALIZABLE finds the conflict by itself.)
 CREATE FUNCTION {key_taken_fn}(p_key text) RETURNS boolean
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 BEGIN
     PERFORM pg_advisory_xact_lock_shared({key_epoch_lock});
-    IF current_setting('transaction_isolation') <> 'read committed'
-       AND now() < (SELECT max(opened_at) FROM {partitions} WHERE n > 0) THEN
-        RAISE EXCEPTION 'outbox {name}: this transaction began before the outbox''s last partition cut'
-            USING ERRCODE = 'serialization_failure',
-                  HINT = 'Run the transaction again.';
-    END IF;
     RETURN EXISTS (SELECT 1 FROM {table} t WHERE t.key = p_key);
 END
 $fn$;
@@ -63,12 +71,6 @@ CREATE FUNCTION {keys_taken_fn}(p_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 BEGIN
     PERFORM pg_advisory_xact_lock_shared({key_epoch_lock});
-    IF current_setting('transaction_isolation') <> 'read committed'
-       AND now() < (SELECT max(opened_at) FROM {partitions} WHERE n > 0) THEN
-        RAISE EXCEPTION 'outbox {name}: this transaction began before the outbox''s last partition cut'
-            USING ERRCODE = 'serialization_failure',
-                  HINT = 'Run the transaction again.';
-    END IF;
     RETURN ARRAY(SELECT k
                  FROM (SELECT DISTINCT k FROM unnest(p_keys) AS k) AS keys,
                       LATERAL (SELECT 1 FROM {table} t WHERE t.key = keys.k LIMIT 1) AS found
@@ -85,6 +87,7 @@ RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE
     held text;
     lock_key bigint;
+    new_id bigint;
 BEGIN
     -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
     -- this one cost five times what the lock does.
@@ -133,12 +136,17 @@ BEGIN
             VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
                     coalesce(p_at, now() + p_delay_us * interval '1 microsecond'),
                     p_max_attempts, p_park)
-            ON CONFLICT DO NOTHING;
+            ON CONFLICT DO NOTHING
+            RETURNING id INTO new_id;
         EXCEPTION WHEN serialization_failure THEN
             RETURN false;
         END;
-        IF NOT FOUND THEN
+        IF new_id IS NULL THEN
             RETURN false;
+        END IF;
+        IF new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+            RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+                USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
         END IF;
     ELSE
         IF {key_taken_fn}(p_key) THEN
@@ -241,6 +249,12 @@ BEGIN
         END IF;
         RETURN (SELECT array_agg(k ORDER BY k) FROM unnest(p_keys) AS k);
     END;
+    IF current_setting('transaction_isolation') = 'repeatable read'
+       AND (SELECT max(i) FROM unnest(inserted) AS i) >> 40
+           > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+        RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+            USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
+    END IF;
     IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
         IF p_notify THEN
             PERFORM {notify_fn}();

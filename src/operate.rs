@@ -8,7 +8,7 @@
 use std::time::{Duration, SystemTime};
 
 use postgres::types::ToSql;
-use postgres::Client;
+use postgres::{Client, IsolationLevel};
 use rand::Rng;
 
 use crate::error::{Error, Result};
@@ -700,10 +700,17 @@ impl Outbox {
         let age = micros(age);
         let mut total = 0;
         loop {
-            let rows: Option<i64> = client
+            // Whatever the session's default: the drop's second look must see what
+            // committed while it waited for its lock (see migration 0012).
+            let mut tx = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::ReadCommitted)
+                .start()?;
+            let rows: Option<i64> = tx
                 .query_one(&sql.retire_partition, &[&age, &dry_run])
                 .map_err(|e| self.db_error(e))?
                 .get(0);
+            tx.commit()?;
             let Some(rows) = rows else { break };
             total += u64::try_from(rows).unwrap_or(0);
             if dry_run {

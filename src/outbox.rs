@@ -336,6 +336,9 @@ impl Outbox {
         let partitioned: bool = tx.query_one(&sql.is_partitioned, &[])?.get(0);
         let partitioned = match self.inner.partition_interval {
             Some(every) if !partitioned => {
+                // Under the lock, so no producer writes a row between the check and the
+                // conversion (which checks again, for the script of `sql()`).
+                tx.batch_execute(&sql.lock_table)?;
                 if tx.query_one(&sql.has_rows, &[])?.get::<_, bool>(0) {
                     return Err(Error::InvalidConfig(format!(
                         "outbox {} holds rows, and only an empty table is made partitioned: \
@@ -358,9 +361,9 @@ impl Outbox {
         Ok(())
     }
 
-    /// Whether the table is partitioned, asked of the database once per `Outbox` (a table
-    /// becomes partitioned only while empty, by `migrate`, which tells every `Outbox` it
-    /// runs on).
+    /// Whether the table is partitioned, asked of the catalog once per `Outbox` (a table
+    /// becomes partitioned only while empty, by `migrate`: convert it before producers
+    /// run).
     pub(crate) fn partitioned(&self, client: &mut impl GenericClient) -> Result<bool> {
         match self.inner.kind.load(Ordering::Relaxed) {
             PLAIN => Ok(false),

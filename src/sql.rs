@@ -266,8 +266,10 @@ pub(crate) struct Statements {
     /// sent count with it; returns how many rows it held (NULL: none dropped). With $2,
     /// drops nothing and counts the rows of every partition it would.
     pub(crate) retire_partition: String,
-    /// Whether the table is partitioned (migration 0012 records its partitions).
+    /// Whether the table is partitioned.
     pub(crate) is_partitioned: String,
+    /// Locks the table against every other use, for its conversion.
+    pub(crate) lock_table: String,
     /// The partitions, oldest first, with their rows as the planner estimates them.
     pub(crate) partitions: String,
     /// Whether the table holds any row.
@@ -707,7 +709,12 @@ impl Statements {
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
-            is_partitioned: values.render("SELECT EXISTS (SELECT 1 FROM {partitions})")?,
+            // From the catalog, which every role may read.
+            is_partitioned: values.render(
+                "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
+                                  WHERE oid = to_regclass('{table}')), false)"
+            )?,
+            lock_table: values.render("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")?,
             partitions: values.render(
                 "SELECT p.n, extract(epoch FROM p.every)::float8,
                         extract(epoch FROM now() - p.opened_at)::float8,

@@ -9,15 +9,18 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::{client, quoted_with, relay_config, unique_name, wait_until, Sink};
+use postgres::error::SqlState;
 use postgres::Client;
 use postgres_outbox::{Check, Filter, Message, Outbox, Relay, Rows};
 
-const DAY: Duration = Duration::from_secs(24 * 3600);
+/// The longest interval there is, so that no cut by the clock (a day's partition is cut at
+/// midnight UTC) comes in the middle of a test: each test cuts when it means to.
+const YEAR: Duration = Duration::from_secs(366 * 24 * 3600);
 
 fn partitioned(prefix: &str) -> (Outbox, Client) {
     let outbox = Outbox::builder()
         .table(unique_name(prefix))
-        .partition_interval(DAY)
+        .partition_interval(YEAR)
         .build()
         .expect("valid settings");
     let mut client = client();
@@ -54,6 +57,13 @@ fn partition_of(client: &mut Client, outbox: &Outbox, key: &str) -> String {
         .expect("the row")
         .get::<_, String>(0)
         .replace('"', "")
+}
+
+/// Cuts the open partition whatever the clock says, then makes the one this leaves missing
+/// ahead, as the relay's next upkeep would.
+fn cut(client: &mut Client, outbox: &Outbox) {
+    upkeep(client, outbox, true);
+    upkeep(client, outbox, false);
 }
 
 /// Runs the relay's partition upkeep once; `cut`: cut the open partition whatever the clock.
@@ -97,25 +107,28 @@ fn a_partitioned_outbox_keeps_partitions_ahead_and_cuts_them_by_the_clock() {
     let first = enqueue(&mut client, &outbox, message("first")).unwrap();
     assert!(partition_of(&mut client, &outbox, &first).ends_with("_p0"));
 
-    // Within its day the open partition stays open.
+    // Within its interval the open partition stays open.
     assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
     let second = enqueue(&mut client, &outbox, message("second")).unwrap();
     assert!(partition_of(&mut client, &outbox, &second).ends_with("_p0"));
 
-    // Opened yesterday: cut, new ids go to the next partition, one more is made ahead.
+    // Opened over a year ago: cut, new ids go to the next partition, one more is made ahead
+    // (by this call, so the next one can cut to it).
     client
         .execute(
             &format!(
-                "UPDATE {} SET opened_at = now() - interval '1 day' WHERE n = 0",
+                "UPDATE {} SET opened_at = now() - interval '400 days' WHERE n = 0",
                 quoted_with(&outbox, "_partitions")
             ),
             &[],
         )
         .unwrap();
-    assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
-    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    assert_eq!(upkeep(&mut client, &outbox, false), Some(1));
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
     let third = enqueue(&mut client, &outbox, message("third")).unwrap();
     assert!(partition_of(&mut client, &outbox, &third).ends_with("_p1"));
+    assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
 
     // A relay does the same on its own: drop the partitions ahead, and it makes them again.
     for n in [2, 3] {
@@ -138,7 +151,7 @@ fn keys_the_caller_gives_stay_unique_across_partitions() {
     let (outbox, mut client) = partitioned("part_keys");
     enqueue(&mut client, &outbox, message("k1")).unwrap();
     enqueue(&mut client, &outbox, message("k2")).unwrap();
-    upkeep(&mut client, &outbox, true);
+    cut(&mut client, &outbox);
     let fresh = enqueue(&mut client, &outbox, message("k3")).unwrap();
     assert!(partition_of(&mut client, &outbox, &fresh).ends_with("_p1"));
 
@@ -199,9 +212,7 @@ fn a_cut_waits_for_producers_of_the_callers_keys() {
     assert!(partition_of(&mut client, &outbox, &during).ends_with("_p0"));
     release.send(()).unwrap();
     producer.join().unwrap();
-    upkeep(&mut client, &outbox, true);
-    let err = enqueue(&mut client, &outbox, message("held")).unwrap_err();
-    assert!(err.is_duplicate_key(), "{err}");
+    cut(&mut client, &outbox);
     let after = enqueue(&mut client, &outbox, Message::new("t", b"{}".to_vec())).unwrap();
     assert!(partition_of(&mut client, &outbox, &after).ends_with("_p1"));
 }
@@ -213,7 +224,7 @@ fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
         enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
     }
     enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
-    upkeep(&mut client, &outbox, true);
+    cut(&mut client, &outbox);
     enqueue(&mut client, &outbox, message("new")).unwrap();
     let published = Sink::default();
     let config = relay_config(&outbox, {
@@ -245,7 +256,7 @@ fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
     );
     assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 5);
     // Sent too recently for a purge of what is a day old.
-    let day_old = Rows::Sent.matching(Filter::new().older_than(DAY));
+    let day_old = Rows::Sent.matching(Filter::new().older_than(Duration::from_secs(86_400)));
     assert_eq!(outbox.purge(&mut client, day_old).unwrap(), 0);
     assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 5);
     assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
@@ -269,7 +280,7 @@ fn only_an_empty_table_becomes_partitioned() {
     enqueue(&mut client, &plain, message("kept")).unwrap();
     let asked = Outbox::builder()
         .table(&table)
-        .partition_interval(DAY)
+        .partition_interval(YEAR)
         .build()
         .unwrap();
     let err = asked.migrate(&mut client).unwrap_err();
@@ -303,7 +314,7 @@ fn the_sql_script_makes_the_same_partitioned_table_and_runs_again() {
     let table = format!("{}.{}", common::schema(), unique_name("part_script"));
     let outbox = Outbox::builder()
         .table(&table)
-        .partition_interval(DAY)
+        .partition_interval(YEAR)
         .build()
         .unwrap();
     let mut client = client();
@@ -348,4 +359,100 @@ fn the_doctor_reports_missing_partitions() {
         .findings
         .iter()
         .any(|f| f.check == Check::Partitions));
+}
+
+/// Under REPEATABLE READ a snapshot taken before a cut may miss a key committed just before
+/// it, in the partition before: an enqueue of a caller's key in such a transaction is a
+/// serialization failure, to be retried; one that began after the cut goes in.
+#[test]
+fn a_repeatable_read_producer_older_than_the_last_cut_is_told_to_retry() {
+    let (outbox, mut client) = partitioned("part_rr");
+    let mut early = common::client();
+    let mut tx = early
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .unwrap();
+    tx.batch_execute("SELECT 1").unwrap();
+    enqueue(&mut client, &outbox, message("before-the-cut")).unwrap();
+    cut(&mut client, &outbox);
+    let err = outbox
+        .enqueue(&mut tx, message("before-the-cut"))
+        .unwrap_err();
+    let code = err.as_db_error().map(|e| e.code().clone());
+    assert_eq!(code, Some(SqlState::T_R_SERIALIZATION_FAILURE), "{err}");
+    tx.rollback().unwrap();
+    // Keys of the crate's own need no look, and no retry.
+    let mut tx = early
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .unwrap();
+    let err = outbox
+        .enqueue(&mut tx, message("before-the-cut"))
+        .unwrap_err();
+    assert!(err.is_duplicate_key(), "{err}");
+    outbox
+        .enqueue(&mut tx, Message::new("t", b"{}".to_vec()))
+        .unwrap();
+    outbox.enqueue(&mut tx, message("after-the-cut")).unwrap();
+    tx.commit().unwrap();
+}
+
+/// A producer that drew its id in the open partition and has not committed when the cut
+/// comes holds the partition: its drop waits for it (a second), gives up, and leaves every
+/// row where it is; once its row is sent, the partition goes.
+#[test]
+fn retention_waits_for_a_producer_still_writing_to_the_partition() {
+    let (outbox, mut client) = partitioned("part_retire_wait");
+    enqueue(&mut client, &outbox, message("sent-early")).unwrap();
+    send_all(&outbox);
+    let mut slow = common::client();
+    let mut tx = slow.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", b"{}".to_vec()))
+        .unwrap();
+    // Keys of the crate's own do not hold the cut back.
+    cut(&mut client, &outbox);
+    let all_sent = Rows::Sent.matching(Filter::new());
+    assert_eq!(outbox.purge(&mut client, all_sent.clone()).unwrap(), 0);
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    tx.commit().unwrap();
+    assert_eq!(outbox.purge(&mut client, all_sent.clone()).unwrap(), 0);
+    assert_eq!(send_all(&outbox).len(), 1);
+    // Whatever isolation the session defaults to, the drop looks under READ COMMITTED.
+    client
+        .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .unwrap();
+    assert_eq!(outbox.purge(&mut client, all_sent).unwrap(), 2);
+    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
+    assert_eq!(common::stats(&outbox, &mut client).sent, 0);
+}
+
+/// The sequence moves only to a partition an earlier, committed transaction made: a cut in
+/// the transaction that made it, rolled back, leaves producers where they were.
+#[test]
+fn a_cut_never_points_at_a_partition_that_may_roll_back() {
+    let (outbox, mut client) = partitioned("part_rollback");
+    for n in [1, 2] {
+        client
+            .batch_execute(&format!(
+                "DROP TABLE {}",
+                quoted_with(&outbox, &format!("_p{n}"))
+            ))
+            .unwrap();
+    }
+    let mut tx = client.transaction().unwrap();
+    let cut = format!("SELECT {}(true)", quoted_with(&outbox, "_partition"));
+    tx.batch_execute(&cut).unwrap();
+    tx.batch_execute(&cut).unwrap();
+    tx.rollback().unwrap();
+    let key = enqueue(&mut client, &outbox, message("still-p0")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &key).ends_with("_p0"));
+    assert_eq!(partitions(&mut client, &outbox), vec![0]);
+    // Made now, cut by the next call.
+    assert_eq!(upkeep(&mut client, &outbox, true), Some(2));
+    assert_eq!(upkeep(&mut client, &outbox, true), Some(1));
+    let key = enqueue(&mut client, &outbox, message("now-p1")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &key).ends_with("_p1"));
 }

@@ -99,7 +99,6 @@ impl Report {
                         sql.table().as_str()
                     );
                 }
-                self.maintain_partitions(worker, sql);
             }
             Err(e) => {
                 if !self.failing.swap(true, Ordering::SeqCst) {
@@ -116,6 +115,7 @@ impl Report {
                 }
             }
         }
+        self.maintain_partitions(worker, sql);
     }
 
     /// Keeps a partitioned outbox's partitions: cut on time, made ahead (migration 0012).
