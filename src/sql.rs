@@ -1263,7 +1263,18 @@ pub(crate) const END_OWN_BACKEND: &str = "SELECT pg_terminate_backend(pg_backend
 
 /// Undoes [`relay_session`] before a pooled connection goes back.
 pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
-     RESET idle_in_transaction_session_timeout; RESET jit";
+     RESET idle_in_transaction_session_timeout; RESET jit; RESET plan_cache_mode; \
+     RESET enable_seqscan";
+
+/// A relay session's plans on a partitioned table: planned once per connection. Planned
+/// for each claim's values (which PostgreSQL keeps choosing, as their estimates look
+/// cheaper), every statement plans every partition: half the relay's rate with a dozen
+/// partitions (BENCHMARKS.md, "Partitioned outboxes at scale"). And no sequential scan
+/// where an index serves: a plan made while a partition ahead was empty would read it
+/// whole once it is the open one, until the next analyze. A plain table keeps the
+/// server's choices.
+pub(crate) const PARTITIONED_PLANS: &str =
+    "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off";
 
 /// Session settings of a relay's listener connection.
 pub(crate) const LISTENER_SESSION: &str = "SET application_name = 'postgres-outbox listener'";

@@ -8,9 +8,11 @@
 use std::collections::HashSet;
 use std::error::Error as StdError;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use postgres::types::ToSql;
+use postgres::Client;
 
 use super::config::RelayConfig;
 use super::health::Access;
@@ -21,7 +23,7 @@ use crate::publish::{fewer_outcomes, PublishError, Publisher};
 use crate::record::{Fence, Record};
 use crate::retry::{reconnect_delay, Outcome};
 use crate::rounds::in_round_order;
-use crate::session::{sql_setup, Session};
+use crate::session::{Session, Setup};
 use crate::sql;
 use crate::store::{self, ClaimRequest, Claimed};
 
@@ -113,11 +115,22 @@ pub(crate) struct Worker<'a> {
 /// carries the table, so `pg_stat_activity` tells which outbox a backend serves. JIT is off:
 /// the claim's recursive scan is estimated above `jit_above_cost`, and compiling it took
 /// 35 ms of every 6 ms claim.
-fn session_setup(config: &RelayConfig) -> String {
-    sql::relay_session(
+fn session_setup(config: &RelayConfig) -> Setup {
+    let settings = sql::relay_session(
         config.outbox.statements().table(),
         statement_timeout(config.lease),
-    )
+    );
+    let outbox = config.outbox.clone();
+    Arc::new(move |client: &mut Client| {
+        client.batch_execute(&settings)?;
+        let partitioned: bool = client
+            .query_one(&outbox.statements().is_partitioned, &[])?
+            .get(0);
+        if partitioned {
+            client.batch_execute(sql::PARTITIONED_PLANS)?;
+        }
+        Ok(())
+    })
 }
 
 /// A quarter of the lease, between 1 and 30 seconds.
@@ -144,7 +157,7 @@ impl<'a> Worker<'a> {
             config,
             session: Session::new(
                 config.worker_source(),
-                sql_setup(session_setup(config)),
+                session_setup(config),
                 sql::RELAY_SESSION_RESET,
                 statement_bound(config.lease),
                 &format!("{} {name}", config.outbox.table()),
