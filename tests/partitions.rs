@@ -44,6 +44,18 @@ fn partitions(client: &mut Client, outbox: &Outbox) -> Vec<i64> {
         .collect()
 }
 
+/// Drops partitions by hand, as an operator might (or a failed upkeep would leave them).
+fn drop_partitions(client: &mut Client, outbox: &Outbox, numbers: &[i64]) {
+    for n in numbers {
+        client
+            .batch_execute(&format!(
+                "DROP TABLE {}",
+                quoted_with(outbox, &format!("_p{n}"))
+            ))
+            .expect("drop a partition");
+    }
+}
+
 /// The partition a message's row is in.
 fn partition_of(client: &mut Client, outbox: &Outbox, key: &str) -> String {
     client
@@ -131,14 +143,7 @@ fn a_partitioned_outbox_keeps_partitions_ahead_and_cuts_them_by_the_clock() {
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
 
     // A relay does the same on its own: drop the partitions ahead, and it makes them again.
-    for n in [2, 3] {
-        client
-            .batch_execute(&format!(
-                "DROP TABLE {}",
-                quoted_with(&outbox, &format!("_p{n}"))
-            ))
-            .unwrap();
-    }
+    drop_partitions(&mut client, &outbox, &[2, 3]);
     let relay = Relay::spawn(relay_config(&outbox, |_| Ok(()))).expect("spawn");
     wait_until("the relay makes the partitions ahead again", || {
         partitions(&mut client, &outbox) == vec![0, 1, 2, 3]
@@ -337,14 +342,7 @@ fn the_doctor_reports_missing_partitions() {
         .findings
         .iter()
         .any(|f| f.check == Check::Partitions));
-    for n in [1, 2] {
-        client
-            .batch_execute(&format!(
-                "DROP TABLE {}",
-                quoted_with(&outbox, &format!("_p{n}"))
-            ))
-            .unwrap();
-    }
+    drop_partitions(&mut client, &outbox, &[1, 2]);
     let health = outbox.health(&mut client).unwrap();
     let finding = health
         .findings
@@ -434,14 +432,7 @@ fn retention_waits_for_a_producer_still_writing_to_the_partition() {
 #[test]
 fn a_cut_never_points_at_a_partition_that_may_roll_back() {
     let (outbox, mut client) = partitioned("part_rollback");
-    for n in [1, 2] {
-        client
-            .batch_execute(&format!(
-                "DROP TABLE {}",
-                quoted_with(&outbox, &format!("_p{n}"))
-            ))
-            .unwrap();
-    }
+    drop_partitions(&mut client, &outbox, &[1, 2]);
     let mut tx = client.transaction().unwrap();
     let cut = format!("SELECT {}(true)", quoted_with(&outbox, "_partition"));
     tx.batch_execute(&cut).unwrap();
