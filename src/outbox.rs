@@ -365,13 +365,21 @@ impl Outbox {
     /// becomes partitioned only while empty, by `migrate`: convert it before producers
     /// run).
     pub(crate) fn partitioned(&self, client: &mut impl GenericClient) -> Result<bool> {
+        self.partitioned_as_client(client)
+            .map_err(|e| self.db_error(e))
+    }
+
+    /// [`Outbox::partitioned`] with the client's own error, for a session's setup.
+    pub(crate) fn partitioned_as_client(
+        &self,
+        client: &mut impl GenericClient,
+    ) -> std::result::Result<bool, postgres::Error> {
         match self.inner.kind.load(Ordering::Relaxed) {
             PLAIN => Ok(false),
             PARTITIONED => Ok(true),
             _ => {
                 let partitioned: bool = client
-                    .query_one(&self.statements().is_partitioned, &[])
-                    .map_err(|e| self.db_error(e))?
+                    .query_one(&self.statements().is_partitioned, &[])?
                     .get(0);
                 self.learned(partitioned);
                 Ok(partitioned)

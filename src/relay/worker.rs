@@ -123,10 +123,7 @@ fn session_setup(config: &RelayConfig) -> Setup {
     let outbox = config.outbox.clone();
     Arc::new(move |client: &mut Client| {
         client.batch_execute(&settings)?;
-        let partitioned: bool = client
-            .query_one(&outbox.statements().is_partitioned, &[])?
-            .get(0);
-        if partitioned {
+        if outbox.partitioned_as_client(client)? {
             client.batch_execute(sql::PARTITIONED_PLANS)?;
         }
         Ok(())
