@@ -53,11 +53,12 @@ SELECT {partition_fn}(false);
 -- to read whole, and stays so in the cached plan for a while after it has filled. (The
 -- lock is written out in both functions: a call of a third cost as much as the probe.)
 --
--- Under REPEATABLE READ the snapshot may predate keys committed just before the last cut,
--- in the partition before, which the look cannot see. So a row that such a transaction
--- writes into a partition its snapshot does not know as open (a cut came after it) is a
--- serialization failure, to be retried, as a plain table's unique index would give; see
--- {enqueue_fn} and {enqueue_n_fn}. (SERIALIZABLE finds the conflict by itself.)
+-- Under REPEATABLE READ and SERIALIZABLE the snapshot may predate keys committed just
+-- before the last cut, in the partition before, which the look cannot see (nor does
+-- SERIALIZABLE's conflict check, which knows no uniqueness). So a row that such a
+-- transaction writes into a partition its snapshot does not know as open (a cut came after
+-- it) is a serialization failure, to be retried, as a plain table's unique index would
+-- give; see {enqueue_fn} and {enqueue_n_fn}.
 CREATE FUNCTION {key_taken_fn}(p_key text) RETURNS boolean
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 BEGIN
@@ -163,9 +164,16 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')))
-        ON CONFLICT DO NOTHING;
-        IF NOT FOUND THEN
+        ON CONFLICT DO NOTHING
+        RETURNING id INTO new_id;
+        IF new_id IS NULL THEN
             RETURN false;
+        END IF;
+        -- SERIALIZABLE: a key written in another partition is no conflict its checks see.
+        IF current_setting('transaction_isolation') <> 'read committed'
+           AND new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+            RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+                USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
         END IF;
     END IF;
     IF p_notify THEN
@@ -249,7 +257,7 @@ BEGIN
         END IF;
         RETURN (SELECT array_agg(k ORDER BY k) FROM unnest(p_keys) AS k);
     END;
-    IF current_setting('transaction_isolation') = 'repeatable read'
+    IF current_setting('transaction_isolation') <> 'read committed'
        AND (SELECT max(i) FROM unnest(inserted) AS i) >> 40
            > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
         RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'

@@ -359,27 +359,47 @@ fn the_doctor_reports_missing_partitions() {
         .any(|f| f.check == Check::Partitions));
 }
 
-/// Under REPEATABLE READ a snapshot taken before a cut may miss a key committed just before
-/// it, in the partition before: an enqueue of a caller's key in such a transaction is a
-/// serialization failure, to be retried; one that began after the cut goes in.
+/// Under REPEATABLE READ and SERIALIZABLE a snapshot taken before a cut may miss a key
+/// committed just before it, in the partition before: an enqueue of a caller's key in such
+/// a transaction, alone or in a batch, is a serialization failure, to be retried; one that
+/// began after the cut goes in.
 #[test]
 fn a_repeatable_read_producer_older_than_the_last_cut_is_told_to_retry() {
     let (outbox, mut client) = partitioned("part_rr");
     let mut early = common::client();
-    let mut tx = early
-        .build_transaction()
-        .isolation_level(postgres::IsolationLevel::RepeatableRead)
-        .start()
-        .unwrap();
-    tx.batch_execute("SELECT 1").unwrap();
-    enqueue(&mut client, &outbox, message("before-the-cut")).unwrap();
-    cut(&mut client, &outbox);
-    let err = outbox
-        .enqueue(&mut tx, message("before-the-cut"))
-        .unwrap_err();
-    let code = err.as_db_error().map(|e| e.code().clone());
-    assert_eq!(code, Some(SqlState::T_R_SERIALIZATION_FAILURE), "{err}");
-    tx.rollback().unwrap();
+    let mut tries = Vec::new();
+    for (level, batch) in [
+        (postgres::IsolationLevel::RepeatableRead, false),
+        (postgres::IsolationLevel::RepeatableRead, true),
+        (postgres::IsolationLevel::Serializable, false),
+        (postgres::IsolationLevel::Serializable, true),
+    ] {
+        let key = format!("before-the-cut-{}", tries.len());
+        let mut tx = early
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .unwrap();
+        tx.batch_execute("SELECT 1").unwrap();
+        enqueue(&mut client, &outbox, message(&key)).unwrap();
+        cut(&mut client, &outbox);
+        let err = if batch {
+            outbox
+                .enqueue_all(&mut tx, [message("fresh"), message(&key)])
+                .unwrap_err()
+        } else {
+            outbox.enqueue(&mut tx, message(&key)).unwrap_err()
+        };
+        tries.push((level, batch, err.as_db_error().map(|e| e.code().clone())));
+        tx.rollback().unwrap();
+    }
+    for (level, batch, code) in tries {
+        assert_eq!(
+            code,
+            Some(SqlState::T_R_SERIALIZATION_FAILURE),
+            "{level:?}, batch: {batch}"
+        );
+    }
     // Keys of the crate's own need no look, and no retry.
     let mut tx = early
         .build_transaction()
@@ -387,7 +407,7 @@ fn a_repeatable_read_producer_older_than_the_last_cut_is_told_to_retry() {
         .start()
         .unwrap();
     let err = outbox
-        .enqueue(&mut tx, message("before-the-cut"))
+        .enqueue(&mut tx, message("before-the-cut-0"))
         .unwrap_err();
     assert!(err.is_duplicate_key(), "{err}");
     outbox
