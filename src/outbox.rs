@@ -369,22 +369,28 @@ impl Outbox {
             .map_err(|e| self.db_error(e))
     }
 
+    /// What [`Outbox::partitioned`] has found, if it has asked.
+    pub(crate) fn known_partitioned(&self) -> Option<bool> {
+        match self.inner.kind.load(Ordering::Relaxed) {
+            PLAIN => Some(false),
+            PARTITIONED => Some(true),
+            _ => None,
+        }
+    }
+
     /// [`Outbox::partitioned`] with the client's own error, for a session's setup.
     pub(crate) fn partitioned_as_client(
         &self,
         client: &mut impl GenericClient,
     ) -> std::result::Result<bool, postgres::Error> {
-        match self.inner.kind.load(Ordering::Relaxed) {
-            PLAIN => Ok(false),
-            PARTITIONED => Ok(true),
-            _ => {
-                let partitioned: bool = client
-                    .query_one(&self.statements().is_partitioned, &[])?
-                    .get(0);
-                self.learned(partitioned);
-                Ok(partitioned)
-            }
+        if let Some(partitioned) = self.known_partitioned() {
+            return Ok(partitioned);
         }
+        let partitioned: bool = client
+            .query_one(&self.statements().is_partitioned, &[])?
+            .get(0);
+        self.learned(partitioned);
+        Ok(partitioned)
     }
 
     fn learned(&self, partitioned: bool) {

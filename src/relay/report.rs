@@ -2,8 +2,8 @@
 //! written by whichever worker finds it due, on that worker's connection, after a cycle or
 //! while idle: every few seconds, and at once when the publisher goes up or down. The last
 //! worker to stop deletes it. It is for people: a report that cannot be written is logged
-//! once, and the relay goes on as before. Each report is followed by the upkeep of a
-//! partitioned table's partitions (a call that returns at once on a plain table).
+//! once, and the relay goes on as before. On a partitioned table each report is followed
+//! by the upkeep of its partitions.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -122,6 +122,10 @@ impl Report {
     /// On the report's cadence, which is frequent enough: partitions are made intervals
     /// ahead, and a cut a few seconds late only makes a partition a little longer.
     fn maintain_partitions(&self, worker: &mut Worker, sql: &Statements) {
+        // Nothing to keep on a plain table, and no statement more for its relays to run.
+        if !worker.on_partitioned_table() {
+            return;
+        }
         match worker.execute(&sql.maintain_partitions, Vec::new()) {
             Ok(()) => {
                 self.maintaining_fails.store(false, Ordering::SeqCst);

@@ -169,6 +169,12 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// Whether the worker's connection found the table partitioned (its setup asks, once
+    /// per `Outbox`); `false` before that.
+    pub(crate) fn on_partitioned_table(&self) -> bool {
+        self.config.outbox.known_partitioned() == Some(true)
+    }
+
     /// Runs a statement of the relay's own bookkeeping on the worker's connection.
     pub(crate) fn execute(&mut self, sql: &str, params: Vec<Param>) -> Result<()> {
         let (sql, outbox) = (sql.to_owned(), self.config.outbox.clone());
