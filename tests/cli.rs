@@ -145,6 +145,29 @@ fn stats_show_states_ages_and_topics() {
             .any(|l| l.starts_with("orders") && l.ends_with(" 3")),
         "{text}"
     );
+
+    // Past what `stats` reads, it estimates and lists no topic (that reads the backlog
+    // whole); --exact counts and lists them.
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {} (key, topic, payload) \
+             SELECT 'many-' || i, 'orders', 'p' FROM generate_series(1, 2500) AS i",
+            quoted(&outbox)
+        ))
+        .unwrap();
+    let stats = json(&ok(&outbox, &["stats", "--json"]));
+    assert_eq!(stats["exact"], Value::from(false));
+    assert_eq!(stats["topics"], Value::Null);
+    assert!(ok(&outbox, &["stats"]).contains("per topic          with --exact"));
+    let exact = json(&ok(&outbox, &["stats", "--json", "--exact"]));
+    assert_eq!(exact["pending"], Value::from(2501));
+    assert_eq!(
+        exact["topics"],
+        json(
+            r#"[{"topic": "invoices", "pending": 0, "dead": 2},
+                 {"topic": "orders", "pending": 2501, "dead": 3}]"#
+        )
+    );
 }
 
 #[test]
