@@ -333,30 +333,41 @@ fn the_sql_script_makes_the_same_partitioned_table_and_runs_again() {
     assert_eq!(send_all(&outbox).keys(), vec!["scripted".to_owned()]);
 }
 
-#[test]
-fn the_doctor_reports_missing_partitions() {
-    let (outbox, mut client) = partitioned("part_doctor");
-    assert!(!outbox
-        .health(&mut client)
+/// The problem of the doctor's partitions finding, if it has one.
+fn partitions_finding(client: &mut Client, outbox: &Outbox) -> Option<String> {
+    outbox
+        .health(client)
         .unwrap()
         .findings
-        .iter()
-        .any(|f| f.check == Check::Partitions));
-    drop_partitions(&mut client, &outbox, &[1, 2]);
-    let health = outbox.health(&mut client).unwrap();
-    let finding = health
-        .findings
-        .iter()
+        .into_iter()
         .find(|f| f.check == Check::Partitions)
-        .expect("a partitions finding");
-    assert!(finding.problem.contains("ahead"), "{finding}");
+        .map(|f| f.problem)
+}
+
+#[test]
+fn the_doctor_reports_missing_partitions_and_a_cut_overdue() {
+    let (outbox, mut client) = partitioned("part_doctor");
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
+    drop_partitions(&mut client, &outbox, &[1, 2]);
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("no partition ahead"), "{problem}");
     upkeep(&mut client, &outbox, false);
-    assert!(!outbox
-        .health(&mut client)
-        .unwrap()
-        .findings
-        .iter()
-        .any(|f| f.check == Check::Partitions));
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
+
+    // Open for more than twice its interval: no relay has cut it.
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET opened_at = now() - interval '800 days' WHERE n = 0",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[],
+        )
+        .unwrap();
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("no cut happened"), "{problem}");
+    cut(&mut client, &outbox);
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
 }
 
 /// Under REPEATABLE READ and SERIALIZABLE a snapshot taken before a cut may miss a key
