@@ -196,9 +196,27 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
         .enqueue(&mut tx, Message::new("t", "warm-up").key("warm-up"))
         .unwrap();
     tx.commit().unwrap();
+    // The worker also writes the relay's report on its connection: at once after the
+    // warm-up (its publisher has just come up), then every 5 s. The fault comes once that
+    // report is written and the worker waits, so the reply lost is the claim's, with seconds
+    // to spare before the next report.
+    let reported_the_warm_up = |client: &mut Client| {
+        client
+            .query_one(
+                "SELECT count(*) FROM faults_relays
+                 WHERE published = 1 AND seen_at > now() - interval '2 seconds'",
+                &[],
+            )
+            .map(|row| row.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+    };
     wait_until(
-        "the first message is sent and the worker waits again",
-        || count(&mut client, "status = 'sent'") == 1 && waits_for_work(&mut client),
+        "the first message is sent, reported, and the worker waits again",
+        || {
+            count(&mut client, "status = 'sent'") == 1
+                && reported_the_warm_up(&mut client)
+                && waits_for_work(&mut client)
+        },
     );
 
     // The server takes the next claim and commits it; its answer never reaches the relay.
