@@ -1245,7 +1245,8 @@ pub(crate) fn relay_session(table: &TableName, statement_timeout: Duration) -> S
         "SET application_name = 'outbox relay {table}'; \
          SET statement_timeout = {ms}; \
          SET idle_in_transaction_session_timeout = {ms}; \
-         SET jit = off",
+         SET jit = off; \
+         SET synchronous_commit = off",
         &[
             ("table", table.as_str()),
             ("ms", &statement_timeout.as_millis().to_string()),
@@ -1264,7 +1265,7 @@ pub(crate) const END_OWN_BACKEND: &str = "SELECT pg_terminate_backend(pg_backend
 /// Undoes [`relay_session`] before a pooled connection goes back.
 pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
      RESET idle_in_transaction_session_timeout; RESET jit; RESET plan_cache_mode; \
-     RESET enable_seqscan";
+     RESET enable_seqscan; RESET synchronous_commit";
 
 /// A relay session's plans on a partitioned table: planned once per connection. Planned
 /// for each claim's values (which PostgreSQL keeps choosing, as their estimates look
@@ -1370,6 +1371,16 @@ mod tests {
             assert!(setup.contains(&format!("'outbox relay {}'", table.as_str())));
             assert!(setup.contains("statement_timeout = 2500;"), "{setup}");
             assert!(setup.contains("idle_in_transaction_session_timeout = 2500;"));
+            // Whatever a relay session sets goes before its connection goes back.
+            for set in setup.split(';').chain(PARTITIONED_PLANS.split(';')) {
+                let name = set.trim().trim_start_matches("SET ").split(' ').next();
+                let name = name.unwrap_or_default();
+                assert!(
+                    RELAY_SESSION_RESET.contains(&format!("RESET {name};"))
+                        || RELAY_SESSION_RESET.ends_with(&format!("RESET {name}")),
+                    "{name} is set and never reset"
+                );
+            }
             let channel = Statements::new(&table).table().channel();
             assert_eq!(listen(&channel), format!("LISTEN {}", quote(&channel)));
         }

@@ -478,23 +478,3 @@ fn a_cut_never_points_at_a_partition_that_may_roll_back() {
     let key = enqueue(&mut client, &outbox, message("now-p1")).unwrap();
     assert!(partition_of(&mut client, &outbox, &key).ends_with("_p1"));
 }
-
-/// A relay on a partitioned table plans its statements once per connection and never reads
-/// a partition whole where an index serves; the connection goes back to its pool as it was.
-#[test]
-fn a_relay_gives_its_pooled_connection_back_with_the_servers_settings() {
-    let (outbox, mut client) = partitioned("part_session");
-    enqueue(&mut client, &outbox, message("one")).unwrap();
-    let pool = common::pool(1);
-    let sink = Sink::default();
-    let config = common::relay_config_with(&outbox, pool.clone(), sink.collect());
-    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
-    let mut conn = pool.get().unwrap();
-    for (setting, default) in [("plan_cache_mode", "auto"), ("enable_seqscan", "on")] {
-        let value: String = conn
-            .query_one(&format!("SHOW {setting}"), &[])
-            .unwrap()
-            .get(0);
-        assert_eq!(value, default, "{setting}");
-    }
-}

@@ -146,6 +146,34 @@ fn committed_publishes_once_and_rolled_back_never() {
     );
 }
 
+/// A relay's sessions have settings of their own (a statement timeout, commits that do not
+/// wait for the WAL flush, on a partitioned table generic plans and no sequential scans):
+/// the connection goes back to the caller's pool with the server's settings, as it came.
+#[test]
+fn a_relay_gives_its_pooled_connection_back_with_the_servers_settings() {
+    let (outbox, mut client) = common::outbox("rl_session");
+    enqueue_one(&mut client, &outbox, Message::new("t", "one").key("one"));
+    let pool = common::pool(1);
+    let sink = Sink::default();
+    let config = common::relay_config_with(&outbox, pool.clone(), sink.collect());
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
+    let mut conn = pool.get().unwrap();
+    for setting in [
+        "application_name",
+        "statement_timeout",
+        "idle_in_transaction_session_timeout",
+        "jit",
+        "synchronous_commit",
+        "plan_cache_mode",
+        "enable_seqscan",
+    ] {
+        let show = format!("SHOW {setting}");
+        let server: String = client.query_one(&show, &[]).unwrap().get(0);
+        let value: String = conn.query_one(&show, &[]).unwrap().get(0);
+        assert_eq!(value, server, "{setting}");
+    }
+}
+
 #[test]
 fn crash_between_publish_and_record_republishes_and_dedupe_catches_it() {
     let (outbox, mut client) = common::outbox("rl_crash");

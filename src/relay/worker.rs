@@ -114,7 +114,12 @@ pub(crate) struct Worker<'a> {
 /// session's own deadline's to catch: see `session.rs`.) The application name
 /// carries the table, so `pg_stat_activity` tells which outbox a backend serves. JIT is off:
 /// the claim's recursive scan is estimated above `jit_above_cost`, and compiling it took
-/// 35 ms of every 6 ms claim.
+/// 35 ms of every 6 ms claim. Commits do not wait for the WAL flush (`synchronous_commit =
+/// off`): a relay's commits only record what it did with a row, and a database crash that
+/// undoes the last of them puts those rows back where an earlier, durable commit left
+/// them, to be claimed and published again: a duplicate, never a loss, as when the relay
+/// itself crashes. The flush was 0.15-0.2 ms of the 0.65-0.75 ms claim an idle relay makes
+/// for a row (more on a slower disk).
 fn session_setup(config: &RelayConfig) -> Setup {
     let settings = sql::relay_session(
         config.outbox.statements().table(),
