@@ -45,6 +45,10 @@
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
 //!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
+//! - `partitions count=<n>`: `stats()` and one enqueue (ms, means of 20 and 200) on a table
+//!   partitioned by day with that many partitions, every closed one holding 1,000 sent rows
+//!   and the open one 200 pending, against a plain table holding the same rows
+//!   (`plain_stats_ms`, `plain_enqueue_ms`): what each partition kept adds;
 //! - `scale tables=plain|partitioned op=relay-cycle|stats|stats-exact|enqueue|enqueue-keyed|purge-day-sent`:
 //!   the mean cost of each operation on a table retaining many rows (`small_ms`, `big_ms`,
 //!   `vs_small`), plain and then partitioned by day; runs only when asked for by exactly that
@@ -122,6 +126,9 @@ fn main() -> Result<()> {
     }
     if settings.wants("enqueue-parts") {
         enqueue_parts(&scratch)?;
+    }
+    if settings.wants("partitions") {
+        partitions(&scratch)?;
     }
     // Last, and only when asked for by name: it writes millions of rows.
     if settings.filter.as_deref() == Some("scale") {
@@ -992,6 +999,71 @@ fn prefill(client: &mut Client, outbox: &Outbox, rows: usize) -> Result<()> {
     // What autovacuum would have done by now after so many inserts.
     client.batch_execute(&format!("VACUUM ANALYZE {}", outbox.table()))?;
     Ok(())
+}
+
+// ------------------------------------------------------------------ partitions
+
+/// Partition counts `partitions` measures at: from a fresh table to four months of days.
+const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
+
+/// What each partition a table keeps costs `stats()` and an enqueue: a table partitioned
+/// by day, cut by hand to each count in `PARTITION_COUNTS`, its closed partitions holding
+/// 1,000 sent rows each and the open one 200 pending, against a plain table holding the
+/// same rows. The rows of the partitions closed are marked sent in place, and the relay's
+/// upkeep run once before measuring, as a relay would have done.
+fn partitions(scratch: &Scratch) -> Result<()> {
+    const STATS_CALLS: u32 = 20;
+    const ENQUEUES: u32 = 200;
+    let mut client = scratch.client()?;
+    let partitioned = scratch.scale_outbox(TableKind::Partitioned)?;
+    let plain = scratch.scale_outbox(TableKind::Plain)?;
+    let upkeep = |client: &mut Client, cut: bool| -> Result<()> {
+        client.execute(&format!("SELECT {}_partition($1)", partitioned.table()), &[&cut])?;
+        Ok(())
+    };
+    let sent = "UPDATE {} SET status = 'sent', done_at = now(), head = false \
+                WHERE status = 'pending'";
+    let mut have = 3;
+    for count in PARTITION_COUNTS {
+        while have < count {
+            for outbox in [&partitioned, &plain] {
+                prefill(&mut client, outbox, 1_000)?;
+                client.batch_execute(&sent.replace("{}", outbox.table()))?;
+            }
+            upkeep(&mut client, true)?;
+            have += 1;
+        }
+        upkeep(&mut client, false)?;
+        for outbox in [&partitioned, &plain] {
+            prefill(&mut client, outbox, 200)?;
+        }
+        let mut line = Line::new("partitions").kv("count", count);
+        for (name, outbox) in [("", &partitioned), ("plain_", &plain)] {
+            outbox.stats(&mut client)?;
+            let started = Instant::now();
+            for _ in 0..STATS_CALLS {
+                outbox.stats(&mut client)?;
+            }
+            let stats = started.elapsed() / STATS_CALLS;
+            let started = Instant::now();
+            for i in 0..ENQUEUES {
+                let mut tx = client.transaction()?;
+                outbox.enqueue(&mut tx, event(i64::from(i)))?;
+                tx.commit()?;
+            }
+            let enqueue = started.elapsed() / ENQUEUES;
+            line = line
+                .kv(&format!("{name}stats_ms"), ms(stats))
+                .kv(&format!("{name}enqueue_ms"), ms(enqueue));
+            client.batch_execute(&sent.replace("{}", outbox.table()))?;
+        }
+        line.print();
+    }
+    Ok(())
+}
+
+fn ms(took: Duration) -> String {
+    format!("{:.2}", took.as_secs_f64() * 1e3)
 }
 
 // ------------------------------------------------------------------ scale

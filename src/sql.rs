@@ -85,6 +85,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0012_partitions",
         template: include_str!("../sql/0012_partitions.sql"),
     },
+    Migration {
+        version: 13,
+        name: "0013_settled_partitions",
+        template: include_str!("../sql/0013_settled_partitions.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -202,8 +207,12 @@ pub(crate) struct Statements {
     pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
-    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`).
+    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`), from the
+    /// id in `$1` on (0 on a plain table): partitions before it are left out of the plan.
     pub(crate) stats: String,
+    /// The first id `stats` reads on a partitioned table: the first of the oldest partition
+    /// not settled (migration 0013), whose rows may still be pending, parked or dead.
+    pub(crate) stats_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
     /// Rows matching a filter ($1..$5, see `FILTER`), oldest first, at most $6.
@@ -351,13 +360,13 @@ impl Statements {
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at <= now()
+                     AND available_at <= now() AND id >= $1
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  l AS MATERIALIZED (
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at > now()
+                     AND available_at > now() AND id >= $1
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  u AS MATERIALIZED (
                    SELECT id, aggregate_key, status, available_at, lease_until, created_at,
@@ -365,11 +374,13 @@ impl Statements {
                           first_value(created_at) OVER w AS first_created
                    FROM {table}
                    WHERE NOT head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
+                     AND id >= $1
                    WINDOW w AS (PARTITION BY aggregate_key ORDER BY id)
                    ORDER BY aggregate_key, id LIMIT {stats_counted} + 1),
                  m AS MATERIALIZED (
                    SELECT 1 FROM {table}
                    WHERE head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
+                     AND id >= $1
                    LIMIT {stats_counted} + 1),
                  -- The head that holds an aggregate's rows back: the marked one ahead of
                  -- them if any (created before them or, when the transactions overlapped,
@@ -382,7 +393,7 @@ impl Statements {
                    FROM u LEFT JOIN LATERAL (
                      SELECT o.created_at FROM {table} o
                      WHERE u.first AND o.head AND o.aggregate_key = u.aggregate_key
-                       AND o.status IN ('pending', 'parked') AND o.id < u.id
+                       AND o.status IN ('pending', 'parked') AND o.id < u.id AND o.id >= $1
                      ORDER BY o.id LIMIT 1) h ON true),
                  -- Every row read, with what it counts as: `behind` a head, it is blocked
                  -- while waiting, held back by the head created at `held_since`.
@@ -431,6 +442,11 @@ impl Statements {
                                        UNION ALL
                                        SELECT relid FROM pg_partition_tree(i.oid) WHERE isleaf) l
                    JOIN pg_class c ON c.oid = l.leaf
+                   -- Not the partitions before $1, settled: no backlog, and a file each.
+                   WHERE NOT EXISTS (SELECT FROM pg_index x
+                                     JOIN pg_class t ON t.oid = x.indrelid
+                                     JOIN {partitions} p ON t.relname = {name_text} || p.n
+                                     WHERE x.indexrelid = l.leaf AND p.n < $1 >> 40)
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
@@ -442,7 +458,7 @@ impl Statements {
                  FROM (SELECT count(*) AS total,
                               count(*) FILTER (WHERE status = 'parked'
                                                  AND aggregate_key IS NOT NULL) AS parked
-                       FROM {table} WHERE status IN ('dead', 'parked')) AS dead
+                       FROM {table} WHERE status IN ('dead', 'parked') AND id >= $1) AS dead
                       LEFT JOIN parts p ON true"
             )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
@@ -710,6 +726,9 @@ impl Statements {
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             // From the catalog, which every role may read.
+            stats_from: values.render(
+                "SELECT coalesce(min(n), 0) << 40 FROM {partitions} WHERE settled_at IS NULL"
+            )?,
             is_partitioned: values.render(
                 "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
                                   WHERE oid = to_regclass('{table}')), false)"

@@ -96,8 +96,19 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
+        // On a partitioned table, from the first partition that may hold a backlog: the
+        // statement is planned with it, so the settled ones (all sent, for good) cost
+        // nothing, however many days retention keeps.
+        let from: i64 = if self.partitioned(client)? {
+            client
+                .query_one(&self.statements().stats_from, &[])
+                .map_err(|e| self.db_error(e))?
+                .get(0)
+        } else {
+            0
+        };
         let rows = client
-            .query(&self.statements().stats, &[])
+            .query(&self.statements().stats, &[&from])
             .map_err(|e| self.db_error(e))?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())

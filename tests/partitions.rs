@@ -8,10 +8,11 @@ mod common;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::pg_node::PgNode;
 use common::{client, quoted_with, relay_config, unique_name, wait_until, Sink};
 use postgres::error::SqlState;
-use postgres::Client;
-use postgres_outbox::{Check, Filter, Message, Outbox, Relay, Rows};
+use postgres::{Client, NoTls};
+use postgres_outbox::{Check, Connections, Filter, Message, Outbox, Record, Relay, Rows};
 
 /// The longest interval there is, so that no cut by the clock (a day's partition is cut at
 /// midnight UTC) comes in the middle of a test: each test cuts when it means to.
@@ -477,4 +478,120 @@ fn a_cut_never_points_at_a_partition_that_may_roll_back() {
     assert_eq!(upkeep(&mut client, &outbox, true), Some(1));
     let key = enqueue(&mut client, &outbox, message("now-p1")).unwrap();
     assert!(partition_of(&mut client, &outbox, &key).ends_with("_p1"));
+}
+
+/// The partitions settled: closed, every row sent, out of reach of any producer.
+fn settled(client: &mut Client, outbox: &Outbox) -> Vec<i64> {
+    client
+        .query(
+            &format!(
+                "SELECT n FROM {} WHERE settled_at IS NOT NULL ORDER BY n",
+                quoted_with(outbox, "_partitions")
+            ),
+            &[],
+        )
+        .expect("settled partitions")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// Runs the upkeep until partition `n` is settled (a transaction of another test that ran
+/// at the cut holds it back until it ends).
+fn wait_settled(client: &mut Client, outbox: &Outbox, n: i64) {
+    wait_until(&format!("partition {n} is settled"), || {
+        upkeep(client, outbox, false);
+        settled(client, outbox).contains(&n)
+    });
+}
+
+/// `stats` plans its reads from the first partition that may still hold a backlog. A
+/// closed partition settles once every row in it is sent and no transaction that ran at
+/// its cut runs still: a producer that drew its id before the cut and commits after it is
+/// counted, not hidden.
+#[test]
+fn stats_reads_from_the_first_partition_that_may_hold_a_backlog() {
+    let (outbox, mut client) = partitioned("part_settle");
+    enqueue(&mut client, &outbox, message("early")).unwrap();
+    let mut producer = common::client();
+    let mut late = producer.transaction().unwrap();
+    // A key of the crate's: a producer of the caller's keys would hold the cut back.
+    let key = outbox
+        .enqueue(&mut late, Message::new("t", "late"))
+        .unwrap();
+    cut(&mut client, &outbox);
+    assert_eq!(send_all(&outbox).len(), 1);
+    // Nothing pending that anyone sees in p0, but the producer from before the cut runs.
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(settled(&mut client, &outbox), Vec::<i64>::new());
+    late.commit().unwrap();
+    assert!(partition_of(&mut client, &outbox, &key).ends_with("_p0"));
+    assert_eq!(common::stats(&outbox, &mut client).pending, 1);
+
+    assert_eq!(send_all(&outbox).len(), 1);
+    wait_settled(&mut client, &outbox, 0);
+    assert_eq!(common::stats(&outbox, &mut client).sent, 2);
+    // A pending row in a settled partition, which nothing but a hand can write, is out of
+    // the reads of `stats` (not of `stats_exact`): the partition is left out.
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {} (id, key, topic, payload) OVERRIDING SYSTEM VALUE
+                 VALUES (1000, 'by-hand', 't', '\\x00')",
+                common::quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(outbox.stats(&mut client).unwrap().pending, 0);
+    assert_eq!(outbox.stats_exact(&mut client).unwrap().pending, 1);
+}
+
+/// A prepared transaction holds every closed partition unsettled: its row is in one of
+/// them, invisible until it commits, and its producer's session is gone.
+#[test]
+fn a_prepared_transaction_holds_partitions_unsettled() {
+    let node = PgNode::start();
+    let mut client = node.client();
+    client
+        .batch_execute("ALTER SYSTEM SET max_prepared_transactions = 2")
+        .unwrap();
+    drop(client);
+    node.stop();
+    node.start_again();
+    let outbox = Outbox::builder()
+        .table("part_prepared")
+        .partition_interval(YEAR)
+        .build()
+        .unwrap();
+    let mut client = node.client();
+    outbox.migrate(&mut client).unwrap();
+
+    let mut preparer = node.client();
+    let mut tx = preparer.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", "prepared"))
+        .unwrap();
+    tx.batch_execute("PREPARE TRANSACTION 'outbox-late'")
+        .unwrap();
+    // The transaction is the server's now: what the client does with its own is moot.
+    drop(tx);
+    drop(preparer);
+    cut(&mut client, &outbox);
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(settled(&mut client, &outbox), Vec::<i64>::new());
+    client
+        .batch_execute("COMMIT PREPARED 'outbox-late'")
+        .unwrap();
+    assert_eq!(common::stats(&outbox, &mut client).pending, 1);
+
+    let config = common::relay_config_with(
+        &outbox,
+        Connections::open(node.url().parse().unwrap(), NoTls),
+        |_: &Record| Ok(()),
+    );
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(settled(&mut client, &outbox), vec![0]);
+    assert_eq!(common::stats(&outbox, &mut client).pending, 0);
 }
