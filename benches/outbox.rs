@@ -1018,7 +1018,10 @@ fn partitions(scratch: &Scratch) -> Result<()> {
     let partitioned = scratch.scale_outbox(TableKind::Partitioned)?;
     let plain = scratch.scale_outbox(TableKind::Plain)?;
     let upkeep = |client: &mut Client, cut: bool| -> Result<()> {
-        client.execute(&format!("SELECT {}_partition($1)", partitioned.table()), &[&cut])?;
+        client.execute(
+            &format!("SELECT {}_partition($1)", partitioned.table()),
+            &[&cut],
+        )?;
         Ok(())
     };
     let sent = "UPDATE {} SET status = 'sent', done_at = now(), head = false \

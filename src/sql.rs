@@ -210,9 +210,10 @@ pub(crate) struct Statements {
     /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`), from the
     /// id in `$1` on (0 on a plain table): partitions before it are left out of the plan.
     pub(crate) stats: String,
-    /// The first id `stats` reads on a partitioned table: the first of the oldest partition
-    /// not settled (migration 0013), whose rows may still be pending, parked or dead.
-    pub(crate) stats_from: String,
+    /// The first id `stats` and `topic_stats` read on a partitioned table: the first of the
+    /// oldest partition not settled (migration 0013), whose rows may still be pending,
+    /// parked or dead.
+    pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
     /// Rows matching a filter ($1..$5, see `FILTER`), oldest first, at most $6.
@@ -561,12 +562,15 @@ impl Statements {
             topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
                    SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NULL GROUP BY topic
+                   WHERE status = 'pending' AND aggregate_key IS NULL AND id >= $1
+                   GROUP BY topic
                    UNION ALL
                    SELECT topic, count(*), 0 FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NOT NULL GROUP BY topic
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND id >= $1
+                   GROUP BY topic
                    UNION ALL
-                   SELECT topic, 0, count(*) FROM {table} WHERE status IN ('dead', 'parked')
+                   SELECT topic, 0, count(*) FROM {table}
+                   WHERE status IN ('dead', 'parked') AND id >= $1
                    GROUP BY topic
                  ) per GROUP BY topic ORDER BY topic"
             )?,
@@ -726,7 +730,7 @@ impl Statements {
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             // From the catalog, which every role may read.
-            stats_from: values.render(
+            backlog_from: values.render(
                 "SELECT coalesce(min(n), 0) << 40 FROM {partitions} WHERE settled_at IS NULL"
             )?,
             is_partitioned: values.render(

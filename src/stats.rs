@@ -96,17 +96,7 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        // On a partitioned table, from the first partition that may hold a backlog: the
-        // statement is planned with it, so the settled ones (all sent, for good) cost
-        // nothing, however many days retention keeps.
-        let from: i64 = if self.partitioned(client)? {
-            client
-                .query_one(&self.statements().stats_from, &[])
-                .map_err(|e| self.db_error(e))?
-                .get(0)
-        } else {
-            0
-        };
+        let from = self.backlog_from(client)?;
         let rows = client
             .query(&self.statements().stats, &[&from])
             .map_err(|e| self.db_error(e))?;
@@ -141,10 +131,11 @@ impl Outbox {
     }
 
     /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
-    /// are not read).
+    /// are not read, nor are a partitioned table's settled partitions).
     pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
+        let from = self.backlog_from(client)?;
         let rows = client
-            .query(&self.statements().topic_stats, &[])
+            .query(&self.statements().topic_stats, &[&from])
             .map_err(|e| self.db_error(e))?;
         Ok(rows
             .iter()
@@ -154,6 +145,19 @@ impl Outbox {
                 dead: count(row, 2),
             })
             .collect())
+    }
+
+    /// The first id that may hold a backlog: on a partitioned table, the first of the
+    /// oldest partition not settled (migration 0013). Statements planned with it leave the
+    /// settled partitions (all sent, for good) out, however many days retention keeps.
+    fn backlog_from(&self, client: &mut Client) -> Result<i64> {
+        if !self.partitioned(client)? {
+            return Ok(0);
+        }
+        Ok(client
+            .query_one(&self.statements().backlog_from, &[])
+            .map_err(|e| self.db_error(e))?
+            .get(0))
     }
 }
 
