@@ -197,25 +197,29 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
         .unwrap();
     tx.commit().unwrap();
     // The worker also writes the relay's report on its connection: at once after the
-    // warm-up (its publisher has just come up), then every 5 s. The fault comes once that
-    // report is written and the worker waits, so the reply lost is the claim's, with seconds
-    // to spare before the next report.
-    let reported_the_warm_up = |client: &mut Client| {
+    // warm-up (its publisher has just come up), then every 5 s; and after the report, an
+    // empty claim and its announcement that it waits. The fault comes once the worker has
+    // been idle for a second since, and the report is at most 2.5 s old: the reply lost is
+    // the claim's, with seconds to spare before the next report.
+    let settled_after_the_report = |client: &mut Client| {
         client
             .query_one(
-                "SELECT count(*) FROM faults_relays
-                 WHERE published = 1 AND seen_at > now() - interval '2 seconds'",
+                "SELECT (SELECT count(*) FROM faults_relays
+                         WHERE published = 1 AND seen_at > now() - interval '2.5 seconds')
+                      + (SELECT count(*) FROM pg_stat_activity
+                         WHERE application_name = 'outbox relay faults' AND state = 'idle'
+                           AND state_change < now() - interval '1 second')",
                 &[],
             )
-            .map(|row| row.get::<_, i64>(0) == 1)
+            .map(|row| row.get::<_, i64>(0) == 2)
             .unwrap_or(false)
     };
     wait_until(
         "the first message is sent, reported, and the worker waits again",
         || {
             count(&mut client, "status = 'sent'") == 1
-                && reported_the_warm_up(&mut client)
                 && waits_for_work(&mut client)
+                && settled_after_the_report(&mut client)
         },
     );
 
