@@ -302,29 +302,46 @@ impl Held {
     /// A new connection with the session's settings, on a server that takes writes.
     fn open(&self) -> Result<Pooled> {
         let mut client = self.source.connect()?;
-        (self.setup)(&mut client).map_err(Error::Db)?;
+        match self.set_up(&mut client) {
+            Ok(()) => Ok(client),
+            Err(e) => {
+                self.end_pooled(&mut client);
+                Err(e)
+            }
+        }
+    }
+
+    fn set_up(&self, client: &mut Client) -> Result<()> {
+        (self.setup)(client).map_err(Error::Db)?;
         let read_only: bool = client
             .query_one(sql::READ_ONLY, &[])
             .map_err(Error::Db)?
             .get(0);
         if read_only {
-            // A pool would hand the same connection out again: have the server end it, so
-            // the pool opens a new one (to another host of a multi-host configuration, if
-            // the pool's own asks for a server that takes writes).
-            if self.source.is_pool() {
-                let _ = client.batch_execute(sql::END_OWN_BACKEND);
-            }
             return Err(Error::ReadOnly);
         }
-        Ok(client)
+        Ok(())
+    }
+
+    /// Has the server end a pooled connection this session may have set up in part, or that
+    /// is on a read-only server: a pool would hand it out again, to the application with
+    /// the session's settings (a relay's commits do not wait for the WAL flush), or to
+    /// this session on the same server. The pool then opens a new one (to another host of
+    /// a multi-host configuration, if the pool's own asks for a server that takes writes).
+    fn end_pooled(&self, client: &mut Client) {
+        if self.source.is_pool() && !client.is_closed() {
+            let _ = client.batch_execute(sql::END_OWN_BACKEND);
+        }
     }
 
     /// Closes the connection, or returns it to the pool clean: settings reset, and no
-    /// notification left for the next borrower.
+    /// notification left for the next borrower; one whose reset fails is ended instead.
     fn let_go(&mut self) {
         if let Some((mut client, _)) = self.conn.take() {
             if self.source.is_pool() && !client.is_closed() && !self.reset.is_empty() {
-                let _ = client.batch_execute(self.reset);
+                if client.batch_execute(self.reset).is_err() {
+                    self.end_pooled(&mut client);
+                }
                 let _ = client.notifications().iter().count();
             }
         }
