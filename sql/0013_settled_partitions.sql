@@ -10,9 +10,14 @@
 -- in it, still invisible) waits in the database.
 ALTER TABLE {partitions} ADD COLUMN settled_at timestamptz;
 ALTER TABLE {partitions} ADD COLUMN cut_vxids text[];
+-- Partitions closed before this migration: whatever runs now may have drawn ids in them.
+UPDATE {partitions} SET cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
+                                          WHERE locktype = 'virtualxid')
+WHERE closed_at IS NOT NULL;
 
--- As in migration 0012, and: the cut writes down the virtual transactions running, and
--- the upkeep settles closed partitions, oldest first, stopping at the first that is not.
+-- Migration 0012's upkeep, with two changes: a cut writes down the virtual transactions
+-- running once its setval is done, and the upkeep settles closed partitions, oldest first,
+-- stopping at the first that is not settled.
 CREATE OR REPLACE FUNCTION {partition_fn}(p_cut boolean) RETURNS integer
 LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -24,7 +29,6 @@ DECLARE
     open_row {partitions};
     k bigint;
     part text;
-    made boolean := true;
     -- Pending, parked or dead rows, through the partial indexes (as {retire_fn} looks).
     unsettled constant text := 'SELECT EXISTS (SELECT 1 FROM %1$s WHERE status = ''pending''
                                                  AND (head OR aggregate_key IS NULL))
@@ -61,29 +65,36 @@ BEGIN
     END IF;
 
     -- Settled, oldest first: a closed partition with nothing but sent rows, once every
-    -- transaction that ran at its cut has ended and none is prepared. Under READ COMMITTED
-    -- only, whose look at the rows comes after the look at the transactions: an older
-    -- snapshot could miss the row of a producer that has just ended.
-    FOR p IN SELECT * FROM {partitions}
-             WHERE n < open_n AND closed_at IS NOT NULL AND settled_at IS NULL
-               AND current_setting('transaction_isolation') = 'read committed'
-             ORDER BY n LOOP
-        part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
-        IF to_regclass(part) IS NOT NULL THEN
-            EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
-                                                     AND virtualxid = ANY (p.cut_vxids))
-                   OR EXISTS (SELECT FROM pg_prepared_xacts
-                              WHERE database = current_database());
-            EXECUTE format(unsettled, part) INTO busy;
-            EXIT WHEN busy;
-        END IF;
-        UPDATE {partitions} SET settled_at = clock_timestamp(), cut_vxids = NULL
-        WHERE n = p.n;
-    END LOOP;
+    -- transaction that ran at its cut has ended and none is prepared (any prepared one: its
+    -- session, and so its virtual transaction, is gone). Each look in this order: PREPARE
+    -- lists a transaction as prepared before it lets its virtual one go, and the rows are
+    -- read last, under READ COMMITTED only, by a snapshot taken after both looks (an older
+    -- one could miss the row of a producer that has just ended). A partition locked
+    -- against reads waits for the next upkeep.
+    PERFORM set_config('lock_timeout', '500ms', true);
+    BEGIN
+        FOR p IN SELECT * FROM {partitions}
+                 WHERE n < open_n AND closed_at IS NOT NULL AND settled_at IS NULL
+                   AND current_setting('transaction_isolation') = 'read committed'
+                 ORDER BY n LOOP
+            part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+            IF to_regclass(part) IS NOT NULL THEN
+                EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
+                                                         AND virtualxid = ANY (p.cut_vxids));
+                EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
+                                  WHERE database = current_database());
+                EXECUTE format(unsettled, part) INTO busy;
+                EXIT WHEN busy;
+            END IF;
+            UPDATE {partitions} SET settled_at = clock_timestamp(), cut_vxids = NULL
+            WHERE n = p.n;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        NULL;
+    END;
 
     -- Made apart and attached: ATTACH locks the table against DDL only, where CREATE TABLE
-    -- .. PARTITION OF would lock out producers and relays too.
-    PERFORM set_config('lock_timeout', '500ms', true);
+    -- .. PARTITION OF would lock out producers and relays too. (lock_timeout: as set above.)
     FOR k IN open_n .. open_n + open_row.ahead LOOP
         part := format('%s%I', '{schema_prefix}', '{name}_p' || k);
         CONTINUE WHEN to_regclass(part) IS NOT NULL;
@@ -101,7 +112,6 @@ BEGIN
                            part, k * width, (k + 1) * width);
         EXCEPTION WHEN lock_not_available THEN
             RAISE WARNING 'outbox {name}: partition % not made: the table is locked', k;
-            made := false;
             EXIT;
         END;
         INSERT INTO {partitions} (n, every, ahead)
@@ -130,12 +140,12 @@ BEGIN
             p_cut := NULL;
         END;
         IF p_cut IS NOT NULL THEN
+            UPDATE {partitions} SET closed_at = clock_timestamp() WHERE n = open_n;
             UPDATE {partitions} SET opened_at = clock_timestamp() WHERE n = open_n + 1;
             PERFORM setval(seq, (open_n + 1) * width, false);
-            -- After the setval: any transaction that drew an id in the closed partition is
-            -- running now, and written down.
-            UPDATE {partitions} SET closed_at = clock_timestamp(),
-                                    cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
+            -- After the setval, every transaction that drew an id in the closed partition
+            -- is running, and written down (the row is locked already: nothing to wait for).
+            UPDATE {partitions} SET cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
                                                       WHERE locktype = 'virtualxid')
             WHERE n = open_n;
             open_n := open_n + 1;

@@ -443,7 +443,8 @@ impl Statements {
                                        UNION ALL
                                        SELECT relid FROM pg_partition_tree(i.oid) WHERE isleaf) l
                    JOIN pg_class c ON c.oid = l.leaf
-                   -- Not the partitions before $1, settled: no backlog, and a file each.
+                   -- Leaves out the partitions before $1, settled: they hold no backlog,
+                   -- and sizing each index is a file system call.
                    WHERE NOT EXISTS (SELECT FROM pg_index x
                                      JOIN pg_class t ON t.oid = x.indrelid
                                      JOIN {partitions} p ON t.relname = {name_text} || p.n

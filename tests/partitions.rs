@@ -519,10 +519,29 @@ fn stats_reads_from_the_first_partition_that_may_hold_a_backlog() {
     let key = outbox
         .enqueue(&mut late, Message::new("t", "late"))
         .unwrap();
+    let vxid: String = late
+        .query_one(
+            "SELECT virtualxid FROM pg_locks
+             WHERE locktype = 'virtualxid' AND pid = pg_backend_pid()",
+            &[],
+        )
+        .unwrap()
+        .get(0);
     cut(&mut client, &outbox);
+    let written_down: bool = client
+        .query_one(
+            &format!(
+                "SELECT $1 = ANY (cut_vxids) FROM {} WHERE n = 0",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[&vxid],
+        )
+        .unwrap()
+        .get(0);
+    assert!(written_down, "the cut did not write down {vxid}");
     assert_eq!(send_all(&outbox).len(), 1);
     // Nothing pending that anyone sees in p0, but the producer from before the cut runs.
-    upkeep(&mut client, &outbox, false);
+    assert!(upkeep(&mut client, &outbox, false).is_some());
     assert_eq!(settled(&mut client, &outbox), Vec::<i64>::new());
     late.commit().unwrap();
     assert!(partition_of(&mut client, &outbox, &key).ends_with("_p0"));
