@@ -70,28 +70,29 @@ BEGIN
     -- lists a transaction as prepared before it lets its virtual one go, and the rows are
     -- read last, under READ COMMITTED only, by a snapshot taken after both looks (an older
     -- one could miss the row of a producer that has just ended). A partition locked
-    -- against reads waits for the next upkeep.
+    -- against reads, or dropped by hand meanwhile, waits for the next upkeep; the ones
+    -- before it stay settled.
     PERFORM set_config('lock_timeout', '500ms', true);
-    BEGIN
-        FOR p IN SELECT * FROM {partitions}
-                 WHERE n < open_n AND closed_at IS NOT NULL AND settled_at IS NULL
-                   AND current_setting('transaction_isolation') = 'read committed'
-                 ORDER BY n LOOP
-            part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
-            IF to_regclass(part) IS NOT NULL THEN
-                EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
-                                                         AND virtualxid = ANY (p.cut_vxids));
-                EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
-                                  WHERE database = current_database());
+    FOR p IN SELECT * FROM {partitions}
+             WHERE n < open_n AND closed_at IS NOT NULL AND settled_at IS NULL
+               AND current_setting('transaction_isolation') = 'read committed'
+             ORDER BY n LOOP
+        part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+        IF to_regclass(part) IS NOT NULL THEN
+            EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
+                                                     AND virtualxid = ANY (p.cut_vxids));
+            EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
+                              WHERE database = current_database());
+            BEGIN
                 EXECUTE format(unsettled, part) INTO busy;
-                EXIT WHEN busy;
-            END IF;
-            UPDATE {partitions} SET settled_at = clock_timestamp(), cut_vxids = NULL
-            WHERE n = p.n;
-        END LOOP;
-    EXCEPTION WHEN lock_not_available THEN
-        NULL;
-    END;
+            EXCEPTION WHEN lock_not_available OR undefined_table THEN
+                busy := true;
+            END;
+            EXIT WHEN busy;
+        END IF;
+        UPDATE {partitions} SET settled_at = clock_timestamp(), cut_vxids = NULL
+        WHERE n = p.n;
+    END LOOP;
 
     -- Made apart and attached: ATTACH locks the table against DDL only, where CREATE TABLE
     -- .. PARTITION OF would lock out producers and relays too. (lock_timeout: as set above.)

@@ -225,7 +225,7 @@ impl Session {
     fn start(&self) -> Result<Line> {
         let (jobs, queue) = unbounded::<Job>();
         let (end, ended) = bounded::<()>(0);
-        let mut held = Held {
+        let held = Held {
             source: self.source.clone(),
             setup: self.setup.clone(),
             reset: self.reset,
@@ -233,10 +233,11 @@ impl Session {
         };
         lifecycle::spawn(&format!("db-{}", self.name), move || {
             let _end = end;
+            // Dropped before `_end`, so its connection is let go before `ended` says so.
+            let mut held = held;
             for job in queue.iter() {
                 job(&mut held);
             }
-            held.let_go();
         })
         .map_err(|e| Error::RelayDied(format!("could not start a thread: {e}")))?;
         Ok(Line {
@@ -275,6 +276,13 @@ impl Drop for Session {
     }
 }
 
+/// However the thread ends, its connection goes back to the pool clean, or not at all.
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.let_go();
+    }
+}
+
 impl Held {
     /// Runs `f` on the connection, opening one first if needed. A server error leaves the
     /// connection as it is; any other error (I/O, a closed socket) says nothing good about
@@ -302,11 +310,16 @@ impl Held {
     /// A new connection with the session's settings, on a server that takes writes.
     fn open(&self) -> Result<Pooled> {
         let mut client = self.source.connect()?;
-        match self.set_up(&mut client) {
-            Ok(()) => Ok(client),
-            Err(e) => {
+        // A panic too: unwinding would drop the connection back into the pool as it is.
+        match catch_unwind(AssertUnwindSafe(|| self.set_up(&mut client))) {
+            Ok(Ok(())) => Ok(client),
+            Ok(Err(e)) => {
                 self.end_pooled(&mut client);
                 Err(e)
+            }
+            Err(panic) => {
+                self.end_pooled(&mut client);
+                resume_unwind(panic)
             }
         }
     }

@@ -531,7 +531,7 @@ fn stats_reads_from_the_first_partition_that_may_hold_a_backlog() {
     let written_down: bool = client
         .query_one(
             &format!(
-                "SELECT $1 = ANY (cut_vxids) FROM {} WHERE n = 0",
+                "SELECT coalesce($1 = ANY (cut_vxids), false) FROM {} WHERE n = 0",
                 quoted_with(&outbox, "_partitions")
             ),
             &[&vxid],
