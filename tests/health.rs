@@ -95,13 +95,7 @@ fn a_transaction_held_open_is_found_with_its_pid() {
 #[test]
 fn a_prepared_transaction_and_a_replication_slot_are_found_by_name() {
     let node = PgNode::start();
-    let mut client = node.client();
-    client
-        .batch_execute("ALTER SYSTEM SET max_prepared_transactions = 2")
-        .unwrap();
-    drop(client);
-    node.stop();
-    node.start_again();
+    node.allow_prepared_transactions();
     let (outbox, mut client) = migrated(&node, "horizon");
 
     let mut preparer = node.client();

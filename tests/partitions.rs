@@ -572,13 +572,7 @@ fn stats_reads_from_the_first_partition_that_may_hold_a_backlog() {
 #[test]
 fn a_prepared_transaction_holds_partitions_unsettled() {
     let node = PgNode::start();
-    let mut client = node.client();
-    client
-        .batch_execute("ALTER SYSTEM SET max_prepared_transactions = 2")
-        .unwrap();
-    drop(client);
-    node.stop();
-    node.start_again();
+    node.allow_prepared_transactions();
     let outbox = Outbox::builder()
         .table("part_prepared")
         .partition_interval(YEAR)

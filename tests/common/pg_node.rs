@@ -106,6 +106,15 @@ impl PgNode {
         );
     }
 
+    /// Lets the server hold prepared transactions (two), which takes a restart.
+    pub fn allow_prepared_transactions(&self) {
+        self.client()
+            .batch_execute("ALTER SYSTEM SET max_prepared_transactions = 2")
+            .expect("allow prepared transactions");
+        self.stop();
+        self.start_again();
+    }
+
     /// Stops the server at once, as a crash would (`-m immediate`): connections are cut and
     /// it recovers from its WAL when started again.
     pub fn stop(&self) {
