@@ -609,3 +609,40 @@ fn a_prepared_transaction_holds_partitions_unsettled() {
     assert_eq!(settled(&mut client, &outbox), vec![0]);
     assert_eq!(common::stats(&outbox, &mut client).pending, 0);
 }
+
+/// A table partitioned and cut under migration 12, whose closed partition a producer from
+/// before the cut may still write into: migration 13 holds such partitions for the
+/// transactions running when it is applied.
+#[test]
+fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then() {
+    let outbox = Outbox::builder()
+        .table(unique_name("part_upgrade"))
+        .partition_interval(YEAR)
+        .build()
+        .unwrap();
+    let mut client = client();
+    let script = outbox.sql();
+    let (version_12, rest) = script
+        .split_once("-- 0013_settled_partitions")
+        .expect("the script lists migration 13");
+    let (_, partitioned) = rest
+        .split_once("-- partitioned")
+        .expect("the script makes the table partitioned");
+    client.batch_execute(version_12).unwrap();
+    client.batch_execute(partitioned).unwrap();
+    let mut producer = common::client();
+    let mut late = producer.transaction().unwrap();
+    let key = outbox
+        .enqueue(&mut late, Message::new("t", "late"))
+        .unwrap();
+    cut(&mut client, &outbox);
+
+    outbox.migrate(&mut client).unwrap();
+    assert!(upkeep(&mut client, &outbox, false).is_some());
+    assert_eq!(settled(&mut client, &outbox), Vec::<i64>::new());
+    late.commit().unwrap();
+    assert!(partition_of(&mut client, &outbox, &key).ends_with("_p0"));
+    assert_eq!(common::stats(&outbox, &mut client).pending, 1);
+    assert_eq!(send_all(&outbox).len(), 1);
+    wait_settled(&mut client, &outbox, 0);
+}
