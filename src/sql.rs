@@ -270,7 +270,8 @@ pub(crate) struct Statements {
     /// A relay's report of itself (and forgets reports unseen for a day).
     pub(crate) report_relay: String,
     pub(crate) forget_relay: String,
-    /// Keeps a partitioned outbox's partitions (migration 0012; NULL on a plain one).
+    /// Keeps a partitioned outbox's partitions and settles the closed ones (migrations 0012
+    /// and 0013; NULL on a plain one).
     pub(crate) maintain_partitions: String,
     /// Drops the oldest partition if its rows are all sent longer ago than $1 us, and its
     /// sent count with it; returns how many rows it held (NULL: none dropped). With $2,
@@ -726,7 +727,7 @@ impl Statements {
                    down_since = excluded.down_since, published = excluded.published"
             )?,
             forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
-            maintain_partitions: values.render("SELECT {partition_fn}(false)")?,
+            maintain_partitions: values.render("SELECT {partition_fn}(false), {settle_fn}()")?,
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
@@ -1156,6 +1157,7 @@ fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("partitions", table.companion("_partitions")),
         ("partition_fn", table.companion("_partition")),
         ("retire_fn", table.companion("_retire")),
+        ("settle_fn", table.companion("_settle")),
     ]
 }
 

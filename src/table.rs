@@ -29,6 +29,7 @@ const SUFFIXES: &[&str] = &[
     "_partitions",
     "_partition",
     "_retire",
+    "_settle",
     "_key_taken",
     "_keys_taken",
     "_plain",
