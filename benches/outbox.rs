@@ -1017,11 +1017,10 @@ fn partitions(scratch: &Scratch) -> Result<()> {
     let mut client = scratch.client()?;
     let partitioned = scratch.scale_outbox(TableKind::Partitioned)?;
     let plain = scratch.scale_outbox(TableKind::Plain)?;
+    // As a relay's upkeep statement runs it.
     let upkeep = |client: &mut Client, cut: bool| -> Result<()> {
-        client.execute(
-            &format!("SELECT {}_partition($1)", partitioned.table()),
-            &[&cut],
-        )?;
+        let t = partitioned.table();
+        client.execute(&format!("SELECT {t}_partition($1), {t}_settle()"), &[&cut])?;
         Ok(())
     };
     let sent = "UPDATE {} SET status = 'sent', done_at = now(), head = false \
@@ -1278,7 +1277,7 @@ fn scale_fill(
             ],
         )?;
         if kind == TableKind::Partitioned {
-            client.execute(&format!("SELECT {t}_partition(true)"), &[])?;
+            client.execute(&format!("SELECT {t}_partition(true), {t}_settle()"), &[])?;
         }
     }
     client.execute(
