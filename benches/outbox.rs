@@ -32,7 +32,9 @@
 //!   backlog of 512-byte rows with no aggregate key, each row its own aggregate, rows
 //!   round-robin over 40 aggregates, or all in one aggregate, into a no-op publisher;
 //!   `vs_unordered=` is its rate over `unordered`'s. A shape still draining after the time cap
-//!   gets its rate from the rows sent so far, with `sent=<rows> capped=true`;
+//!   gets its rate from the rows sent so far, with `sent=<rows> capped=true`; each line
+//!   ends with where the workers' cycles went (`cycle_ms=`, `cycle_share=` of
+//!   claim/publish/record, see `Drained::cycle_report`);
 //! - `enqueue-parts`: where an enqueue's cost goes, on one connection, in microseconds per
 //!   transaction over an empty one: the hand-written prepared INSERT (`raw_us`), our
 //!   `enqueue` (`enqueue_us`), the same function call prepared (`call_prepared_us`), and our
@@ -711,7 +713,7 @@ fn ordered(settings: &Settings, scratch: &Scratch) -> Result<()> {
         if drained.capped {
             line = line.kv("sent", drained.sent).kv("capped", true);
         }
-        line.print();
+        Line(format!("{} {}", line.0, drained.cycle_report())).print();
         drop_outbox(&mut client, &outbox)?;
     }
     Ok(())

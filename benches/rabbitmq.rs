@@ -14,6 +14,8 @@
 //!   over `unordered`'s. A shape still draining after the time cap gets its rate from the rows
 //!   sent so far, with `sent=<rows> capped=true`. The ordered shapes run twice: in confirm
 //!   rounds (`pipeline_runs=false`, the default) and with `RelayConfig::pipeline_runs`.
+//!   Each line ends with where the workers' cycles went (`cycles=`, `cycle_ms=`,
+//!   `cycle_share=` of claim/publish/record, see `Drained::cycle_report`).
 //!   First the broker alone, with the CPU it took per message: `broker-confirmed
 //!   window=100|40`, 100 (or 40) messages published and confirmed before the next ones
 //!   (confirm rounds; 100 is how a default batch free of order goes out); `broker-streams
@@ -230,13 +232,14 @@ fn main() -> Result<()> {
             let unordered = *unordered.get_or_insert(rate);
             let mut line = format!(
                 "bench=rabbitmq-ordered pipeline_runs={pipeline} shape={} rows={ordered_rows} \
-                 batch={} concurrency={} rate={} vs_unordered={} {}",
+                 batch={} concurrency={} rate={} vs_unordered={} {} {}",
                 shape.name(),
                 setting(ordered_batch),
                 setting(ordered_concurrency),
                 fmt_rate(rate),
                 ratio(rate, unordered),
                 cpu.report(drained.sent as usize),
+                drained.cycle_report(),
             );
             if let (false, Some((label, ceiling))) = (pipeline, ceilings.get(shape.name())) {
                 line.push_str(&format!(" {label}={}", ratio(rate, *ceiling)));

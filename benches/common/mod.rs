@@ -6,12 +6,12 @@
 
 use std::error::Error;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use postgres::Client;
-use postgres_outbox::{Message, Metrics, Outbox, Record, Relay, RelayConfig};
+use postgres_outbox::{CycleTimes, Message, Metrics, Outbox, Record, Relay, RelayConfig};
 
 /// `Send + Sync`, so that bench threads can return it; `?` turns it into a plain
 /// `Box<dyn Error>` where a bench wants that.
@@ -101,11 +101,50 @@ pub struct Drained {
     pub took: Duration,
     /// Whether the cap ended it before every row was sent.
     pub capped: bool,
+    /// Where the workers' cycles went.
+    pub cycles: Vec<CycleTimes>,
 }
 
 impl Drained {
     pub fn rate(&self) -> f64 {
         rate(self.sent, self.took)
+    }
+
+    /// Where the workers' cycles went: `cycles=`, `rows_per_cycle=`, the median claim,
+    /// publish (confirms included) and record of a cycle in ms (`cycle_ms=`), and the share
+    /// of all cycles' time each took (`cycle_share=`). A worker claims and records with
+    /// nothing of its own in flight, so claiming an aggregate's next rows while its last ones
+    /// are in flight would win at most the claim's and the record's share.
+    pub fn cycle_report(&self) -> String {
+        let stage = |of: fn(&CycleTimes) -> Duration| -> (f64, f64) {
+            let mut each: Vec<f64> = self
+                .cycles
+                .iter()
+                .map(|c| of(c).as_secs_f64() * 1e3)
+                .collect();
+            let total = each.iter().sum();
+            each.sort_by(f64::total_cmp);
+            (each.get(each.len() / 2).copied().unwrap_or(0.0), total)
+        };
+        let (claim, publish, record) = (
+            stage(|c| c.claim),
+            stage(|c| c.publish),
+            stage(|c| c.record),
+        );
+        let all = (claim.1 + publish.1 + record.1).max(f64::MIN_POSITIVE);
+        let rows: usize = self.cycles.iter().map(|c| c.rows).sum();
+        format!(
+            "cycles={} rows_per_cycle={:.0} cycle_ms={:.1}/{:.1}/{:.1} \
+             cycle_share={:.2}/{:.2}/{:.2}",
+            self.cycles.len(),
+            rows as f64 / self.cycles.len().max(1) as f64,
+            claim.0,
+            publish.0,
+            record.0,
+            claim.1 / all,
+            publish.1 / all,
+            record.1 / all,
+        )
     }
 
     /// `self`, or an error if the cap ended it.
@@ -117,12 +156,22 @@ impl Drained {
     }
 }
 
-/// Counts records the publisher accepted (for `RabbitPublisher`, those the broker confirmed).
-struct Published(Arc<AtomicU64>);
+/// Counts records the publisher accepted (for `RabbitPublisher`, those the broker confirmed),
+/// and keeps the workers' cycle times.
+#[derive(Clone, Default)]
+struct Published {
+    count: Arc<AtomicU64>,
+    cycles: Arc<Mutex<Vec<CycleTimes>>>,
+}
 
 impl Metrics for Published {
     fn published(&self, _record: &Record, _took: Duration) {
-        self.0.fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+    fn cycle(&self, times: &CycleTimes) {
+        if let Ok(mut cycles) = self.cycles.lock() {
+            cycles.push(*times);
+        }
     }
 }
 
@@ -139,13 +188,17 @@ pub fn drain(
     cap: Duration,
 ) -> Result<Drained> {
     let rows = rows as u64;
-    let published = Arc::new(AtomicU64::new(0));
-    let config = config.metrics(Published(Arc::clone(&published)));
+    let published = Published::default();
+    let config = config.metrics(published.clone());
     let started = Instant::now();
     let relay = Relay::spawn(config)?;
-    let drained = wait_until_sent(client, outbox, &published, rows, started, cap);
+    let drained = wait_until_sent(client, outbox, &published.count, rows, started, cap);
     relay.shutdown(Duration::from_secs(10))?;
-    drained
+    let cycles = match published.cycles.lock() {
+        Ok(cycles) => cycles.clone(),
+        Err(_) => Vec::new(),
+    };
+    drained.map(|drained| Drained { cycles, ..drained })
 }
 
 /// Waits until `rows` rows are recorded sent or `cap` has passed since `started`.
@@ -167,6 +220,7 @@ fn wait_until_sent(
                     sent,
                     took: started.elapsed(),
                     capped: sent < rows,
+                    cycles: Vec::new(),
                 });
             }
         }
