@@ -47,10 +47,11 @@
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
 //!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
-//! - `partitions count=<n>`: `stats()` and one enqueue (ms, means of 20 and 200) on a table
-//!   partitioned by day with that many partitions, every closed one holding 1,000 sent rows
-//!   and the open one 200 pending, against a plain table holding the same rows
-//!   (`plain_stats_ms`, `plain_enqueue_ms`): what each partition kept adds;
+//! - `partitions count=<n>`: `stats()`, one enqueue and an `enqueue_all` of 100 (ms, means
+//!   of 20, 200 and 20) on a table partitioned by day with that many partitions, every
+//!   closed one holding 1,000 sent rows and the open one 200 pending, against a plain table
+//!   holding the same rows (`plain_stats_ms`, `plain_enqueue_ms`, `plain_enqueue_all_ms`):
+//!   what each partition kept adds;
 //! - `scale tables=plain|partitioned op=relay-cycle|stats|stats-exact|enqueue|enqueue-keyed|purge-day-sent`:
 //!   the mean cost of each operation on a table retaining many rows (`small_ms`, `big_ms`,
 //!   `vs_small`), plain and then partitioned by day; runs only when asked for by exactly that
@@ -1016,6 +1017,9 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
+    // Batches of `enqueue_all` (by the batch function: fewer rows than COPY takes).
+    const BATCHES: u32 = 20;
+    const BATCH: u32 = 100;
     let mut client = scratch.client()?;
     let partitioned = scratch.scale_outbox(TableKind::Partitioned)?;
     let plain = scratch.scale_outbox(TableKind::Plain)?;
@@ -1056,9 +1060,18 @@ fn partitions(scratch: &Scratch) -> Result<()> {
                 tx.commit()?;
             }
             let enqueue = started.elapsed() / ENQUEUES;
+            let started = Instant::now();
+            for i in 0..BATCHES {
+                let mut tx = client.transaction()?;
+                let first = i64::from(ENQUEUES + i * BATCH);
+                outbox.enqueue_all(&mut tx, (first..first + i64::from(BATCH)).map(event))?;
+                tx.commit()?;
+            }
+            let batch = started.elapsed() / BATCHES;
             line = line
                 .kv(&format!("{name}stats_ms"), ms(stats))
-                .kv(&format!("{name}enqueue_ms"), ms(enqueue));
+                .kv(&format!("{name}enqueue_ms"), ms(enqueue))
+                .kv(&format!("{name}enqueue_all_ms"), ms(batch));
             client.batch_execute(&sent.replace("{}", outbox.table()))?;
         }
         line.print();

@@ -90,13 +90,27 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0013_settled_partitions",
         template: include_str!("../sql/0013_settled_partitions.sql"),
     },
+    Migration {
+        version: 14,
+        name: "0014_partitioned_head_probes",
+        template: include_str!("../sql/0014_partitioned_head_probes.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
-/// `Outbox::migrate` and `OutboxBuilder::partition_interval`). A later migration that
-/// replaces an enqueue function must replace this file's version too, on a partitioned
-/// table.
+/// `Outbox::migrate` and `OutboxBuilder::partition_interval`), followed by
+/// `PARTITIONED_ENQUEUE`.
 const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
+
+/// The enqueue functions of a partitioned table. A migration that changes them changes this
+/// file, and makes them again on a table partitioned before it, as migration 14 does.
+const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
+
+/// The first id that may belong to a pending, parked or dead row of a partitioned table:
+/// the first of the oldest partition not settled (migration 0013). Settled partitions hold
+/// sent rows only, and nothing may write to them again.
+const BACKLOG_FROM: &str =
+    "SELECT coalesce(min(n), 0) << 40 FROM {partitions} WHERE settled_at IS NULL";
 
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
@@ -731,10 +745,8 @@ impl Statements {
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
+            backlog_from: values.render(BACKLOG_FROM)?,
             // From the catalog, which every role may read.
-            backlog_from: values.render(
-                "SELECT coalesce(min(n), 0) << 40 FROM {partitions} WHERE settled_at IS NULL"
-            )?,
             is_partitioned: values.render(
                 "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
                                   WHERE oid = to_regclass('{table}')), false)"
@@ -1202,6 +1214,7 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
         ("schema_prefix", table.schema_prefix()),
         ("name", table.name().to_owned()),
+        ("partitioned_enqueue", render_partitioned_enqueue(table)?),
     ]);
     let mut values = Values::new(&borrowed(&vars))?;
     let rendered = MIGRATIONS
@@ -1229,21 +1242,15 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
             "table",
             "enqueue_fn",
             "enqueue_n_fn",
-            "lock_n_fn",
             "lock_heads_fn",
-            "notify_fn",
             "partitions",
             "partition_fn",
         ]
         .contains(name)
     });
     vars.extend([
-        ("busy_fn", table.companion("_busy")),
         ("key_taken_fn", table.companion("_key_taken")),
         ("keys_taken_fn", table.companion("_keys_taken")),
-        ("table_lock_text", table.ordered_lock_key().to_string()),
-        ("table_lock", bigint(table.ordered_lock_key())),
-        ("lock_seed", bigint(table.aggregate_lock_seed())),
         ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
         ("unpartitioned_name", table.derived("_plain")),
         ("unpartitioned", table.companion("_plain")),
@@ -1261,7 +1268,38 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
     let mut values = Values::new(&borrowed(&vars))?;
     let rendered = values.render(PARTITIONED)?;
     values.finish()?;
-    Ok(rendered)
+    Ok(rendered + "\n" + &render_partitioned_enqueue(table)?)
+}
+
+/// `PARTITIONED_ENQUEUE` for `table`.
+fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> {
+    let mut vars = objects(table);
+    vars.retain(|(name, _)| {
+        [
+            "table",
+            "enqueue_fn",
+            "enqueue_n_fn",
+            "lock_n_fn",
+            "notify_fn",
+            "partitions",
+        ]
+        .contains(name)
+    });
+    let partitions = table.companion("_partitions");
+    vars.extend([
+        ("busy_fn", table.companion("_busy")),
+        ("key_taken_fn", table.companion("_key_taken")),
+        ("keys_taken_fn", table.companion("_keys_taken")),
+        ("table_lock_text", table.ordered_lock_key().to_string()),
+        ("table_lock", bigint(table.ordered_lock_key())),
+        ("lock_seed", bigint(table.aggregate_lock_seed())),
+        ("name", table.name().to_owned()),
+        (
+            "backlog_from",
+            render(BACKLOG_FROM, &[("partitions", &partitions)])?,
+        ),
+    ]);
+    render(PARTITIONED_ENQUEUE, &borrowed(&vars))
 }
 
 /// Session settings of a relay worker's connection (see `relay/worker.rs` for why each).

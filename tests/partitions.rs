@@ -641,7 +641,7 @@ fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then(
         .split_once("-- 0013_settled_partitions")
         .expect("the script lists migration 13");
     let (_, partitioned) = rest
-        .split_once("-- partitioned")
+        .split_once("-- partitioned\n")
         .expect("the script makes the table partitioned");
     client.batch_execute(version_12).unwrap();
     client.batch_execute(partitioned).unwrap();
@@ -658,4 +658,111 @@ fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then(
 
     outbox.migrate(&mut client).unwrap();
     settles_once_the_late_row_is_sent(&mut client, &outbox, late, &key);
+}
+
+/// Whether `key`'s row was marked its aggregate's head at enqueue.
+fn is_head(client: &mut Client, outbox: &Outbox, key: &str) -> bool {
+    client
+        .query_one(
+            &format!("SELECT head FROM {} WHERE key = $1", common::quoted(outbox)),
+            &[&key],
+        )
+        .expect("the row")
+        .get(0)
+}
+
+/// An enqueue looks for an aggregate's pending messages only from the first partition not
+/// settled: past settled partitions, but never past one that still holds a pending message,
+/// by a single enqueue or a batch.
+#[test]
+fn an_aggregate_pending_in_an_older_partition_keeps_its_order() {
+    let (outbox, mut client) = partitioned("part_heads");
+    let aggregate = |key: &str, of: &str| message(key).aggregate_key(of);
+    enqueue(&mut client, &outbox, aggregate("x1", "x")).unwrap();
+    assert_eq!(send_all(&outbox).keys(), ["x1"]);
+    cut(&mut client, &outbox);
+    wait_settled(&mut client, &outbox, 0);
+    enqueue(&mut client, &outbox, aggregate("a1", "a")).unwrap();
+    cut(&mut client, &outbox);
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(settled(&mut client, &outbox), vec![0]);
+
+    enqueue(&mut client, &outbox, aggregate("a2", "a")).unwrap();
+    enqueue(&mut client, &outbox, aggregate("x2", "x")).unwrap();
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue_all(&mut tx, [aggregate("a3", "a"), aggregate("y1", "y")])
+        .unwrap();
+    tx.commit().unwrap();
+    assert!(partition_of(&mut client, &outbox, "a1").ends_with("_p1"));
+    assert!(partition_of(&mut client, &outbox, "a2").ends_with("_p2"));
+    assert!(!is_head(&mut client, &outbox, "a2"));
+    assert!(!is_head(&mut client, &outbox, "a3"));
+    assert!(is_head(&mut client, &outbox, "x2"));
+    assert!(is_head(&mut client, &outbox, "y1"));
+
+    let sent = send_all(&outbox).keys();
+    let of_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
+    assert_eq!(of_a, ["a1", "a2", "a3"]);
+    assert_eq!(sent.len(), 5);
+}
+
+/// Whether a function `suffix` of `outbox` looks for pending messages from the first
+/// partition not settled only.
+fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -> bool {
+    client
+        .query_one(
+            "SELECT coalesce(bool_or(strpos(pg_get_functiondef(oid), 'o.id >= backlog_from') > 0),
+                             false)
+             FROM pg_proc WHERE proname = $1 AND pg_function_is_visible(oid)",
+            &[&format!("{}{suffix}", outbox.table())],
+        )
+        .expect("the functions")
+        .get(0)
+}
+
+/// Migration 14 makes the enqueue functions again on a table partitioned before it, whose
+/// looks for an aggregate's pending messages read every partition; a plain table keeps its
+/// own.
+#[test]
+fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
+    let (outbox, mut client) = partitioned("part_probes");
+    let functions = ["_enqueue", "_busy"];
+    for suffix in functions {
+        assert!(probes_from_the_backlog(&mut client, &outbox, suffix));
+    }
+    // As a table partitioned before migration 14 has them.
+    let migrations = quoted_with(&outbox, "_migrations");
+    client
+        .execute(&format!("DELETE FROM {migrations} WHERE version = 14"), &[])
+        .unwrap();
+    for suffix in functions {
+        let definition: String = client
+            .query_one(
+                "SELECT pg_get_functiondef($1::text::regproc)",
+                &[&quoted_with(&outbox, suffix)],
+            )
+            .unwrap()
+            .get(0);
+        client
+            .batch_execute(&definition.replace("o.id >= backlog_from", "true"))
+            .unwrap();
+        assert!(!probes_from_the_backlog(&mut client, &outbox, suffix));
+    }
+    outbox.migrate(&mut client).unwrap();
+    for suffix in functions {
+        assert!(
+            probes_from_the_backlog(&mut client, &outbox, suffix),
+            "{suffix}"
+        );
+    }
+
+    let plain = Outbox::new(&unique_name("part_probes_plain")).unwrap();
+    plain.migrate(&mut client).unwrap();
+    for suffix in functions {
+        assert!(
+            !probes_from_the_backlog(&mut client, &plain, suffix),
+            "{suffix}"
+        );
+    }
 }

@@ -1,0 +1,240 @@
+-- The enqueue functions of a partitioned outbox, made with the table after
+-- sql/partitioned.sql. A migration that changes them changes this file and makes them
+-- again on tables partitioned before it, as migration 0014 does. Each is restated whole.
+--
+-- A message with an aggregate key is a head when no earlier message of its aggregate is
+-- pending or parked. That look reads only the partitions that may hold such a message:
+-- from the first not settled (migration 0013: a settled partition has every row sent, and
+-- nothing may write to it again), so its cost follows the backlog, not the partitions
+-- kept. The bound is a variable, so the look leaves the settled partitions out when it
+-- starts; as a subquery of the same statement it would open every partition's index
+-- first, and as a function of its own it cost more than it saves (BENCHMARKS.md, "What
+-- each kept partition costs").
+
+-- The aggregates of a batch that cannot take a new head, as migration 0010's, from the
+-- first partition not settled.
+CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
+DECLARE
+    backlog_from bigint;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k WHERE k IS NOT NULL);
+    END IF;
+    backlog_from := ({backlog_from});
+    -- A probe per aggregate: with every key in one condition, a range of the primary key
+    -- from the bound looks cheaper to the planner, and reads every row after it.
+    RETURN ARRAY(SELECT k
+                 FROM (SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k) AS keys,
+                      LATERAL (SELECT 1 FROM {table} o
+                               WHERE o.head IN (false, true) AND o.aggregate_key = keys.k
+                                 AND o.status IN ('pending', 'parked')
+                                 AND o.id >= backlog_from
+                               LIMIT 1) AS found);
+END
+$fn$;
+
+-- One message. `p_key_generated`: the key is the crate's own, so nothing else can hold it.
+CREATE OR REPLACE FUNCTION {enqueue_fn}(
+    p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
+    p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
+    p_park boolean, p_notify boolean, p_key_generated boolean)
+RETURNS boolean LANGUAGE plpgsql AS $fn$
+DECLARE
+    held text;
+    lock_key bigint;
+    new_id bigint;
+    backlog_from bigint;
+BEGIN
+    -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
+    -- this one cost five times what the lock does.
+    IF p_aggregate_key IS NOT NULL THEN
+        lock_key := hashtextextended(p_aggregate_key, {lock_seed});
+        held := current_setting('postgres_outbox.aggregate_locks', true);
+        IF held IS NULL OR NOT starts_with(held, pg_current_xact_id()::text || ':') THEN
+            held := pg_current_xact_id()::text || ':,';
+        END IF;
+        IF strpos(held, ',' || lock_key || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
+            IF length(held) - length(replace(held, ',', '')) <= 64 THEN
+                PERFORM pg_advisory_xact_lock_shared({table_lock} + (lock_key & 15)),
+                        pg_advisory_xact_lock(lock_key),
+                        set_config('postgres_outbox.aggregate_locks', held || lock_key || ',',
+                                   false);
+            ELSE
+                PERFORM pg_advisory_xact_lock({table_lock} + bucket)
+                FROM generate_series(0, 15) AS bucket;
+                PERFORM set_config('postgres_outbox.aggregate_locks',
+                                   held || 't{table_lock_text},', false);
+            END IF;
+        END IF;
+    END IF;
+    IF p_aggregate_key IS NOT NULL THEN
+        backlog_from := ({backlog_from});
+    END IF;
+    IF p_key_generated THEN
+        INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                             available_at, max_attempts, park, head)
+        VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+                coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
+                p_park,
+                p_aggregate_key IS NOT NULL
+                AND current_setting('transaction_isolation') = 'read committed'
+                AND NOT EXISTS (SELECT 1 FROM {table} o
+                                WHERE o.head IN (false, true)
+                                  AND o.aggregate_key = p_aggregate_key
+                                  AND o.status IN ('pending', 'parked')
+                                  AND o.id >= backlog_from));
+    -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
+    -- one's snapshot as a serialization failure: a duplicate all the same, and in a block of
+    -- its own it leaves the caller's transaction usable (see migration 0005).
+    ELSIF current_setting('transaction_isolation') = 'repeatable read' THEN
+        IF {key_taken_fn}(p_key) THEN
+            RETURN false;
+        END IF;
+        BEGIN
+            INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                                 available_at, max_attempts, park)
+            VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+                    coalesce(p_at, now() + p_delay_us * interval '1 microsecond'),
+                    p_max_attempts, p_park)
+            ON CONFLICT DO NOTHING
+            RETURNING id INTO new_id;
+        EXCEPTION WHEN serialization_failure THEN
+            RETURN false;
+        END;
+        IF new_id IS NULL THEN
+            RETURN false;
+        END IF;
+        IF new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+            RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+                USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
+        END IF;
+    ELSE
+        IF {key_taken_fn}(p_key) THEN
+            RETURN false;
+        END IF;
+        INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                             available_at, max_attempts, park, head)
+        VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+                coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
+                p_park,
+                p_aggregate_key IS NOT NULL
+                AND current_setting('transaction_isolation') = 'read committed'
+                AND NOT EXISTS (SELECT 1 FROM {table} o
+                                WHERE o.head IN (false, true)
+                                  AND o.aggregate_key = p_aggregate_key
+                                  AND o.status IN ('pending', 'parked')
+                                  AND o.id >= backlog_from))
+        ON CONFLICT DO NOTHING
+        RETURNING id INTO new_id;
+        IF new_id IS NULL THEN
+            RETURN false;
+        END IF;
+        -- SERIALIZABLE: a key written in another partition is no conflict its checks see.
+        IF current_setting('transaction_isolation') <> 'read committed'
+           AND new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+            RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+                USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
+        END IF;
+    END IF;
+    IF p_notify THEN
+        PERFORM {notify_fn}();
+    END IF;
+    RETURN true;
+END
+$fn$;
+
+-- A batch. `p_keys_generated`: every key is the crate's own.
+CREATE OR REPLACE FUNCTION {enqueue_n_fn}(
+    p_keys text[], p_topics text[], p_aggregate_keys text[], p_payloads bytea[],
+    p_content_types text[], p_headers text[], p_at timestamptz[], p_delay_us bigint[],
+    p_max_attempts integer[], p_header_offsets integer[], p_header_lens integer[],
+    p_parks boolean[], p_notify boolean, p_keys_generated boolean)
+RETURNS text[] LANGUAGE plpgsql AS $fn$
+DECLARE
+    busy text[];
+    inserted bigint[];
+    existing text[];
+BEGIN
+    PERFORM {lock_n_fn}(p_aggregate_keys);
+    busy := {busy_fn}(p_aggregate_keys);
+    IF p_keys_generated THEN
+        INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                             available_at, max_attempts, park, head)
+        SELECT i.key, i.topic, i.aggregate_key, i.payload, i.content_type,
+               p_headers[i.header_offset + 1 : i.header_offset + i.header_len],
+               coalesce(i.available_at, now() + i.delay_us * interval '1 microsecond'),
+               i.max_attempts, i.park,
+               i.aggregate_key IS NOT NULL AND i.first AND NOT (i.aggregate_key = ANY (busy))
+        FROM (SELECT u.*, row_number() OVER (PARTITION BY u.aggregate_key
+                                             ORDER BY u.ord) = 1 AS first
+              FROM unnest(p_keys, p_topics, p_aggregate_keys, p_payloads, p_content_types,
+                          p_at, p_delay_us, p_max_attempts, p_header_offsets, p_header_lens,
+                          p_parks)
+                   WITH ORDINALITY
+                   AS u(key, topic, aggregate_key, payload, content_type, available_at,
+                        delay_us, max_attempts, header_offset, header_len, park, ord)
+             ) AS i
+        ORDER BY i.ord;
+        IF p_notify THEN
+            PERFORM {notify_fn}();
+        END IF;
+        RETURN NULL;
+    END IF;
+    existing := {keys_taken_fn}(p_keys);
+    IF cardinality(existing) > 0 THEN
+        RETURN existing;
+    END IF;
+    -- A subtransaction per batch, so that under REPEATABLE READ a key committed after this
+    -- transaction's snapshot (a serialization failure, see {enqueue_fn}) is a duplicate
+    -- that leaves the caller's transaction usable. The snapshot cannot see which keys
+    -- exist, so the error names them all.
+    BEGIN
+        WITH ins AS (
+            INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                                 available_at, max_attempts, park, head)
+            SELECT i.key, i.topic, i.aggregate_key, i.payload, i.content_type,
+                   p_headers[i.header_offset + 1 : i.header_offset + i.header_len],
+                   coalesce(i.available_at, now() + i.delay_us * interval '1 microsecond'),
+                   i.max_attempts, i.park,
+                   i.aggregate_key IS NOT NULL AND i.first
+                   AND NOT (i.aggregate_key = ANY (busy))
+            FROM (SELECT u.*, row_number() OVER (PARTITION BY u.aggregate_key
+                                                 ORDER BY u.ord) = 1 AS first
+                  FROM unnest(p_keys, p_topics, p_aggregate_keys, p_payloads,
+                              p_content_types, p_at, p_delay_us, p_max_attempts,
+                              p_header_offsets, p_header_lens, p_parks)
+                       WITH ORDINALITY
+                       AS u(key, topic, aggregate_key, payload, content_type, available_at,
+                            delay_us, max_attempts, header_offset, header_len, park, ord)
+                 ) AS i
+            ORDER BY i.ord
+            ON CONFLICT DO NOTHING
+            RETURNING id)
+        SELECT array_agg(id) INTO inserted FROM ins;
+    EXCEPTION WHEN serialization_failure THEN
+        IF current_setting('transaction_isolation') <> 'repeatable read' THEN
+            RAISE;
+        END IF;
+        RETURN (SELECT array_agg(k ORDER BY k) FROM unnest(p_keys) AS k);
+    END;
+    IF current_setting('transaction_isolation') <> 'read committed'
+       AND (SELECT max(i) FROM unnest(inserted) AS i) >> 40
+           > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+        RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
+            USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
+    END IF;
+    IF coalesce(cardinality(inserted), 0) = cardinality(p_keys) THEN
+        IF p_notify THEN
+            PERFORM {notify_fn}();
+        END IF;
+        RETURN NULL;
+    END IF;
+    IF inserted IS NOT NULL THEN
+        DELETE FROM {table} WHERE id = ANY (inserted);
+    END IF;
+    SELECT array_agg(t.key ORDER BY t.key) INTO existing
+    FROM {table} t WHERE t.key = ANY (p_keys);
+    RETURN coalesce(existing, '{}');
+END
+$fn$;
