@@ -19,7 +19,8 @@
 //!
 //! Settings: `OUTBOX_SOAK_SECS` (traffic seconds; default 20), `OUTBOX_SOAK_DRAIN_SECS` (how
 //! long the backlog may take to drain afterwards; default 25, 120 when `OUTBOX_SOAK_SECS` is
-//! set), `OUTBOX_SOAK_ORDERED=0` (unordered traffic only), `OUTBOX_SOAK_SEED`.
+//! set), `OUTBOX_SOAK_ORDERED=0` (unordered traffic only), `OUTBOX_SOAK_SEED`;
+//! `OUTBOX_TEST_TABLES=partitioned` runs it on a partitioned table.
 //!
 //! The relay processes are this test binary run again with `SOAK_ROLE=relay`: the test
 //! `relay_process` then runs a relay until it is killed, or until its parent goes away.
@@ -921,7 +922,11 @@ fn soak() {
     admin
         .batch_execute(&format!("CREATE SCHEMA {schema}"))
         .expect("create the schema");
-    let outbox = Outbox::new(&format!("{schema}.outbox")).expect("valid table name");
+    // Of this run's kind (`OUTBOX_TEST_TABLES=partitioned`); the relay processes learn it.
+    let outbox = common::builder()
+        .table(format!("{schema}.outbox"))
+        .build()
+        .expect("valid table name");
     outbox.migrate(&mut admin).expect("migrate");
 
     // The broker: a vhost of its own, so closing its connections disturbs nobody else.
