@@ -1017,7 +1017,7 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
-    // Batches of `enqueue_all` (by the batch function: fewer rows than COPY takes).
+    // Batches of `enqueue_all`, due at once with the crate's keys: copied in.
     const BATCHES: u32 = 20;
     const BATCH: u32 = 100;
     let mut client = scratch.client()?;

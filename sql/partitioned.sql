@@ -1,4 +1,4 @@
--- A partitioned outbox: the table of migrations 0001 to 0012, made again as a table
+-- A partitioned outbox: the table of migrations 0001 to 0014, made again as a table
 -- partitioned by id ranges (see migration 0012 for why ids, and how they follow time). Run
 -- by `migrate` on an outbox built with `partition_interval`, on a table that holds no row.
 --

@@ -68,7 +68,8 @@ BEGIN
             END IF;
         END IF;
     END IF;
-    IF p_aggregate_key IS NOT NULL THEN
+    IF p_aggregate_key IS NOT NULL
+       AND current_setting('transaction_isolation') = 'read committed' THEN
         backlog_from := ({backlog_from});
     END IF;
     IF p_key_generated THEN

@@ -644,6 +644,8 @@ fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then(
         .split_once("-- partitioned\n")
         .expect("the script makes the table partitioned");
     client.batch_execute(version_12).unwrap();
+    // Today's partitioned step, whose enqueue functions read a column of migration 13 for
+    // messages with an aggregate key only: the late message has none.
     client.batch_execute(partitioned).unwrap();
     let mut producer = common::client();
     let mut late = producer.transaction().unwrap();
@@ -673,7 +675,7 @@ fn is_head(client: &mut Client, outbox: &Outbox, key: &str) -> bool {
 
 /// An enqueue looks for an aggregate's pending messages only from the first partition not
 /// settled: past settled partitions, but never past one that still holds a pending message,
-/// by a single enqueue or a batch.
+/// whether by a single enqueue, a batch, or a batch copied in.
 #[test]
 fn an_aggregate_pending_in_an_older_partition_keeps_its_order() {
     let (outbox, mut client) = partitioned("part_heads");
@@ -682,43 +684,75 @@ fn an_aggregate_pending_in_an_older_partition_keeps_its_order() {
     assert_eq!(send_all(&outbox).keys(), ["x1"]);
     cut(&mut client, &outbox);
     wait_settled(&mut client, &outbox, 0);
-    enqueue(&mut client, &outbox, aggregate("a1", "a")).unwrap();
+    for (key, of) in [("a1", "a"), ("b1", "b"), ("c1", "c")] {
+        enqueue(&mut client, &outbox, aggregate(key, of)).unwrap();
+    }
     cut(&mut client, &outbox);
     upkeep(&mut client, &outbox, false);
     assert_eq!(settled(&mut client, &outbox), vec![0]);
 
+    // Each aggregate's only pending message is in partition 1.
     enqueue(&mut client, &outbox, aggregate("a2", "a")).unwrap();
-    enqueue(&mut client, &outbox, aggregate("x2", "x")).unwrap();
     let mut tx = client.transaction().unwrap();
     outbox
-        .enqueue_all(&mut tx, [aggregate("a3", "a"), aggregate("y1", "y")])
+        .enqueue_all(&mut tx, [aggregate("b2", "b"), aggregate("y1", "y")])
         .unwrap();
     tx.commit().unwrap();
-    assert!(partition_of(&mut client, &outbox, "a1").ends_with("_p1"));
-    assert!(partition_of(&mut client, &outbox, "a2").ends_with("_p2"));
-    assert!(!is_head(&mut client, &outbox, "a2"));
-    assert!(!is_head(&mut client, &outbox, "a3"));
-    assert!(is_head(&mut client, &outbox, "x2"));
+    // From 64 messages due at once, with the crate's keys, a batch is copied in.
+    let copied = std::iter::once(Message::new("t", "c2").aggregate_key("c"))
+        .chain((0..70).map(|i| Message::new("t", "z").aggregate_key(format!("z{i}"))));
+    let mut tx = client.transaction().unwrap();
+    let copied_keys = outbox.enqueue_all(&mut tx, copied).unwrap();
+    tx.commit().unwrap();
+    let c2 = copied_keys[0].clone();
+    for key in ["a1", "b1", "c1"] {
+        assert!(
+            partition_of(&mut client, &outbox, key).ends_with("_p1"),
+            "{key}"
+        );
+    }
+    for key in ["a2", "b2", c2.as_str()] {
+        assert!(
+            partition_of(&mut client, &outbox, key).ends_with("_p2"),
+            "{key}"
+        );
+        assert!(
+            !is_head(&mut client, &outbox, key),
+            "{key} is behind a pending message"
+        );
+    }
     assert!(is_head(&mut client, &outbox, "y1"));
+    assert!(is_head(&mut client, &outbox, &copied_keys[1]));
 
-    let sent = send_all(&outbox).keys();
-    let of_a: Vec<&String> = sent.iter().filter(|k| k.starts_with('a')).collect();
-    assert_eq!(of_a, ["a1", "a2", "a3"]);
-    assert_eq!(sent.len(), 5);
+    let sent: Vec<Record> = send_all(&outbox).records();
+    assert_eq!(sent.len(), 77);
+    for (of, order) in [
+        ("a", ["a1", "a2"]),
+        ("b", ["b1", "b2"]),
+        ("c", ["c1", c2.as_str()]),
+    ] {
+        let keys: Vec<&str> = sent
+            .iter()
+            .filter(|r| r.aggregate_key.as_deref() == Some(of))
+            .map(|r| r.key.as_str())
+            .collect();
+        assert_eq!(keys, order, "aggregate {of}");
+    }
 }
 
 /// Whether a function `suffix` of `outbox` looks for pending messages from the first
 /// partition not settled only.
 fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -> bool {
-    client
+    let row = client
         .query_one(
-            "SELECT coalesce(bool_or(strpos(pg_get_functiondef(oid), 'o.id >= backlog_from') > 0),
-                             false)
+            "SELECT count(*), coalesce(bool_or(strpos(pg_get_functiondef(oid),
+                                                      'o.id >= backlog_from') > 0), false)
              FROM pg_proc WHERE proname = $1 AND pg_function_is_visible(oid)",
             &[&format!("{}{suffix}", outbox.table())],
         )
-        .expect("the functions")
-        .get(0)
+        .expect("the functions");
+    assert!(row.get::<_, i64>(0) > 0, "no function {suffix}");
+    row.get(1)
 }
 
 /// Migration 14 makes the enqueue functions again on a table partitioned before it, whose

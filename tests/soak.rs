@@ -43,7 +43,7 @@ use amiquip::{
     FieldTable, QueueDeclareOptions,
 };
 use common::pg_node::{PgNode, Stopped};
-use common::{amqp_url, quoted};
+use common::{amqp_url, quoted, quoted_with};
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{RabbitPublisher, AGGREGATE_HEADER};
 use postgres_outbox::{Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig};
@@ -82,6 +82,8 @@ const PRODUCER_PAUSE: Duration = Duration::from_millis(10);
 const COPIED_BATCH: usize = 80;
 /// Average time between two faults.
 const FAULT_EVERY: Duration = Duration::from_millis(2500);
+/// How often a partitioned table's open partition is cut.
+const CUT_EVERY: Duration = Duration::from_secs(3);
 /// How long the exchange stays deleted in a broker outage.
 const OUTAGE: Duration = Duration::from_secs(2);
 /// How long the database is down when it restarts.
@@ -1005,8 +1007,20 @@ fn soak() {
     let (mut outages, mut restarts, mut read_only_windows, mut stalls) = (0, 0, 0, 0);
     let mut next_fault = Instant::now() + FAULT_EVERY.mul_f64(rng.gen_range(0.5..1.5));
     let mut fault = 0;
+    // On a partitioned table, a cut now and then (its interval is a year), so that
+    // partitions close and settle under the faults, and aggregates run across them.
+    let cut = format!("SELECT {}(true)", quoted_with(&outbox, "_partition"));
+    let (mut cuts, mut next_cut) = (0, Instant::now() + CUT_EVERY);
     while Instant::now() < traffic_end {
         relays.check();
+        if common::partitioned() && Instant::now() >= next_cut {
+            // A cut the database refuses (down, read-only, a producer's lock) waits for
+            // the next turn.
+            if admin.execute(&cut, &[]).is_ok() {
+                cuts += 1;
+            }
+            next_cut = Instant::now() + CUT_EVERY;
+        }
         if Instant::now() >= next_fault {
             match fault % 7 {
                 1 => {
@@ -1182,7 +1196,7 @@ fn soak() {
          broker_redeliveries={} consumer_reconnects={} kills={kills} relay_deaths={died} \
          terminations={terminations} (backends {terminated_backends}) \
          broker_closes={broker_closes} outages={outages} database_restarts={restarts} \
-         read_only_windows={read_only_windows} stalled_backends={stalls} \
+         read_only_windows={read_only_windows} stalled_backends={stalls} cuts={cuts} \
          injected_failures={} lost_confirms={} \
          unrecorded_oks={unrecorded_oks} handed_to_broker={} handed_back={} \
          drained={drained} drain={:.1}s \
