@@ -7,9 +7,9 @@
 -- from the first not settled (migration 0013: a settled partition has every row sent, and
 -- nothing may write to it again), so its cost follows the backlog, not the partitions
 -- kept. The bound is a variable, so the look leaves the settled partitions out when it
--- starts; as a subquery of the same statement it would open every partition's index
--- first, and as a function of its own it cost more than it saves (BENCHMARKS.md, "What
--- each kept partition costs").
+-- starts. As a subquery of the same statement it gave back half of what it saves, from
+-- a function of its own a fifth to a third (BENCHMARKS.md, "What each kept partition
+-- costs").
 
 -- The aggregates of a batch that cannot take a new head, as migration 0010's, from the
 -- first partition not settled.

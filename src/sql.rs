@@ -1236,21 +1236,13 @@ pub(crate) fn partitioned(table: &TableName, every: Duration) -> String {
 }
 
 fn render_partitioned(table: &TableName, every: Duration) -> Result<String, RenderError> {
-    let mut vars = objects(table);
-    vars.retain(|(name, _)| {
-        [
-            "table",
-            "enqueue_fn",
-            "enqueue_n_fn",
-            "lock_heads_fn",
-            "partitions",
-            "partition_fn",
-        ]
-        .contains(name)
-    });
+    let mut vars = partitioned_enqueue_vars(table)?;
+    vars.extend(
+        objects(table)
+            .into_iter()
+            .filter(|(name, _)| ["lock_heads_fn", "partition_fn"].contains(name)),
+    );
     vars.extend([
-        ("key_taken_fn", table.companion("_key_taken")),
-        ("keys_taken_fn", table.companion("_keys_taken")),
         ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
         ("unpartitioned_name", table.derived("_plain")),
         ("unpartitioned", table.companion("_plain")),
@@ -1258,7 +1250,6 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
         ("ready_idx", table.derived("_ready")),
         ("ordered_idx", table.derived("_ordered")),
         ("done_idx", table.derived("_done")),
-        ("name", table.name().to_owned()),
         (
             "every",
             format!("interval '{} microseconds'", every.as_micros()),
@@ -1266,13 +1257,21 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
         ("ahead", PARTITIONS_AHEAD.to_string()),
     ]);
     let mut values = Values::new(&borrowed(&vars))?;
-    let rendered = values.render(PARTITIONED)?;
+    let rendered = values.render(PARTITIONED)? + "\n" + &values.render(PARTITIONED_ENQUEUE)?;
     values.finish()?;
-    Ok(rendered + "\n" + &render_partitioned_enqueue(table)?)
+    Ok(rendered)
 }
 
-/// `PARTITIONED_ENQUEUE` for `table`.
+/// `PARTITIONED_ENQUEUE` for `table`, as migration 14 applies it.
 fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> {
+    render(
+        PARTITIONED_ENQUEUE,
+        &borrowed(&partitioned_enqueue_vars(table)?),
+    )
+}
+
+/// The values `PARTITIONED_ENQUEUE` takes (and `PARTITIONED` shares).
+fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, String)>, RenderError> {
     let mut vars = objects(table);
     vars.retain(|(name, _)| {
         [
@@ -1299,7 +1298,7 @@ fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> 
             render(BACKLOG_FROM, &[("partitions", &partitions)])?,
         ),
     ]);
-    render(PARTITIONED_ENQUEUE, &borrowed(&vars))
+    Ok(vars)
 }
 
 /// Session settings of a relay worker's connection (see `relay/worker.rs` for why each).
