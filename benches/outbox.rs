@@ -21,8 +21,9 @@
 //!   `notify=on` sends no notification; `notify=on relay=waiting` has a relay announced as
 //!   waiting, so every commit notifies;
 //! - `copy`, `enqueue_all`: 1,000 such messages per transaction, in rows per second, by a
-//!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns; `vs_copy=` is
-//!   `enqueue_all`'s rate over `copy`'s;
+//!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns (100 each);
+//!   `vs_copy=` is `enqueue_all`'s rate over `copy`'s, `vs_copy_turns=` the quartiles of
+//!   the turns' own ratios (the median the figure to read where a few turns stall);
 //! - `enqueue_all backlog=0|100000 path=copy|function`: milliseconds per `enqueue_all` of
 //!   1,000 messages of new aggregates beside that many pending rows (each its own
 //!   aggregate), due at once (written by `COPY`) or scheduled (by the batch function), the
@@ -94,7 +95,7 @@ use r2d2_postgres::PostgresConnectionManager;
 const PAYLOAD_BYTES: usize = 512;
 const PRODUCER_ROUNDS: u32 = 5;
 const ENQUEUE_ALL_ROWS: usize = 1_000;
-const ENQUEUE_ALL_REPS: usize = 20;
+const ENQUEUE_ALL_REPS: usize = 100;
 const RELAY_BATCHES: [usize; 2] = [100, 500];
 const RELAY_CONCURRENCY: usize = 4;
 const RELAY_POOL_SIZE: u32 = 8;
@@ -562,6 +563,9 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
     let types = [Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA, Type::TEXT];
     let mut client = scratch.client()?;
     let (mut enqueued, mut copying) = (Duration::ZERO, Duration::ZERO);
+    // Each turn's copy time over its enqueue_all's: their median holds still where a
+    // stall of a few turns moves the ratio of the sums.
+    let mut turns = Vec::with_capacity(ENQUEUE_ALL_REPS);
     for rep in 0..ENQUEUE_ALL_REPS {
         let first = (rep * ENQUEUE_ALL_ROWS) as i64;
         let started = Instant::now();
@@ -571,7 +575,8 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
             (0..ENQUEUE_ALL_ROWS as i64).map(|i| event(first + i)),
         )?;
         tx.commit()?;
-        enqueued += started.elapsed();
+        let enqueue_took = started.elapsed();
+        enqueued += enqueue_took;
 
         let started = Instant::now();
         let mut tx = client.transaction()?;
@@ -590,8 +595,11 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
         }
         writer.finish()?;
         tx.commit()?;
-        copying += started.elapsed();
+        let copy_took = started.elapsed();
+        copying += copy_took;
+        turns.push(copy_took.as_secs_f64() / enqueue_took.as_secs_f64());
     }
+    turns.sort_by(f64::total_cmp);
     let rows = (ENQUEUE_ALL_REPS * ENQUEUE_ALL_ROWS) as u64;
     Line::new("copy")
         .kv("rows", ENQUEUE_ALL_ROWS)
@@ -612,6 +620,15 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
         .kv(
             "vs_copy",
             format!("{:.2}", copying.as_secs_f64() / enqueued.as_secs_f64()),
+        )
+        .kv(
+            "vs_copy_turns",
+            format!(
+                "{:.2}/{:.2}/{:.2}",
+                turns[turns.len() / 4],
+                turns[turns.len() / 2],
+                turns[turns.len() * 3 / 4]
+            ),
         )
         .print();
     Ok(())
