@@ -18,7 +18,7 @@
 //! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
 //! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
-//! | `outbox_partitions`, `outbox_partitions_ahead` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, and those ready ahead of the open one (not set for a plain table) |
+//! | `outbox_partitions`, `outbox_partitions_ahead`, `outbox_partitions_unsettled` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, those ready ahead of the open one, and the closed ones not settled (not set for a plain table) |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
 //! | `outbox_consumer_duplicates_total` | counter | `queue`, `consumer` | redeliveries skipped |
@@ -127,6 +127,12 @@ impl OutboxMetrics {
             let ahead = exist.clone().filter(|p| p.number > open.number).count();
             gauge!("outbox_partitions", "table" => table.clone()).set(exist.count() as f64);
             gauge!("outbox_partitions_ahead", "table" => table.clone()).set(ahead as f64);
+            let unsettled = health
+                .partitions
+                .iter()
+                .filter(|p| p.exists && p.closed.is_some() && p.settled.is_none())
+                .count();
+            gauge!("outbox_partitions_unsettled", "table" => table.clone()).set(unsettled as f64);
         }
         gauge!("outbox_health_findings", "table" => table).set(health.findings.len() as f64);
     }
@@ -388,6 +394,8 @@ pub(crate) mod tests {
                     closed: (number < 1).then_some(Duration::from_secs(60)),
                     exists: true,
                     rows: 0,
+                    settled: None,
+                    held_back: None,
                 })
                 .collect(),
             relays: [
@@ -438,6 +446,7 @@ pub(crate) mod tests {
             gauge("outbox_health_findings", &[table], 1.0),
             gauge("outbox_partitions", &[table], 3.0),
             gauge("outbox_partitions_ahead", &[table], 1.0),
+            gauge("outbox_partitions_unsettled", &[table], 1.0),
         ] {
             assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");
         }

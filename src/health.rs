@@ -146,6 +146,15 @@ pub struct Partition {
     pub exists: bool,
     /// Its rows, as the planner last estimated them.
     pub rows: u64,
+    /// Since it settled: closed, every row in it sent, and no producer left that may still
+    /// write into it. `None` while it may hold a backlog: then every enqueue's look for an
+    /// aggregate's earlier messages and every `stats()` read it, and the partitions after
+    /// it.
+    pub settled: Option<Duration>,
+    /// For the oldest closed partition not settled (the upkeep settles them oldest first,
+    /// and retention drops them so, so it holds back every one after it as well): what
+    /// keeps it from settling. `None` for every other.
+    pub held_back: Option<HeldBack>,
 }
 
 impl Partition {
@@ -153,6 +162,25 @@ impl Partition {
     pub fn is_open(&self) -> bool {
         self.opened.is_some() && self.closed.is_none()
     }
+
+    /// Its first id: a partition holds the ids from its number shifted left by 40 bits.
+    fn first_id(number: i64) -> i64 {
+        number.saturating_mul(1 << 40)
+    }
+}
+
+/// What keeps a closed partition from settling (see [`Partition::held_back`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeldBack {
+    /// Dead letters or parked messages kept in it: this many, counted up to 1,000. They
+    /// stay until they are redriven and sent, skipped or purged.
+    Kept(u64),
+    /// Messages still to be sent: the relays have not reached them yet.
+    Pending,
+    /// No such row: a transaction that was running when it was cut, or a prepared
+    /// transaction, may still write into it.
+    Transactions,
 }
 
 /// Something holding the xmin horizon: a backend (`id` its pid) or a prepared transaction
@@ -321,7 +349,7 @@ impl Outbox {
                 .get(0),
         );
         let relays = self.relays(client)?;
-        let partitions = client
+        let mut partitions: Vec<Partition> = client
             .query(&sql.partitions, &[])
             .map_err(|e| self.db_error(e))?
             .into_iter()
@@ -332,8 +360,28 @@ impl Outbox {
                 closed: seconds(row.get(3)),
                 exists: row.get(4),
                 rows: count(&row, 5),
+                settled: seconds(row.get(6)),
+                held_back: None,
             })
             .collect();
+        // A partition dropped by hand holds nothing back.
+        if let Some(oldest) = partitions
+            .iter_mut()
+            .find(|p| p.closed.is_some() && p.settled.is_none() && p.exists)
+        {
+            let ids = (
+                Partition::first_id(oldest.number),
+                Partition::first_id(oldest.number + 1),
+            );
+            let row = client
+                .query_one(&sql.partition_left, &[&ids.0, &ids.1])
+                .map_err(|e| self.db_error(e))?;
+            oldest.held_back = Some(match (count(&row, 0), row.get(1)) {
+                (0, false) => HeldBack::Transactions,
+                (0, true) => HeldBack::Pending,
+                (kept, _) => HeldBack::Kept(kept),
+            });
+        }
         let mut health = Health {
             outbox_table,
             inbox_table,
@@ -508,6 +556,57 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     whole(open.every)
                 ),
                 upkeep,
+            );
+        }
+    }
+    let held = health
+        .partitions
+        .iter()
+        .find_map(|p| Some((p, p.held_back?)));
+    if let Some((partition, held_back)) = held {
+        let closed = partition.closed.unwrap_or_default();
+        if closed > partition.every {
+            let after = health
+                .partitions
+                .iter()
+                .filter(|p| p.number > partition.number && p.exists && p.opened.is_some())
+                .count();
+            let (why, remedy) = match held_back {
+                HeldBack::Kept(kept) => (
+                    format!(
+                        "it keeps {}{kept} dead letters or parked messages",
+                        if kept >= 1000 { "at least " } else { "" }
+                    ),
+                    "look at them (postgres-outbox dead, oldest first), then redrive, skip or \
+                     purge them"
+                        .to_owned(),
+                ),
+                HeldBack::Pending => (
+                    "it still has messages to send".to_owned(),
+                    "check that a relay runs against this table and keeps up (postgres-outbox \
+                     stats)"
+                        .to_owned(),
+                ),
+                HeldBack::Transactions => (
+                    "a transaction that ran when it was cut, or a prepared transaction, may \
+                     still write into it"
+                        .to_owned(),
+                    "end the transactions and prepared transactions that began before its cut \
+                     (pg_stat_activity, pg_prepared_xacts)"
+                        .to_owned(),
+                ),
+            };
+            finding(
+                Check::Partitions,
+                format!(
+                    "partition {} of {}, closed {} ago, has not settled: {why}. Until it \
+                     does, retention drops none of the partitions after it, and each enqueue \
+                     with an aggregate key and each stats() reads it and the {after} after it",
+                    partition.number,
+                    outbox.table(),
+                    whole(closed)
+                ),
+                remedy,
             );
         }
     }

@@ -101,7 +101,9 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
-pub use health::{Check, Finding, Health, HealthThresholds, Holder, Partition, Slot, TableHealth};
+pub use health::{
+    Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
+};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{CycleTimes, Metrics, NoMetrics};
 #[allow(deprecated)]

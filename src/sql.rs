@@ -297,6 +297,10 @@ pub(crate) struct Statements {
     pub(crate) lock_table: String,
     /// The partitions, oldest first, with their rows as the planner estimates them.
     pub(crate) partitions: String,
+    /// What is left in the partition of ids $1 to $2 (excluded) that keeps it from settling:
+    /// its dead and parked rows (counted up to 1,000), and whether it has pending ones;
+    /// through the partial indexes, as the upkeep looks.
+    pub(crate) partition_left: String,
     /// Whether the table holds any row.
     pub(crate) has_rows: String,
     /// Sets how long the open and later partitions stay open.
@@ -756,11 +760,25 @@ impl Statements {
                 "SELECT p.n, extract(epoch FROM p.every)::float8,
                         extract(epoch FROM now() - p.opened_at)::float8,
                         extract(epoch FROM now() - p.closed_at)::float8,
-                        c.oid IS NOT NULL, greatest(c.reltuples, 0)::bigint
+                        c.oid IS NOT NULL, greatest(c.reltuples, 0)::bigint,
+                        extract(epoch FROM now() - p.settled_at)::float8
                  FROM {partitions} p
                  LEFT JOIN pg_class c
                    ON c.oid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
                  ORDER BY p.n"
+            )?,
+            partition_left: values.render(
+                "SELECT (SELECT count(*) FROM (SELECT 1 FROM {table}
+                                               WHERE id >= $1 AND id < $2
+                                                 AND status IN ('dead', 'parked')
+                                               LIMIT 1000) AS kept),
+                        EXISTS (SELECT 1 FROM {table}
+                                WHERE id >= $1 AND id < $2 AND status = 'pending'
+                                  AND (head OR aggregate_key IS NULL))
+                        OR EXISTS (SELECT 1 FROM {table}
+                                   WHERE id >= $1 AND id < $2
+                                     AND status IN ('pending', 'parked')
+                                     AND aggregate_key IS NOT NULL AND status = 'pending')"
             )?,
             has_rows: values.render("SELECT EXISTS (SELECT 1 FROM {table})")?,
             set_partition_interval: values.render(

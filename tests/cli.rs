@@ -94,6 +94,40 @@ fn migrate_makes_a_partitioned_table_and_the_doctor_lists_its_partitions() {
     assert_eq!(numbers, [0, 1, 2]);
     assert_eq!(partitions[0]["every_secs"], 86_400.0);
     assert!(ok(&outbox, &["doctor"]).contains("partition 0 (1day each): open for"));
+
+    // A dead letter kept in partition 0, cut two days ago: it holds the partition back.
+    let mut client = client();
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {0} (key, topic, payload, status, done_at)
+             VALUES ('kept', 't', '\\x00', 'dead', now());
+             SELECT {1}(true), {2}(), {1}(false);
+             UPDATE {3} SET closed_at = now() - interval '2 days' WHERE n = 0",
+            quoted(&outbox),
+            quoted_with(&outbox, "_partition"),
+            quoted_with(&outbox, "_settle"),
+            quoted_with(&outbox, "_partitions"),
+        ))
+        .unwrap();
+    let output = cli(&outbox).args(["doctor", "--json"]).output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let doctor = json(&String::from_utf8(output.stdout).unwrap());
+    let first = &doctor["partitions"][0];
+    assert_eq!(
+        (
+            &first["held_back"],
+            &first["kept_rows"],
+            &first["settled_secs"]
+        ),
+        (&Value::from("kept"), &Value::from(1), &Value::Null)
+    );
+    assert_eq!(doctor["findings"][0]["check"], "partitions");
+    let output = cli(&outbox).arg("doctor").output().unwrap();
+    let text = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        text.contains("closed 2days ago, not settled: it keeps 1 dead or parked rows"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use common::pg_node::PgNode;
 use common::{client, quoted_with, relay_config, unique_name, wait_until, Sink};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls};
-use postgres_outbox::{Check, Connections, Filter, Message, Outbox, Record, Relay, Rows};
+use postgres_outbox::{Check, Connections, Filter, HeldBack, Message, Outbox, Record, Relay, Rows};
 
 /// The longest interval there is, so that no cut by the clock (a day's partition is cut at
 /// midnight UTC) comes in the middle of a test: each test cuts when it means to.
@@ -373,6 +373,83 @@ fn the_doctor_reports_missing_partitions_and_a_cut_overdue() {
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(problem.contains("no cut happened"), "{problem}");
     cut(&mut client, &outbox);
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
+}
+
+/// What keeps partition 0 from settling, as the doctor reports it.
+fn held_back(client: &mut Client, outbox: &Outbox) -> Option<HeldBack> {
+    let health = outbox.health(client).unwrap();
+    let first = health.partitions.first().expect("partition 0");
+    assert_eq!(first.number, 0);
+    first.held_back
+}
+
+/// A closed partition that does not settle holds back retention and brings back the cost
+/// of every partition after it: past its interval the doctor says so, and why, for each
+/// of the three things that can hold it (a pending row, a dead letter, a transaction from
+/// before its cut), until it settles.
+#[test]
+fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
+    let (outbox, mut client) = partitioned("part_held");
+    enqueue(&mut client, &outbox, message("waiting")).unwrap();
+    enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
+    let mut producer = common::client();
+    let mut late = producer.transaction().unwrap();
+    // A key of the crate's: a producer of the caller's keys would hold the cut back.
+    outbox
+        .enqueue(&mut late, Message::new("t", "late"))
+        .unwrap();
+    cut(&mut client, &outbox);
+    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Pending));
+    // Closed for less than its interval: nothing to report yet.
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET closed_at = now() - interval '800 days' WHERE n = 0",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[],
+        )
+        .unwrap();
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("partition 0 "), "{problem}");
+    assert!(problem.contains("messages to send"), "{problem}");
+    assert!(problem.contains("the 1 after it"), "{problem}");
+
+    let config = relay_config(&outbox, |record| {
+        if record.key == "doomed" {
+            return Err(postgres_outbox::PublishError::permanent("refused"));
+        }
+        Ok(())
+    });
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Kept(1)));
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("keeps 1 dead letters"), "{problem}");
+
+    assert_eq!(
+        outbox
+            .purge(&mut client, Rows::Dead.matching(Filter::new()))
+            .unwrap(),
+        1
+    );
+    upkeep(&mut client, &outbox, false);
+    assert_eq!(
+        held_back(&mut client, &outbox),
+        Some(HeldBack::Transactions)
+    );
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("may still write into it"), "{problem}");
+
+    late.commit().unwrap();
+    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Pending));
+    assert_eq!(send_all(&outbox).len(), 1);
+    wait_settled(&mut client, &outbox, 0);
+    let health = outbox.health(&mut client).unwrap();
+    assert!(health.partitions[0].settled.is_some());
+    assert!(health.partitions.iter().all(|p| p.held_back.is_none()));
     assert_eq!(partitions_finding(&mut client, &outbox), None);
 }
 

@@ -19,7 +19,9 @@ use postgres::config::SslMode;
 use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, PublisherConfig};
-use postgres_outbox::{Connections, Filter, HealthThresholds, Outbox, Relay, RelayConfig, Rows};
+use postgres_outbox::{
+    Connections, Filter, HealthThresholds, HeldBack, Outbox, Relay, RelayConfig, Rows,
+};
 use serde_json::{json, Value};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
@@ -609,6 +611,16 @@ fn human(age: Option<Duration>) -> String {
     )
 }
 
+/// What keeps a closed partition from settling, in a few words.
+fn held_back(held: HeldBack) -> String {
+    match held {
+        HeldBack::Kept(kept) => format!("it keeps {kept} dead or parked rows"),
+        HeldBack::Pending => "it has rows to send".to_owned(),
+        HeldBack::Transactions => "transactions from before its cut".to_owned(),
+        _ => "unknown".to_owned(),
+    }
+}
+
 fn time(at: SystemTime) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
 }
@@ -661,7 +673,17 @@ fn doctor(
             "partitions": health.partitions.iter().map(|p| json!({
                 "number": p.number, "every_secs": p.every.as_secs_f64(),
                 "opened_secs": secs(p.opened), "closed_secs": secs(p.closed),
-                "exists": p.exists, "rows": p.rows,
+                "exists": p.exists, "rows": p.rows, "settled_secs": secs(p.settled),
+                "held_back": p.held_back.map(|held| match held {
+                    HeldBack::Kept(_) => "kept",
+                    HeldBack::Pending => "pending",
+                    HeldBack::Transactions => "transactions",
+                    _ => "unknown",
+                }),
+                "kept_rows": match p.held_back {
+                    Some(HeldBack::Kept(rows)) => Value::from(rows),
+                    _ => Value::Null,
+                },
             })).collect::<Vec<_>>(),
             "findings": health.findings.iter().map(|f| json!({
                 "check": f.check.name(), "problem": f.problem, "remedy": f.remedy,
@@ -713,7 +735,15 @@ fn doctor(
     for p in &health.partitions {
         let state = match (p.opened, p.closed, p.exists) {
             (_, _, false) => "missing".to_owned(),
-            (Some(_), Some(closed), _) => format!("closed {} ago", human(Some(closed))),
+            (Some(_), Some(closed), _) => format!(
+                "closed {} ago, {}",
+                human(Some(closed)),
+                match (p.settled, p.held_back) {
+                    (Some(_), _) => "settled".to_owned(),
+                    (None, Some(held)) => format!("not settled: {}", held_back(held)),
+                    (None, None) => "not settled".to_owned(),
+                }
+            ),
             (Some(opened), None, _) => format!("open for {}", human(Some(opened))),
             (None, _, _) => "ahead".to_owned(),
         };
