@@ -151,9 +151,9 @@ pub struct Partition {
     /// aggregate's earlier messages and every `stats()` read it, and the partitions after
     /// it.
     pub settled: Option<Duration>,
-    /// For the oldest closed partition not settled (the upkeep settles them oldest first,
-    /// and retention drops them so, so it holds back every one after it as well): what
-    /// keeps it from settling. `None` for every other.
+    /// For the oldest closed partition not settled: what keeps it from settling. The
+    /// upkeep settles partitions oldest first, so it holds back every one after it too.
+    /// `None` for every other partition.
     pub held_back: Option<HeldBack>,
 }
 
@@ -174,13 +174,18 @@ impl Partition {
 #[non_exhaustive]
 pub enum HeldBack {
     /// Dead letters or parked messages kept in it: this many, counted up to 1,000. They
-    /// stay until they are redriven and sent, skipped or purged.
+    /// stay until they are redriven and sent, skipped or purged; retention drops no
+    /// partition after it meanwhile.
     Kept(u64),
-    /// Messages still to be sent: the relays have not reached them yet.
+    /// Messages still to be sent: the relays have not reached them yet, or they are
+    /// scheduled for later. Retention drops no partition after it meanwhile.
     Pending,
-    /// No such row: a transaction that was running when it was cut, or a prepared
-    /// transaction, may still write into it.
+    /// No such row, but a transaction that was running when the upkeep first found it
+    /// closed, or a prepared transaction, may still write into it.
     Transactions,
+    /// Nothing in it: the upkeep has not looked at it since its cut, or not since what held
+    /// it ended. No relay runs on the table, or its upkeep fails (its log says why).
+    NoUpkeep,
 }
 
 /// Something holding the xmin horizon: a backend (`id` its pid) or a prepared transaction
@@ -231,7 +236,8 @@ pub enum Check {
     /// Relays reported, and none has for a while: they stopped without saying so.
     Relays,
     /// A partitioned outbox lacks a partition ahead, or its open one is long past its
-    /// interval: no relay keeps them.
+    /// interval: no relay keeps them. Or a closed one has not settled within its interval
+    /// (see [`Partition::held_back`]).
     Partitions,
 }
 
@@ -267,6 +273,15 @@ pub struct Finding {
 impl fmt::Display for Finding {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.problem, self.remedy)
+    }
+}
+
+/// Dead or parked rows as counted, up to 1,000.
+fn kept_rows(kept: u64) -> String {
+    match kept {
+        1 => "1 dead letter or parked message".to_owned(),
+        1000.. => "1,000 or more dead letters or parked messages".to_owned(),
+        kept => format!("{kept} dead letters or parked messages"),
     }
 }
 
@@ -374,12 +389,14 @@ impl Outbox {
                 Partition::first_id(oldest.number + 1),
             );
             let row = client
-                .query_one(&sql.partition_left, &[&ids.0, &ids.1])
+                .query_opt(&sql.partition_left, &[&ids.0, &ids.1, &oldest.number])
                 .map_err(|e| self.db_error(e))?;
-            oldest.held_back = Some(match (count(&row, 0), row.get(1)) {
-                (0, false) => HeldBack::Transactions,
-                (0, true) => HeldBack::Pending,
-                (kept, _) => HeldBack::Kept(kept),
+            // None: it settled, or was dropped, since the list was read.
+            oldest.held_back = row.map(|row| match (count(&row, 0), row.get(1), row.get(2)) {
+                (0, false, true) => HeldBack::Transactions,
+                (0, false, false) => HeldBack::NoUpkeep,
+                (0, true, _) => HeldBack::Pending,
+                (kept, _, _) => HeldBack::Kept(kept),
             });
         }
         let mut health = Health {
@@ -569,44 +586,50 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             let after = health
                 .partitions
                 .iter()
-                .filter(|p| p.number > partition.number && p.exists && p.opened.is_some())
+                .filter(|p| p.number > partition.number && p.exists)
                 .count();
-            let (why, remedy) = match held_back {
+            let retention = "retention drops none of the partitions after it, and ";
+            let (why, retention, remedy) = match held_back {
                 HeldBack::Kept(kept) => (
-                    format!(
-                        "it keeps {}{kept} dead letters or parked messages",
-                        if kept >= 1000 { "at least " } else { "" }
-                    ),
+                    format!("it keeps {}", kept_rows(kept)),
+                    retention,
                     "look at them (postgres-outbox dead, oldest first), then redrive, skip or \
-                     purge them"
-                        .to_owned(),
+                     purge them",
                 ),
                 HeldBack::Pending => (
                     "it still has messages to send".to_owned(),
+                    retention,
                     "check that a relay runs against this table and keeps up (postgres-outbox \
-                     stats)"
-                        .to_owned(),
+                     stats); a message enqueued with a long delay holds its partition until \
+                     it is sent",
                 ),
                 HeldBack::Transactions => (
-                    "a transaction that ran when it was cut, or a prepared transaction, may \
-                     still write into it"
+                    "a transaction that was running when it was cut, or a prepared \
+                     transaction, may still write into it"
                         .to_owned(),
-                    "end the transactions and prepared transactions that began before its cut \
-                     (pg_stat_activity, pg_prepared_xacts)"
-                        .to_owned(),
+                    "",
+                    "end the old transactions (pg_stat_activity: xact_start) and prepared \
+                     transactions (pg_prepared_xacts); the doctor names the oldest of each past \
+                     its threshold",
+                ),
+                HeldBack::NoUpkeep => (
+                    "nothing is left in it, but no upkeep has settled it".to_owned(),
+                    "",
+                    "run a relay on this table, or SELECT <table>_partition(false), \
+                     <table>_settle(); a relay that runs logs why its upkeep fails",
                 ),
             };
             finding(
                 Check::Partitions,
                 format!(
                     "partition {} of {}, closed {} ago, has not settled: {why}. Until it \
-                     does, retention drops none of the partitions after it, and each enqueue \
-                     with an aggregate key and each stats() reads it and the {after} after it",
+                     does, {retention}each enqueue with an aggregate key and each stats() \
+                     reads it and the {after} partitions after it",
                     partition.number,
                     outbox.table(),
                     whole(closed)
                 ),
-                remedy,
+                remedy.to_owned(),
             );
         }
     }

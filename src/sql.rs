@@ -297,9 +297,10 @@ pub(crate) struct Statements {
     pub(crate) lock_table: String,
     /// The partitions, oldest first, with their rows as the planner estimates them.
     pub(crate) partitions: String,
-    /// What is left in the partition of ids $1 to $2 (excluded) that keeps it from settling:
-    /// its dead and parked rows (counted up to 1,000), and whether it has pending ones;
-    /// through the partial indexes, as the upkeep looks.
+    /// What keeps partition $3, of ids $1 to $2 (excluded), from settling: its dead and
+    /// parked rows (counted up to 1,000) and whether it has pending ones, through the
+    /// partial indexes, as the upkeep looks; and whether a transaction the upkeep wrote
+    /// down at its cut, or a prepared one, runs still. No row once it has settled or gone.
     pub(crate) partition_left: String,
     /// Whether the table holds any row.
     pub(crate) has_rows: String,
@@ -776,9 +777,13 @@ impl Statements {
                                 WHERE id >= $1 AND id < $2 AND status = 'pending'
                                   AND (head OR aggregate_key IS NULL))
                         OR EXISTS (SELECT 1 FROM {table}
-                                   WHERE id >= $1 AND id < $2
-                                     AND status IN ('pending', 'parked')
-                                     AND aggregate_key IS NOT NULL AND status = 'pending')"
+                                   WHERE id >= $1 AND id < $2 AND status = 'pending'
+                                     AND aggregate_key IS NOT NULL),
+                        EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
+                                                       AND virtualxid = ANY (p.cut_vxids))
+                        OR EXISTS (SELECT FROM pg_prepared_xacts
+                                   WHERE database = current_database())
+                 FROM {partitions} p WHERE p.n = $3 AND p.settled_at IS NULL"
             )?,
             has_rows: values.render("SELECT EXISTS (SELECT 1 FROM {table})")?,
             set_partition_interval: values.render(

@@ -376,18 +376,30 @@ fn the_doctor_reports_missing_partitions_and_a_cut_overdue() {
     assert_eq!(partitions_finding(&mut client, &outbox), None);
 }
 
-/// What keeps partition 0 from settling, as the doctor reports it.
-fn held_back(client: &mut Client, outbox: &Outbox) -> Option<HeldBack> {
+/// What keeps partition `n` from settling, as the doctor reports it.
+fn held_back(client: &mut Client, outbox: &Outbox, n: i64) -> Option<HeldBack> {
     let health = outbox.health(client).unwrap();
-    let first = health.partitions.first().expect("partition 0");
-    assert_eq!(first.number, 0);
-    first.held_back
+    let partition = health.partitions.iter().find(|p| p.number == n);
+    partition.expect("the partition").held_back
+}
+
+/// Sets partition `n` closed long before its interval of a year ran out.
+fn closed_long_ago(client: &mut Client, outbox: &Outbox, n: i64) {
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET closed_at = now() - interval '800 days' WHERE n = $1",
+                quoted_with(outbox, "_partitions")
+            ),
+            &[&n],
+        )
+        .unwrap();
 }
 
 /// A closed partition that does not settle holds back retention and brings back the cost
 /// of every partition after it: past its interval the doctor says so, and why, for each
-/// of the three things that can hold it (a pending row, a dead letter, a transaction from
-/// before its cut), until it settles.
+/// of the things that can hold it (a pending row, a dead letter, a transaction from before
+/// its cut, no upkeep since its cut), until it settles.
 #[test]
 fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     let (outbox, mut client) = partitioned("part_held");
@@ -400,22 +412,19 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
         .enqueue(&mut late, Message::new("t", "late"))
         .unwrap();
     cut(&mut client, &outbox);
-    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Pending));
+    assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Pending));
     // Closed for less than its interval: nothing to report yet.
     assert_eq!(partitions_finding(&mut client, &outbox), None);
-    client
-        .execute(
-            &format!(
-                "UPDATE {} SET closed_at = now() - interval '800 days' WHERE n = 0",
-                quoted_with(&outbox, "_partitions")
-            ),
-            &[],
-        )
-        .unwrap();
+    closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(problem.contains("partition 0 "), "{problem}");
     assert!(problem.contains("messages to send"), "{problem}");
-    assert!(problem.contains("the 1 after it"), "{problem}");
+    assert!(problem.contains("retention drops none"), "{problem}");
+    let after = partitions(&mut client, &outbox).len() - 1;
+    assert!(
+        problem.contains(&format!("the {after} partitions after it")),
+        "{problem}"
+    );
 
     let config = relay_config(&outbox, |record| {
         if record.key == "doomed" {
@@ -425,9 +434,12 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     });
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
     upkeep(&mut client, &outbox, false);
-    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Kept(1)));
+    assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
-    assert!(problem.contains("keeps 1 dead letters"), "{problem}");
+    assert!(
+        problem.contains("keeps 1 dead letter or parked"),
+        "{problem}"
+    );
 
     assert_eq!(
         outbox
@@ -437,19 +449,35 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     );
     upkeep(&mut client, &outbox, false);
     assert_eq!(
-        held_back(&mut client, &outbox),
+        held_back(&mut client, &outbox, 0),
         Some(HeldBack::Transactions)
     );
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(problem.contains("may still write into it"), "{problem}");
+    // No row holds it: retention may drop what comes after.
+    assert!(!problem.contains("retention"), "{problem}");
 
     late.commit().unwrap();
-    assert_eq!(held_back(&mut client, &outbox), Some(HeldBack::Pending));
+    assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Pending));
     assert_eq!(send_all(&outbox).len(), 1);
     wait_settled(&mut client, &outbox, 0);
     let health = outbox.health(&mut client).unwrap();
     assert!(health.partitions[0].settled.is_some());
     assert!(health.partitions.iter().all(|p| p.held_back.is_none()));
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
+
+    // A cut with no upkeep after it: nothing is in partition 1, and nothing settles it.
+    client
+        .query_one(
+            &format!("SELECT {}(true)", quoted_with(&outbox, "_partition")),
+            &[],
+        )
+        .unwrap();
+    closed_long_ago(&mut client, &outbox, 1);
+    assert_eq!(held_back(&mut client, &outbox, 1), Some(HeldBack::NoUpkeep));
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("no upkeep has settled it"), "{problem}");
+    wait_settled(&mut client, &outbox, 1);
     assert_eq!(partitions_finding(&mut client, &outbox), None);
 }
 

@@ -614,9 +614,12 @@ fn human(age: Option<Duration>) -> String {
 /// What keeps a closed partition from settling, in a few words.
 fn held_back(held: HeldBack) -> String {
     match held {
+        HeldBack::Kept(1) => "it keeps 1 dead or parked row".to_owned(),
+        HeldBack::Kept(1000..) => "it keeps 1,000 or more dead or parked rows".to_owned(),
         HeldBack::Kept(kept) => format!("it keeps {kept} dead or parked rows"),
         HeldBack::Pending => "it has rows to send".to_owned(),
         HeldBack::Transactions => "transactions from before its cut".to_owned(),
+        HeldBack::NoUpkeep => "no upkeep since its cut".to_owned(),
         _ => "unknown".to_owned(),
     }
 }
@@ -678,6 +681,7 @@ fn doctor(
                     HeldBack::Kept(_) => "kept",
                     HeldBack::Pending => "pending",
                     HeldBack::Transactions => "transactions",
+                    HeldBack::NoUpkeep => "no_upkeep",
                     _ => "unknown",
                 }),
                 "kept_rows": match p.held_back {
