@@ -594,14 +594,16 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     format!("it keeps {}", kept_rows(kept)),
                     retention,
                     "look at them (postgres-outbox dead, oldest first), then redrive, skip or \
-                     purge them",
+                     purge them"
+                        .to_owned(),
                 ),
                 HeldBack::Pending => (
                     "it still has messages to send".to_owned(),
                     retention,
                     "check that a relay runs against this table and keeps up (postgres-outbox \
                      stats); a message enqueued with a long delay holds its partition until \
-                     it is sent",
+                     it is sent"
+                        .to_owned(),
                 ),
                 HeldBack::Transactions => (
                     "a transaction that was running when it was cut, or a prepared \
@@ -610,13 +612,17 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     "",
                     "end the old transactions (pg_stat_activity: xact_start) and prepared \
                      transactions (pg_prepared_xacts); the doctor names the oldest of each past \
-                     its threshold",
+                     its threshold"
+                        .to_owned(),
                 ),
                 HeldBack::NoUpkeep => (
                     "nothing is left in it, but no upkeep has settled it".to_owned(),
                     "",
-                    "run a relay on this table, or SELECT <table>_partition(false), \
-                     <table>_settle(); a relay that runs logs why its upkeep fails",
+                    format!(
+                        "run a relay on {0} (it logs why an upkeep fails), or SELECT \
+                         {0}_partition(false), {0}_settle()",
+                        outbox.table()
+                    ),
                 ),
             };
             finding(
@@ -629,7 +635,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     outbox.table(),
                     whole(closed)
                 ),
-                remedy.to_owned(),
+                remedy,
             );
         }
     }
