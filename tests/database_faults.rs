@@ -224,11 +224,11 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
     );
 
     // The server takes the next claim and commits it; its answer never reaches the relay.
-    // The rows go in unannounced, and the worker is woken once the fault is set: whatever
-    // claim it runs next takes them. Announced by their own commit, the rows were missed
-    // in two full runs of the suite in five on a slow machine: a claim of the worker's
-    // that took nothing ran first and lost the reply (a diagnostic run saw the empty
-    // ready-only claim as the connection's last statement), and nothing claimed them.
+    // The rows go in unannounced, and the worker is woken once the fault is set, so that
+    // no claim of the worker's that finds nothing runs between the fault and the rows'
+    // commit (a diagnostic run saw one take the lost reply). That narrowed the failures of
+    // full runs on a slow machine but did not end them; what else loses the reply there
+    // is not known.
     let unannounced = Outbox::builder()
         .table("faults")
         .notify(false)
@@ -237,10 +237,9 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
     enqueue(&mut client, &unannounced, 10);
     proxy.set(Mode::DropReplies);
     client.batch_execute("SELECT faults_notify()").unwrap();
-    // Claimed once and not recorded. In full runs of the suite on a slow machine another
-    // statement of the worker's has lost the reply instead (cause not found yet, see the
-    // note of 2026-12-05): then the rows are not claimed, and the rest still holds, as for
-    // any reply lost. Run alone, the claim's is lost every time.
+    // Claimed once and not recorded. When another statement of the worker's lost the reply
+    // instead, the rows are not claimed, and what follows still holds, as for any lost
+    // reply. Run alone, the claim's reply is the one lost every time.
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
     while count(&mut client, "claims = 1 AND status = 'pending'") != 10 {
         if std::time::Instant::now() > deadline {
@@ -250,7 +249,7 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
         std::thread::sleep(Duration::from_millis(20));
     }
 
-    // Another relay takes them once the lease has run out.
+    // Another relay takes them once any lease on them has run out.
     let second = Held::new();
     second.gate.open();
     let relay = Relay::spawn(
