@@ -17,6 +17,11 @@ pub enum Mode {
     Stall,
     /// Forwards what clients send; what the server answers is read and thrown away.
     DropReplies,
+    /// Passes until a client of the PostgreSQL protocol runs a statement whose text holds
+    /// this (prepared then or before, on the same connection); from then on, as
+    /// `DropReplies`. So the reply lost is that statement's, whatever else the client sent
+    /// before it, or had sent before the mode was set.
+    DropRepliesFrom(&'static str),
     /// Closes every connection it holds, and every new one as soon as it is accepted.
     Refuse,
 }
@@ -86,13 +91,7 @@ impl Faulty {
     }
 
     pub fn set(&self, mode: Mode) {
-        *self.state.mode.lock().unwrap() = mode;
-        if mode == Mode::Refuse {
-            for stream in self.state.open.lock().unwrap().drain(..) {
-                let _ = stream.shutdown(Shutdown::Both);
-            }
-        }
-        self.state.changed.notify_all();
+        self.state.set(mode);
     }
 }
 
@@ -103,6 +102,16 @@ impl Drop for Faulty {
 }
 
 impl State {
+    fn set(&self, mode: Mode) {
+        *self.mode.lock().unwrap() = mode;
+        if mode == Mode::Refuse {
+            for stream in self.open.lock().unwrap().drain(..) {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        self.changed.notify_all();
+    }
+
     fn mode(&self) -> Mode {
         *self.mode.lock().unwrap()
     }
@@ -128,6 +137,7 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(50)));
     thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
+        let mut statements = Statements::default();
         loop {
             if state.unstalled() == Mode::Refuse {
                 break;
@@ -140,6 +150,15 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
                 }
                 Err(_) => break,
             };
+            if !reply {
+                // Before the statement goes on: its reply is then the first one dropped.
+                let ran = statements.read(&buf[..n]);
+                if let Mode::DropRepliesFrom(needle) = state.mode() {
+                    if ran.iter().any(|text| text.contains(needle)) {
+                        state.set(Mode::DropReplies);
+                    }
+                }
+            }
             // What was read while a stall began waits for it to end.
             match state.unstalled() {
                 Mode::Refuse => break,
@@ -153,4 +172,80 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
         let _ = from.shutdown(Shutdown::Both);
         let _ = to.shutdown(Shutdown::Both);
     });
+}
+
+/// What a PostgreSQL client has sent on one connection, read as the protocol's messages:
+/// the text of each statement it prepared (Parse, named or not) and of each it ran (Bind of
+/// a prepared one, or a simple Query). Anything it cannot read (TLS, another protocol) ends
+/// the reading, and nothing is ever found.
+#[derive(Default)]
+struct Statements {
+    pending: Vec<u8>,
+    started: bool,
+    lost: bool,
+    prepared: std::collections::HashMap<Vec<u8>, String>,
+}
+
+impl Statements {
+    /// Reads what the client sent next; returns the text of each statement it ran in it.
+    fn read(&mut self, bytes: &[u8]) -> Vec<String> {
+        let mut ran = Vec::new();
+        if self.lost {
+            return ran;
+        }
+        self.pending.extend_from_slice(bytes);
+        loop {
+            // The startup message has a length and no type; every later one both.
+            let head = if self.started { 5 } else { 4 };
+            if self.pending.len() < head {
+                return ran;
+            }
+            let at = head - 4;
+            let len = i32::from_be_bytes(self.pending[at..head].try_into().unwrap());
+            // A startup message is short: a longer one is another protocol (AMQP's greeting).
+            let most = if self.started { 1 << 30 } else { 10_000 };
+            let len = match usize::try_from(len) {
+                Ok(len) if (4..=most).contains(&len) => len,
+                _ => {
+                    self.lost = true;
+                    return ran;
+                }
+            };
+            let end = at + len;
+            if self.pending.len() < end {
+                return ran;
+            }
+            let message: Vec<u8> = self.pending.drain(..end).collect();
+            if !self.started {
+                self.started = true;
+                // 196608 is protocol 3.0; anything else (an SSL or GSS request) is not read.
+                if message.get(4..8) != Some(&196_608i32.to_be_bytes()[..]) {
+                    self.lost = true;
+                    return ran;
+                }
+                continue;
+            }
+            let body = &message[5..];
+            let mut strings = body.split(|&b| b == 0);
+            match message[0] {
+                b'P' => {
+                    let name = strings.next().unwrap_or_default().to_vec();
+                    let text = String::from_utf8_lossy(strings.next().unwrap_or_default());
+                    self.prepared.insert(name, text.into_owned());
+                }
+                b'B' => {
+                    let _portal = strings.next();
+                    let name = strings.next().unwrap_or_default();
+                    if let Some(text) = self.prepared.get(name) {
+                        ran.push(text.clone());
+                    }
+                }
+                b'Q' => {
+                    let text = String::from_utf8_lossy(strings.next().unwrap_or_default());
+                    ran.push(text.into_owned());
+                }
+                _ => {}
+            }
+        }
+    }
 }
