@@ -539,7 +539,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     }
     if let Some(open) = health.partitions.iter().find(|p| p.is_open()) {
         let upkeep = format!(
-            "run a relay on {0}: it keeps the partitions every few seconds (or SELECT \
+            "run a relay on {0}, as its owner or a role granted EXECUTE on {0}_partition and \
+             {0}_settle: it keeps the partitions every few seconds (or SELECT \
              {0}_partition(false) now)",
             outbox.table()
         );
@@ -619,8 +620,9 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     "nothing is left in it, but no upkeep has settled it".to_owned(),
                     "",
                     format!(
-                        "run a relay on {0} (it logs why an upkeep fails), or SELECT \
-                         {0}_partition(false), {0}_settle()",
+                        "run a relay on {0}, as its owner or a role granted EXECUTE on \
+                         {0}_partition and {0}_settle (it logs why an upkeep fails), or \
+                         SELECT {0}_partition(false), {0}_settle()",
                         outbox.table()
                     ),
                 ),

@@ -905,3 +905,153 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
         );
     }
 }
+
+/// A login role of a test's own, with the rights a relay needs on `outbox`'s tables and no
+/// other: not the owner's. Dropped, with what was granted to it, when it goes.
+struct Role {
+    name: String,
+}
+
+impl Role {
+    fn relay_of(client: &mut Client, outbox: &Outbox) -> Role {
+        let name = unique_name("outbox_relay_role");
+        let tables = [
+            "",
+            "_migrations",
+            "_inbox",
+            "_counts",
+            "_failures",
+            "_waiting",
+            "_relays",
+        ]
+        .iter()
+        .chain(&["_partitions"])
+        .map(|suffix| quoted_with(outbox, suffix))
+        .collect::<Vec<_>>()
+        .join(", ");
+        client
+            .batch_execute(&format!(
+                "CREATE ROLE {name} LOGIN PASSWORD 'relay';
+                 GRANT USAGE ON SCHEMA {schema} TO {name};
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {name};",
+                schema = common::schema(),
+            ))
+            .expect("create the relay's role");
+        Role { name }
+    }
+
+    /// Grants what keeps the partitions (README, "Roles").
+    fn may_keep_partitions(&self, client: &mut Client, outbox: &Outbox) {
+        client
+            .batch_execute(&format!(
+                "GRANT EXECUTE ON FUNCTION {}(boolean), {}(), {}(timestamptz, boolean) TO {}",
+                quoted_with(outbox, "_partition"),
+                quoted_with(outbox, "_settle"),
+                quoted_with(outbox, "_retire"),
+                self.name
+            ))
+            .expect("grant the upkeep");
+    }
+
+    fn config(&self) -> postgres::Config {
+        let mut config: postgres::Config = common::database_url().parse().expect("database URL");
+        config.user(&self.name).password("relay");
+        config
+    }
+
+    fn client(&self) -> Client {
+        self.config()
+            .connect(NoTls)
+            .expect("connect as the relay's role")
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let dropped =
+            client().batch_execute(&format!("DROP OWNED BY {0}; DROP ROLE {0}", self.name));
+        if let Err(e) = dropped {
+            eprintln!("role {} left behind: {e}", self.name);
+        }
+    }
+}
+
+/// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay
+/// of its own role cuts, makes partitions ahead and settles them, and a purge by that role
+/// drops a partition; before the grant, the same calls are refused and change nothing.
+#[test]
+fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
+    let (outbox, mut client) = partitioned("part_role");
+    let role = Role::relay_of(&mut client, &outbox);
+    let mut as_role = role.client();
+    for i in 0..3 {
+        enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
+    }
+    let denied = |result: Result<Option<i32>, postgres::Error>| {
+        result.expect_err("refused").code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE)
+    };
+    let cut_as = |client: &mut Client| {
+        client
+            .query_one(
+                &format!("SELECT {}(true)", quoted_with(&outbox, "_partition")),
+                &[],
+            )
+            .map(|row| row.get::<_, Option<i32>>(0))
+    };
+    assert!(denied(cut_as(&mut as_role)));
+    let sent = Rows::Sent.matching(Filter::new());
+    let refused = outbox
+        .purge(&mut as_role, sent.clone())
+        .expect_err("refused");
+    assert!(
+        refused.to_string().contains("permission denied"),
+        "{refused}"
+    );
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
+
+    role.may_keep_partitions(&mut client, &outbox);
+    // A cut by the role: new ids go to partition 1, and partition 2 is left ahead.
+    assert_eq!(cut_as(&mut as_role).expect("cut as the role"), Some(1));
+    let new = enqueue(&mut client, &outbox, message("new")).unwrap();
+    assert!(partition_of(&mut client, &outbox, &new).ends_with("_p1"));
+
+    // Its relay sends every row, makes partition 3 ahead and settles partition 0, whose
+    // table it has no right to read.
+    let published = Sink::default();
+    let pool = r2d2::Pool::builder()
+        .max_size(common::RELAY_POOL)
+        .min_idle(Some(0))
+        .build(r2d2_postgres::PostgresConnectionManager::new(
+            role.config(),
+            NoTls,
+        ))
+        .expect("the role's pool");
+    let relay = Relay::spawn(common::relay_config_with(
+        &outbox,
+        pool,
+        published.collect(),
+    ))
+    .expect("spawn");
+    wait_until(
+        "the role's relay sends every row and keeps the partitions",
+        || {
+            published.len() == 4
+                && partitions(&mut client, &outbox) == vec![0, 1, 2, 3]
+                && settled(&mut client, &outbox).contains(&0)
+        },
+    );
+    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+    let owner: String = client
+        .query_one(
+            "SELECT tableowner::text FROM pg_tables WHERE tablename = $1",
+            &[&format!("{}_p3", outbox.table())],
+        )
+        .expect("partition 3")
+        .get(0);
+    assert_ne!(owner, role.name, "a partition belongs to the table's owner");
+
+    // The role's purge drops partition 0 whole.
+    assert_eq!(outbox.purge(&mut as_role, sent).unwrap(), 3);
+    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
+    drop(as_role);
+}
