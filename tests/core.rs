@@ -2188,3 +2188,96 @@ fn dry_runs_count_what_skip_and_purge_would_change_and_refuse_as_they_do() -> Te
     );
     Ok(())
 }
+
+/// Each side works with the rights the README's "Roles and grants" gives it, under a role
+/// of its own that owns nothing: a producer enqueues one message with an aggregate and a
+/// key of its own, and a batch; a relay sends them, and `process` with its rights handles
+/// another; a consumer dedupes one.
+#[test]
+fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
+    let (outbox, mut client) = common::outbox("roles");
+    let producer = common::Role::new(&mut client, &common::producer_grants(&outbox));
+    let relay_role = common::Role::new(&mut client, &common::relay_grants(&outbox, true));
+    let consumer = common::Role::new(&mut client, &common::consumer_grants(&outbox));
+
+    let mut as_producer = producer.client();
+    let mut tx = as_producer.transaction().unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::new("t", b"{}".to_vec())
+                .key("roles-1")
+                .aggregate_key("order-1"),
+        )
+        .expect("enqueue as the producer");
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::new("t", b"{}".to_vec()).aggregate_key("order-1"),
+        )
+        .expect("enqueue a second of the aggregate");
+    let batch = (0..3)
+        .map(|i| Message::new("t", format!("{i}").into_bytes()).aggregate_key("order-2"))
+        .collect::<Vec<_>>();
+    outbox
+        .enqueue_all(&mut tx, batch)
+        .expect("enqueue a batch as the producer");
+    tx.commit().unwrap();
+
+    let published = common::Sink::default();
+    let relay = postgres_outbox::Relay::spawn(common::relay_config_with(
+        &outbox,
+        relay_role.pool(),
+        published.collect(),
+    ))
+    .expect("spawn the relay as its role");
+    wait_until(
+        "the relay's role sends every message and reports itself",
+        || {
+            published.len() == 5
+                && count(&mut client, &outbox, "status = 'sent'") == 5
+                && outbox.relays(&mut client).is_ok_and(|r| r.len() == 1)
+        },
+    );
+    let report = relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+    assert_eq!(report.published, 5);
+    assert!(published.contains("roles-1"));
+
+    // `process`, a consumer in the database, needs what a relay has.
+    let mut tx = as_producer.transaction().unwrap();
+    outbox
+        .enqueue(&mut tx, Message::new("t", b"{}".to_vec()).key("roles-2"))
+        .unwrap();
+    tx.commit().unwrap();
+    let processed = outbox
+        .process(&mut relay_role.client(), 10, |_, record| {
+            assert_eq!(record.key, "roles-2");
+            Ok(())
+        })
+        .expect("process as the relay's role");
+    assert_eq!(processed.processed, 1);
+
+    let mut as_consumer = consumer.client();
+    let mut tx = as_consumer.transaction().unwrap();
+    assert!(outbox.dedupe(&mut tx, "billing", "roles-1").unwrap());
+    assert!(!outbox.dedupe(&mut tx, "billing", "roles-1").unwrap());
+    tx.commit().unwrap();
+
+    // A role given none of it is refused, and nothing changes.
+    let nobody = common::Role::new(
+        &mut client,
+        &format!("GRANT USAGE ON SCHEMA {} TO {{role}};", common::schema()),
+    );
+    let mut as_nobody = nobody.client();
+    let mut tx = as_nobody.transaction().unwrap();
+    let refused = outbox
+        .enqueue(&mut tx, Message::new("t", b"{}".to_vec()))
+        .expect_err("refused");
+    assert!(
+        refused.to_string().contains("permission denied"),
+        "{refused}"
+    );
+    drop(tx);
+    assert_eq!(count(&mut client, &outbox, "true"), 6);
+    drop((as_producer, as_consumer, as_nobody));
+}

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::pg_node::PgNode;
-use common::{client, quoted_with, relay_config, unique_name, wait_until, Sink};
+use common::{client, quoted_with, relay_config, unique_name, wait_until, Role, Sink};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls};
 use postgres_outbox::{Check, Connections, Filter, HeldBack, Message, Outbox, Record, Relay, Rows};
@@ -906,83 +906,13 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
     }
 }
 
-/// A login role of a test's own, with the rights a relay needs on `outbox`'s tables and no
-/// other: not the owner's. Dropped, with what was granted to it, when it goes.
-struct Role {
-    name: String,
-}
-
-impl Role {
-    fn relay_of(client: &mut Client, outbox: &Outbox) -> Role {
-        let name = unique_name("outbox_relay_role");
-        let tables = [
-            "",
-            "_migrations",
-            "_inbox",
-            "_counts",
-            "_failures",
-            "_waiting",
-            "_relays",
-        ]
-        .iter()
-        .chain(&["_partitions"])
-        .map(|suffix| quoted_with(outbox, suffix))
-        .collect::<Vec<_>>()
-        .join(", ");
-        client
-            .batch_execute(&format!(
-                "CREATE ROLE {name} LOGIN PASSWORD 'relay';
-                 GRANT USAGE ON SCHEMA {schema} TO {name};
-                 GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {name};",
-                schema = common::schema(),
-            ))
-            .expect("create the relay's role");
-        Role { name }
-    }
-
-    /// Grants what keeps the partitions (README, "Roles").
-    fn may_keep_partitions(&self, client: &mut Client, outbox: &Outbox) {
-        client
-            .batch_execute(&format!(
-                "GRANT EXECUTE ON FUNCTION {}(boolean), {}(), {}(timestamptz, boolean) TO {}",
-                quoted_with(outbox, "_partition"),
-                quoted_with(outbox, "_settle"),
-                quoted_with(outbox, "_retire"),
-                self.name
-            ))
-            .expect("grant the upkeep");
-    }
-
-    fn config(&self) -> postgres::Config {
-        let mut config: postgres::Config = common::database_url().parse().expect("database URL");
-        config.user(&self.name).password("relay");
-        config
-    }
-
-    fn client(&self) -> Client {
-        self.config()
-            .connect(NoTls)
-            .expect("connect as the relay's role")
-    }
-}
-
-impl Drop for Role {
-    fn drop(&mut self) {
-        let dropped =
-            client().batch_execute(&format!("DROP OWNED BY {0}; DROP ROLE {0}", self.name));
-        if let Err(e) = dropped {
-            eprintln!("role {} left behind: {e}", self.name);
-        }
-    }
-}
-
 /// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay
 /// of its own role cuts, makes partitions ahead and settles them, and a purge by that role
 /// drops a partition; before the grant, the same calls are refused and change nothing.
 #[test]
 fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let (outbox, mut client) = partitioned("part_role");
-    let role = Role::relay_of(&mut client, &outbox);
+    let role = Role::new(&mut client, &common::relay_grants(&outbox, false));
     let mut as_role = role.client();
     for i in 0..3 {
         enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
@@ -1009,7 +939,13 @@ fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     );
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
 
-    role.may_keep_partitions(&mut client, &outbox);
+    client
+        .batch_execute(&role.grants(&format!(
+            "{}{}",
+            common::upkeep_grant(&outbox),
+            common::retention_grant(&outbox)
+        )))
+        .expect("grant the upkeep and retention");
     // A cut by the role: new ids go to partition 1, and partition 2 is left ahead.
     assert_eq!(cut_as(&mut as_role).expect("cut as the role"), Some(1));
     let new = enqueue(&mut client, &outbox, message("new")).unwrap();

@@ -497,6 +497,67 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
     broker.delete_queue(&queue);
 }
 
+/// A consumer under a role of its own, with the rights the README's "Roles and grants"
+/// gives it (and the handler's own table): it dedupes, and counts a failure and forgets it
+/// once the message is processed.
+#[test]
+fn a_consumer_works_with_the_rights_the_readme_gives_it() {
+    let (outbox, mut client) = outbox("rmq_role");
+    let table = handled_table(&mut client);
+    let role = Role::new(
+        &mut client,
+        &format!(
+            "{} GRANT INSERT ON {table} TO {{role}};",
+            consumer_grants(&outbox)
+        ),
+    );
+    let broker = Broker::new();
+    let queue = broker.plain_queue("role");
+    let failed_once = Arc::new(AtomicBool::new(false));
+
+    let handler_table = table.clone();
+    let handler_failed = failed_once.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&amqp_url(), &queue, "billing")
+            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        outbox.clone(),
+        role.pool(),
+        move |tx, delivery| {
+            if delivery.key == "flaky" && !handler_failed.swap(true, Ordering::SeqCst) {
+                return Err(HandlerError::transient("not yet"));
+            }
+            record_handled(tx, &handler_table, &delivery.key)
+        },
+    )
+    .unwrap();
+    broker.send(&queue, Some("m-1"), b"a");
+    broker.send(&queue, Some("m-1"), b"a");
+    broker.send(&queue, Some("flaky"), b"b");
+    wait_until("every delivery is acked", || {
+        let r = consumer.report();
+        r.processed + r.duplicates == 3
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!(
+        (report.processed, report.duplicates, report.retried),
+        (2, 1, 1)
+    );
+    let rows: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 2);
+    let failures: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {}", quoted_with(&outbox, "_failures")),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(failures, 0, "the failure is forgotten once processed");
+    broker.delete_queue(&queue);
+}
+
 /// Drops the consumer's dedupe table from under it: a consumer that cannot go on.
 fn drop_inbox(client: &mut postgres::Client, outbox: &Outbox) {
     client

@@ -659,3 +659,137 @@ impl Metrics for Counters {
         self.0.stalls.fetch_add(1, Ordering::SeqCst);
     }
 }
+
+/// A login role of a test's own, with the rights it was created with and no other: not the
+/// owner's. Dropped, with what was granted to it, when it goes.
+pub struct Role {
+    pub name: String,
+}
+
+impl Role {
+    /// A role granted `grants`, SQL in which `{role}` stands for its name.
+    pub fn new(client: &mut Client, grants: &str) -> Role {
+        let role = Role {
+            name: unique_name("outbox_role"),
+        };
+        client
+            .batch_execute(&format!(
+                "CREATE ROLE {} LOGIN PASSWORD 'role'; {}",
+                role.name,
+                role.grants(grants)
+            ))
+            .expect("create a role");
+        role
+    }
+
+    /// `grants` with `{role}` standing for this role.
+    pub fn grants(&self, grants: &str) -> String {
+        grants.replace("{role}", &self.name)
+    }
+
+    pub fn config(&self) -> postgres::Config {
+        let mut config: postgres::Config = database_url().parse().expect("database URL");
+        config.user(&self.name).password("role");
+        config
+    }
+
+    pub fn client(&self) -> Client {
+        self.config().connect(NoTls).expect("connect as the role")
+    }
+
+    pub fn pool(&self) -> Pool {
+        r2d2::Pool::builder()
+            .max_size(RELAY_POOL)
+            .min_idle(Some(0))
+            .build(PostgresConnectionManager::new(self.config(), NoTls))
+            .expect("the role's pool")
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let dropped =
+            client().batch_execute(&format!("DROP OWNED BY {0}; DROP ROLE {0}", self.name));
+        if let Err(e) = dropped {
+            eprintln!("role {} left behind: {e}", self.name);
+        }
+    }
+}
+
+/// The outbox's tables, quoted, for a GRANT.
+fn outbox_tables(outbox: &Outbox, suffixes: &[&str]) -> String {
+    suffixes
+        .iter()
+        .map(|suffix| quoted_with(outbox, suffix))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What the README's "Roles and grants" gives a producer.
+pub fn producer_grants(outbox: &Outbox) -> String {
+    format!(
+        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
+         GRANT SELECT, INSERT ON {table} TO {{role}};
+         GRANT SELECT ON {read} TO {{role}};",
+        schema = schema(),
+        table = quoted(outbox),
+        read = outbox_tables(outbox, &["_waiting", "_partitions"]),
+    )
+}
+
+/// What the README's "Roles and grants" gives a relay; `upkeep`: with the partitions'
+/// upkeep (see [`upkeep_grant`]).
+pub fn relay_grants(outbox: &Outbox, upkeep: bool) -> String {
+    format!(
+        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {{role}};
+         {upkeep}",
+        schema = schema(),
+        tables = outbox_tables(
+            outbox,
+            &[
+                "",
+                "_migrations",
+                "_counts",
+                "_waiting",
+                "_relays",
+                "_partitions"
+            ]
+        ),
+        upkeep = if upkeep {
+            upkeep_grant(outbox)
+        } else {
+            String::new()
+        },
+    )
+}
+
+/// The partitions' upkeep, which relays run (README, "Roles and grants").
+pub fn upkeep_grant(outbox: &Outbox) -> String {
+    format!(
+        "GRANT EXECUTE ON FUNCTION {}(boolean), {}() TO {{role}};",
+        quoted_with(outbox, "_partition"),
+        quoted_with(outbox, "_settle"),
+    )
+}
+
+/// Retention by partition, which `purge` by age runs (README, "Roles and grants").
+pub fn retention_grant(outbox: &Outbox) -> String {
+    format!(
+        "GRANT EXECUTE ON FUNCTION {}(timestamptz, boolean) TO {{role}};",
+        quoted_with(outbox, "_retire"),
+    )
+}
+
+/// What the README's "Roles and grants" gives a consumer: `dedupe` needs the first line
+/// alone, the RabbitMQ `Consumer` both.
+pub fn consumer_grants(outbox: &Outbox) -> String {
+    format!(
+        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
+         GRANT SELECT, INSERT ON {inbox} TO {{role}};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {failures} TO {{role}};",
+        schema = schema(),
+        inbox = quoted_with(outbox, "_inbox"),
+        failures = quoted_with(outbox, "_failures"),
+    )
+}
