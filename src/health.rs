@@ -163,9 +163,9 @@ impl Partition {
         self.opened.is_some() && self.closed.is_none()
     }
 
-    /// Its first id: a partition holds the ids from its number shifted left by 40 bits.
+    /// Its first id.
     fn first_id(number: i64) -> i64 {
-        number.saturating_mul(1 << 40)
+        number.saturating_mul(1 << crate::sql::PARTITION_ID_BITS)
     }
 }
 

@@ -111,11 +111,15 @@ const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
 /// file, and makes them again on a table partitioned before it, as migration 14 does.
 const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
 
+/// How many ids a partition holds, as a power of two: partition n holds the ids from
+/// `n << PARTITION_ID_BITS` (migration 0012, whose functions spell out the width).
+pub(crate) const PARTITION_ID_BITS: u32 = 40;
+
 /// The first id that may belong to a pending, parked or dead row of a partitioned table:
 /// the first of the oldest partition not settled (migration 0013). Settled partitions hold
 /// sent rows only, and nothing may write to them again.
 const BACKLOG_FROM: &str =
-    "SELECT coalesce(min(n), 0) << 40 FROM {partitions} WHERE settled_at IS NULL";
+    "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE settled_at IS NULL";
 
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
@@ -342,6 +346,7 @@ impl Statements {
             ("ordered_idx", table.companion("_ordered")),
             ("schema_text", format!("'{}'", table.schema_prefix())),
             ("name_text", format!("'{}_p'", table.name())),
+            ("id_bits", PARTITION_ID_BITS.to_string()),
         ]);
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = Statements {
@@ -1323,7 +1328,13 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
         ("name", table.name().to_owned()),
         (
             "backlog_from",
-            render(BACKLOG_FROM, &[("partitions", &partitions)])?,
+            render(
+                BACKLOG_FROM,
+                &[
+                    ("partitions", &partitions),
+                    ("id_bits", &PARTITION_ID_BITS.to_string()),
+                ],
+            )?,
         ),
     ]);
     Ok(vars)
@@ -1505,6 +1516,16 @@ mod tests {
     /// A migration that has shipped runs again nowhere (`<table>_migrations` records it by
     /// version), so what it renders to must never change: these are FNV-1a hashes of each
     /// one's text for two tables. A new migration gets its line here once it ships.
+    #[test]
+    fn the_partition_width_is_the_one_the_partition_functions_spell_out() {
+        let width = format!("width constant bigint := {};", 1_i64 << PARTITION_ID_BITS);
+        let partitions = MIGRATIONS
+            .iter()
+            .find(|migration| migration.name == "0012_partitions")
+            .expect("migration 12");
+        assert_eq!(partitions.template.matches(&width).count(), 2);
+    }
+
     #[test]
     fn shipped_migrations_render_exactly_as_they_shipped() {
         const SHIPPED: &[(&str, u64, u64)] = &[
