@@ -7,21 +7,29 @@
 -- owner may run them as before, anyone else must be given them (a retire called with
 -- `now()` drops every partition whose rows are all sent).
 --
--- Their bodies name the table and its companions without a schema when the outbox was
--- built without one; they now resolve them in the table's schema, whatever the caller's
--- search_path, and never in a schema the caller could write to first.
+-- Running with the owner's rights, they must not find functions or tables a caller put in
+-- their way, and PostgreSQL picks a function of a closer signature wherever it is on the
+-- search_path, pg_catalog first or not. So a body that names the outbox's objects with
+-- their schema (as `migrate` renders them) searches pg_catalog alone (and pg_temp last,
+-- for tables only, which it never names unqualified). A body rendered without a schema
+-- (`Outbox::sql()` of a name without one) also searches the table's schema, where CREATE
+-- must then be kept from roles that are not trusted (PostgreSQL 15 keeps it from PUBLIC
+-- on `public`).
 DO $do$
 DECLARE
-    home text := (SELECT quote_ident(n.nspname)
-                  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    home name := (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   WHERE c.oid = '{table}'::regclass);
+    f regprocedure;
 BEGIN
-    EXECUTE format('ALTER FUNCTION {partition_fn}(boolean)
-                      SECURITY DEFINER SET search_path = %s, pg_temp', home);
-    EXECUTE format('ALTER FUNCTION {settle_fn}()
-                      SECURITY DEFINER SET search_path = %s, pg_temp', home);
-    EXECUTE format('ALTER FUNCTION {retire_fn}(timestamptz, boolean)
-                      SECURITY DEFINER SET search_path = %s, pg_temp', home);
+    FOREACH f IN ARRAY ARRAY['{partition_fn}(boolean)'::regprocedure,
+                             '{settle_fn}()'::regprocedure,
+                             '{retire_fn}(timestamptz, boolean)'::regprocedure] LOOP
+        EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = %s', f,
+                       CASE WHEN strpos((SELECT prosrc FROM pg_proc WHERE oid = f),
+                                        '"' || replace(home, '"', '""') || '".') > 0
+                            THEN 'pg_catalog, pg_temp'
+                            ELSE 'pg_catalog, ' || quote_ident(home) || ', pg_temp' END);
+    END LOOP;
 END
 $do$;
 REVOKE EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}(),

@@ -134,7 +134,8 @@ pub struct TableHealth {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Partition {
-    /// Its number: it holds ids from `number << 40` to the next partition's first.
+    /// Its number: it holds ids from `number << sql::PARTITION_ID_BITS` (40) to the next
+    /// partition's first.
     pub number: i64,
     /// How long it stays open once new rows go to it.
     pub every: Duration,

@@ -2198,7 +2198,7 @@ fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
     let (outbox, mut client) = common::outbox("roles");
     let producer = common::Role::new(&mut client, &common::producer_grants(&outbox));
     let relay_role = common::Role::new(&mut client, &common::relay_grants(&outbox, true));
-    let consumer = common::Role::new(&mut client, &common::consumer_grants(&outbox));
+    let consumer = common::Role::new(&mut client, &common::dedupe_grants(&outbox));
 
     let mut as_producer = producer.client();
     let mut tx = as_producer.transaction().unwrap();
@@ -2266,7 +2266,10 @@ fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
     // A role given none of it is refused, and nothing changes.
     let nobody = common::Role::new(
         &mut client,
-        &format!("GRANT USAGE ON SCHEMA {} TO {{role}};", common::schema()),
+        &format!(
+            "GRANT USAGE ON SCHEMA \"{}\" TO {{role}};",
+            common::schema()
+        ),
     );
     let mut as_nobody = nobody.client();
     let mut tx = as_nobody.transaction().unwrap();

@@ -991,3 +991,35 @@ fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
     drop(as_role);
 }
+
+/// The upkeep runs with the owner's rights, so it must call nothing a caller put in its
+/// way: a `format` with a closer signature than the built-in's, in the table's own schema
+/// and first on the caller's search_path, is never called.
+#[test]
+fn the_upkeep_calls_no_function_put_in_its_way() {
+    let schema = unique_name("shadow");
+    let mut client = client();
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema};
+             CREATE FUNCTION {schema}.format(text, text, text) RETURNS text
+             LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'a function put in the way ran'; END $$;"
+        ))
+        .expect("the schema and its function");
+    let outbox = Outbox::builder()
+        .table(format!("{schema}.events"))
+        .partition_interval(YEAR)
+        .build()
+        .expect("valid settings");
+    outbox.migrate(&mut client).expect("migrate");
+    client
+        .batch_execute(&format!("SET search_path = {schema}, public"))
+        .unwrap();
+    // A cut, and the partition it leaves missing ahead made again.
+    assert_eq!(upkeep(&mut client, &outbox, true), Some(1));
+    assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .unwrap();
+}

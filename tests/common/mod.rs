@@ -728,7 +728,7 @@ fn outbox_tables(outbox: &Outbox, suffixes: &[&str]) -> String {
 /// What the README's "Roles and grants" gives a producer.
 pub fn producer_grants(outbox: &Outbox) -> String {
     format!(
-        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
          GRANT SELECT, INSERT ON {table} TO {{role}};
          GRANT SELECT ON {read} TO {{role}};",
         schema = schema(),
@@ -741,21 +741,17 @@ pub fn producer_grants(outbox: &Outbox) -> String {
 /// upkeep (see [`upkeep_grant`]).
 pub fn relay_grants(outbox: &Outbox, upkeep: bool) -> String {
     format!(
-        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
-         GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {{role}};
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
+         GRANT SELECT, UPDATE ON {table} TO {{role}};
+         GRANT SELECT, INSERT, UPDATE ON {counts} TO {{role}};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {own} TO {{role}};
+         GRANT SELECT ON {partitions} TO {{role}};
          {upkeep}",
         schema = schema(),
-        tables = outbox_tables(
-            outbox,
-            &[
-                "",
-                "_migrations",
-                "_counts",
-                "_waiting",
-                "_relays",
-                "_partitions"
-            ]
-        ),
+        table = quoted(outbox),
+        counts = quoted_with(outbox, "_counts"),
+        own = outbox_tables(outbox, &["_waiting", "_relays"]),
+        partitions = quoted_with(outbox, "_partitions"),
         upkeep = if upkeep {
             upkeep_grant(outbox)
         } else {
@@ -781,11 +777,20 @@ pub fn retention_grant(outbox: &Outbox) -> String {
     )
 }
 
-/// What the README's "Roles and grants" gives a consumer: `dedupe` needs the first line
-/// alone, the RabbitMQ `Consumer` both.
+/// What the README's "Roles and grants" gives `dedupe`.
+pub fn dedupe_grants(outbox: &Outbox) -> String {
+    format!(
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
+         GRANT INSERT ON {inbox} TO {{role}};",
+        schema = schema(),
+        inbox = quoted_with(outbox, "_inbox"),
+    )
+}
+
+/// What the README's "Roles and grants" gives the RabbitMQ `Consumer`.
 pub fn consumer_grants(outbox: &Outbox) -> String {
     format!(
-        "GRANT USAGE ON SCHEMA {schema} TO {{role}};
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
          GRANT SELECT, INSERT ON {inbox} TO {{role}};
          GRANT SELECT, INSERT, UPDATE, DELETE ON {failures} TO {{role}};",
         schema = schema(),
