@@ -195,9 +195,27 @@ fn a_claim_whose_reply_is_lost_costs_no_attempt_and_the_message_is_published() {
         .enqueue(&mut tx, Message::new("t", "warm-up").key("warm-up"))
         .unwrap();
     tx.commit().unwrap();
-    wait_until("the first message is sent", || {
-        count(&mut client, "status = 'sent'") == 1
-    });
+    // Then the worker's last claims after it (one more, and one after it says it waits)
+    // are over: none is in flight when the rows below commit.
+    let idle_a_second = |client: &mut Client| {
+        client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE application_name = 'outbox relay faults' AND state = 'idle'
+                   AND state_change < now() - interval '1 second'",
+                &[],
+            )
+            .map(|row| row.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+    };
+    wait_until(
+        "the first message is sent, and the worker waits again",
+        || {
+            count(&mut client, "status = 'sent'") == 1
+                && waits_for_work(&mut client)
+                && idle_a_second(&mut client)
+        },
+    );
 
     // The server takes the next claim and commits it; its answer never reaches the relay.
     // The proxy drops every reply from the first claim the worker sends after the fault is
