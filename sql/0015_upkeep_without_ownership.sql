@@ -34,3 +34,8 @@ END
 $do$;
 REVOKE EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}(),
                            {retire_fn}(timestamptz, boolean) FROM PUBLIC;
+
+-- A relay whose upkeep fails (a role not granted it, say) says so in its report, so that
+-- `doctor` names the cause at once, where the cut overdue it leads to shows only after
+-- two intervals: the error's text, without the server's DETAIL, until an upkeep works.
+ALTER TABLE {relays} ADD COLUMN upkeep_error text;

@@ -17,7 +17,7 @@
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
 //! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
-//! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
+//! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_relays_upkeep_failing`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
 //! | `outbox_partitions`, `outbox_partitions_ahead`, `outbox_partitions_unsettled` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, those ready ahead of the open one, and the closed ones not settled (not set for a plain table) |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
 //! | `outbox_consumer_handle_seconds` | histogram | `queue`, `consumer` | their transaction's time |
@@ -120,8 +120,13 @@ impl OutboxMetrics {
             .clone()
             .filter(|r| matches!(r.publisher, PublisherState::Down { .. }))
             .count();
+        let upkeep_failing = reporting
+            .clone()
+            .filter(|r| r.upkeep_error.is_some())
+            .count();
         gauge!("outbox_relays", "table" => table.clone()).set(reporting.count() as f64);
         gauge!("outbox_relays_publisher_down", "table" => table.clone()).set(down as f64);
+        gauge!("outbox_relays_upkeep_failing", "table" => table.clone()).set(upkeep_failing as f64);
         if let Some(open) = health.partitions.iter().find(|p| p.is_open()) {
             let exist = health.partitions.iter().filter(|p| p.exists);
             let ahead = exist.clone().filter(|p| p.number > open.number).count();
@@ -413,6 +418,7 @@ pub(crate) mod tests {
                 last_seen: Duration::from_secs(1),
                 publisher,
                 published: 0,
+                upkeep_error: (publisher == PublisherState::Up).then(|| "denied".into()),
             })
             .collect(),
             findings: vec![Finding {
@@ -443,6 +449,7 @@ pub(crate) mod tests {
             gauge("outbox_oldest_due_age_seconds", &[table], 1.5),
             gauge("outbox_relays", &[table], 2.0),
             gauge("outbox_relays_publisher_down", &[table], 1.0),
+            gauge("outbox_relays_upkeep_failing", &[table], 1.0),
             gauge("outbox_health_findings", &[table], 1.0),
             gauge("outbox_partitions", &[table], 3.0),
             gauge("outbox_partitions_ahead", &[table], 1.0),

@@ -642,6 +642,29 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             );
         }
     }
+    let failing: Vec<_> = health
+        .relays
+        .iter()
+        .filter(|r| r.is_reporting())
+        .filter_map(|r| Some((r, r.upkeep_error.as_ref()?)))
+        .collect();
+    if let Some((first, error)) = failing.first() {
+        finding(
+            Check::Partitions,
+            format!(
+                "{} of the relays of {} cannot keep its partitions (pid {}: {error}): no cut \
+                 happens and no partition is made ahead",
+                failing.len(),
+                outbox.table(),
+                first.pid
+            ),
+            format!(
+                "grant EXECUTE on {0}_partition(boolean) and {0}_settle() to the relays' \
+                 role (README, \"Roles and grants\"), or run them as the table's owner",
+                outbox.table()
+            ),
+        );
+    }
     if let Some(last) = health.relays.iter().min_by_key(|r| r.last_seen) {
         if !last.is_reporting() {
             finding(

@@ -59,6 +59,9 @@ pub struct RelayReport {
     pub publisher: PublisherState,
     /// Rows it published since it started.
     pub published: u64,
+    /// Why its last upkeep of a partitioned table's partitions failed (a role not granted
+    /// it, say; see the README's "Roles and grants"); none once one works.
+    pub upkeep_error: Option<String>,
 }
 
 impl RelayReport {
@@ -91,6 +94,7 @@ impl Outbox {
                         _ => PublisherState::Unknown,
                     },
                     published: count(row, 7),
+                    upkeep_error: row.get(8),
                 }
             })
             .collect())

@@ -749,11 +749,13 @@ impl Statements {
             report_relay: values.render(
                 "WITH gone AS (DELETE FROM {relays} WHERE seen_at < now() - interval '1 day')
                  INSERT INTO {relays}
-                   (relay, client_addr, pid, started_at, publisher, down_since, published)
-                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6)
+                   (relay, client_addr, pid, started_at, publisher, down_since, published,
+                    upkeep_error)
+                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6, $7)
                  ON CONFLICT (relay) DO UPDATE SET
                    seen_at = now(), publisher = excluded.publisher,
-                   down_since = excluded.down_since, published = excluded.published"
+                   down_since = excluded.down_since, published = excluded.published,
+                   upkeep_error = excluded.upkeep_error"
             )?,
             forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
             maintain_partitions: values.render("SELECT {partition_fn}(false), {settle_fn}()")?,
@@ -803,7 +805,7 @@ impl Statements {
             relays: values.render(
                 "SELECT relay, client_addr, pid, started_at,
                         extract(epoch FROM now() - seen_at)::float8, publisher, down_since,
-                        published
+                        published, upkeep_error
                  FROM {relays} ORDER BY started_at, relay"
             )?,
             probe: values.render("SELECT 1 FROM {table} LIMIT 0")?,
@@ -1578,8 +1580,8 @@ mod tests {
             // partitioned before it gets the enqueue functions a new one would have.
             (
                 "0015_upkeep_without_ownership",
-                0x784e02bc26f1ba0e,
-                0xc62eb18b30452f39,
+                0x29aa6cf75f2945cd,
+                0xcb014999843a8c05,
             ),
         ];
         let fnv = |text: &str| {

@@ -908,7 +908,8 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
 
 /// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay
 /// of its own role cuts, makes partitions ahead and settles them, and a purge by that role
-/// drops a partition; before the grant, the same calls are refused and change nothing.
+/// drops a partition; before the grant, the same calls are refused and change nothing, and
+/// the relay's report and the doctor say why.
 #[test]
 fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let (outbox, mut client) = partitioned("part_role");
@@ -939,6 +940,31 @@ fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     );
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
 
+    // Its relay sends the rows, and says in its report that its upkeep fails, and why.
+    let published = Sink::default();
+    let relay = Relay::spawn(common::relay_config_with(
+        &outbox,
+        role.pool(),
+        published.collect(),
+    ))
+    .expect("spawn");
+    let upkeep_error = |client: &mut Client| {
+        outbox
+            .relays(client)
+            .expect("the relays' reports")
+            .into_iter()
+            .find_map(|report| report.upkeep_error)
+    };
+    wait_until("the relay reports that its upkeep is refused", || {
+        published.len() == 3
+            && upkeep_error(&mut client).is_some_and(|e| e.contains("permission denied"))
+    });
+    let finding = partitions_finding(&mut client, &outbox).expect("a finding");
+    assert!(
+        finding.contains("cannot keep its partitions") && finding.contains("permission denied"),
+        "{finding}"
+    );
+
     client
         .batch_execute(&role.grants(&format!(
             "{}{}",
@@ -951,31 +977,18 @@ fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let new = enqueue(&mut client, &outbox, message("new")).unwrap();
     assert!(partition_of(&mut client, &outbox, &new).ends_with("_p1"));
 
-    // Its relay sends every row, makes partition 3 ahead and settles partition 0, whose
-    // table it has no right to read.
-    let published = Sink::default();
-    let pool = r2d2::Pool::builder()
-        .max_size(common::RELAY_POOL)
-        .min_idle(Some(0))
-        .build(r2d2_postgres::PostgresConnectionManager::new(
-            role.config(),
-            NoTls,
-        ))
-        .expect("the role's pool");
-    let relay = Relay::spawn(common::relay_config_with(
-        &outbox,
-        pool,
-        published.collect(),
-    ))
-    .expect("spawn");
+    // Now the relay's upkeep makes partition 3 ahead and settles partition 0, whose table
+    // its role has no right to read, and its report says nothing fails.
     wait_until(
         "the role's relay sends every row and keeps the partitions",
         || {
             published.len() == 4
                 && partitions(&mut client, &outbox) == vec![0, 1, 2, 3]
                 && settled(&mut client, &outbox).contains(&0)
+                && upkeep_error(&mut client).is_none()
         },
     );
+    assert_eq!(partitions_finding(&mut client, &outbox), None);
     relay.shutdown(Duration::from_secs(10)).expect("shutdown");
     let owner: String = client
         .query_one(

@@ -2,8 +2,8 @@
 //! written by whichever worker finds it due, on that worker's connection, after a cycle or
 //! while idle: every few seconds, and at once when the publisher goes up or down. The last
 //! worker to stop deletes it. It is for people: a report that cannot be written is logged
-//! once, and the relay goes on as before. On a partitioned table each report is followed
-//! by the upkeep of its partitions.
+//! once, and the relay goes on as before. On a partitioned table each report is preceded
+//! by the upkeep of its partitions, and says whether it failed.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -82,6 +82,8 @@ impl Report {
             PublisherState::Down { since } => Some(since),
             _ => None,
         };
+        // First, so that the report says how it went.
+        let upkeep_error = self.maintain_partitions(worker, sql);
         let published = i64::try_from(published.load(Ordering::SeqCst)).unwrap_or(i64::MAX);
         let row: Vec<Param> = vec![
             Box::new(self.relay.clone()),
@@ -90,6 +92,7 @@ impl Report {
             Box::new(publisher.name()),
             Box::new(down_since),
             Box::new(published),
+            Box::new(upkeep_error),
         ];
         match worker.execute(&sql.report_relay, row) {
             Ok(()) => {
@@ -115,20 +118,21 @@ impl Report {
                 }
             }
         }
-        self.maintain_partitions(worker, sql);
     }
 
     /// Keeps a partitioned outbox's partitions: cut on time, made ahead (migration 0012).
     /// On the report's cadence, which is frequent enough: partitions are made intervals
-    /// ahead, and a cut a few seconds late only makes a partition a little longer.
-    fn maintain_partitions(&self, worker: &mut Worker, sql: &Statements) {
+    /// ahead, and a cut a few seconds late only makes a partition a little longer. Returns
+    /// why it failed, for the report.
+    fn maintain_partitions(&self, worker: &mut Worker, sql: &Statements) -> Option<String> {
         // Nothing to keep on a plain table, and no statement more for its relays to run.
         if !worker.on_partitioned_table() {
-            return;
+            return None;
         }
         match worker.execute(&sql.maintain_partitions, Vec::new()) {
             Ok(()) => {
                 self.maintaining_fails.store(false, Ordering::SeqCst);
+                None
             }
             Err(e) => {
                 if !self.maintaining_fails.swap(true, Ordering::SeqCst) {
@@ -138,6 +142,7 @@ impl Report {
                         sql.table().as_str()
                     );
                 }
+                Some(e.to_string())
             }
         }
     }

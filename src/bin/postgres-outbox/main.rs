@@ -668,6 +668,7 @@ fn doctor(
                 "relay": r.relay, "client_addr": r.client_addr, "pid": r.pid,
                 "started_at": time(r.started_at), "last_seen_secs": r.last_seen.as_secs_f64(),
                 "publisher": r.publisher.name(), "published": r.published,
+                "upkeep_error": r.upkeep_error,
                 "publisher_down_since": match r.publisher {
                     postgres_outbox::PublisherState::Down { since } => Value::from(time(since)),
                     _ => Value::Null,
@@ -735,6 +736,9 @@ fn doctor(
             r.published,
             human(Some(r.last_seen))
         );
+        if let Some(error) = &r.upkeep_error {
+            println!("  its upkeep of the partitions fails: {error}");
+        }
     }
     for p in &health.partitions {
         let state = match (p.opened, p.closed, p.exists) {
