@@ -12,9 +12,11 @@
 -- search_path, pg_catalog first or not. So a body that names the outbox's objects with
 -- their schema (as `migrate` renders them) searches pg_catalog alone (and pg_temp last,
 -- for tables only, which it never names unqualified). A body rendered without a schema
--- (`Outbox::sql()` of a name without one) also searches the table's schema, where CREATE
--- must then be kept from roles that are not trusted (PostgreSQL 15 keeps it from PUBLIC
--- on `public`).
+-- (`Outbox::sql()` of a name without one) searches the table's schema too, after
+-- pg_catalog, which PostgreSQL searches first when the path does not name it (naming it
+-- first would make it where the body creates a partition), so CREATE on that schema must
+-- then be kept from roles that are not trusted (PostgreSQL 15 keeps it from PUBLIC on
+-- `public`).
 DO $do$
 DECLARE
     home name := (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -28,7 +30,7 @@ BEGIN
                        CASE WHEN strpos((SELECT prosrc FROM pg_proc WHERE oid = f),
                                         '"' || replace(home, '"', '""') || '".') > 0
                             THEN 'pg_catalog, pg_temp'
-                            ELSE 'pg_catalog, ' || quote_ident(home) || ', pg_temp' END);
+                            ELSE quote_ident(home) || ', pg_temp' END);
     END LOOP;
 END
 $do$;

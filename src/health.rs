@@ -652,17 +652,23 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
         finding(
             Check::Partitions,
             format!(
-                "{} of the relays of {} cannot keep its partitions (pid {}: {error}): no cut \
-                 happens and no partition is made ahead",
+                "{} of the relays of {} failed to keep its partitions at their last report \
+                 (pid {}: {error}): while that lasts, no cut happens and no partition is made \
+                 ahead",
                 failing.len(),
                 outbox.table(),
                 first.pid
             ),
-            format!(
-                "grant EXECUTE on {0}_partition(boolean) and {0}_settle() to the relays' \
-                 role (README, \"Roles and grants\"), or run them as the table's owner",
-                outbox.table()
-            ),
+            if error.contains("permission denied") {
+                format!(
+                    "grant EXECUTE on {0}_partition(boolean) and {0}_settle() to the relays' \
+                     role (README, \"Roles and grants\"), or run them as the table's owner",
+                    outbox.table()
+                )
+            } else {
+                "see the relay's log; it tries again at its next report, every few seconds"
+                    .to_owned()
+            },
         );
     }
     if let Some(last) = health.relays.iter().min_by_key(|r| r.last_seen) {

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Instant, SystemTime};
 
+use postgres::error::SqlState;
+
 use super::health::Health;
 use super::worker::{Param, Worker};
 use crate::relays::{PublisherState, REPORT_EVERY};
@@ -107,6 +109,8 @@ impl Report {
                 if !self.failing.swap(true, Ordering::SeqCst) {
                     let hint = if e.is_not_migrated() {
                         " (migrate to create its table)"
+                    } else if e.code() == Some(&SqlState::UNDEFINED_COLUMN) {
+                        " (migrate: the table is older than this relay)"
                     } else {
                         ""
                     };
