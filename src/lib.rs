@@ -71,6 +71,7 @@ mod error;
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod facade;
 mod fault;
+mod grants;
 mod health;
 mod lifecycle;
 mod message;
@@ -101,6 +102,7 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
+pub use grants::Access;
 pub use health::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };

@@ -11,6 +11,7 @@ use std::time::Duration;
 use postgres::error::SqlState;
 
 use crate::error::Error;
+use crate::grants::Access;
 use crate::render::{render, RenderError, Values};
 use crate::table::{quote, TableName};
 
@@ -1344,6 +1345,74 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
     Ok(vars)
 }
 
+/// USAGE on the schema the table is in, found when the statements run: `Outbox::sql()` may
+/// render a name without one.
+const GRANT_SCHEMA: &str = "DO $grant$
+BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO %s',
+                   (SELECT n.nspname FROM pg_class c
+                    JOIN pg_namespace n ON n.oid = c.relnamespace
+                    WHERE c.oid = to_regclass('{table_text}')),
+                   '{role_text}');
+END
+$grant$;
+";
+
+/// What each side needs (README, "Roles and grants"; tests/core.rs and tests/partitions.rs
+/// run each side with these and no other rights). `{role}` is the quoted role.
+fn grant_template(access: Access) -> &'static str {
+    match access {
+        Access::Produce => {
+            "GRANT SELECT, INSERT ON {table} TO {role};
+GRANT SELECT ON {waiting}, {partitions} TO {role};
+"
+        }
+        Access::Relay => {
+            "GRANT SELECT, UPDATE ON {table} TO {role};
+GRANT SELECT, INSERT, UPDATE ON {counts} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {waiting}, {relays} TO {role};
+GRANT SELECT ON {partitions} TO {role};
+GRANT EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}() TO {role};
+"
+        }
+        Access::Dedupe => {
+            "GRANT INSERT ON {inbox} TO {role};
+"
+        }
+        Access::Consume => {
+            "GRANT SELECT, INSERT ON {inbox} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {failures} TO {role};
+"
+        }
+        Access::Retire => {
+            "GRANT EXECUTE ON FUNCTION {retire_fn}(timestamptz, boolean) TO {role};
+"
+        }
+    }
+}
+
+/// The GRANT statements of [`Outbox::grants`](crate::Outbox::grants) for `role`, quoted.
+pub(crate) fn grants(table: &TableName, access: Access, role: &str) -> String {
+    checked(render_grants(table, access, role))
+}
+
+fn render_grants(table: &TableName, access: Access, role: &str) -> Result<String, RenderError> {
+    let schema = render(
+        GRANT_SCHEMA,
+        &[
+            ("table_text", &table.quoted().replace('\'', "''")),
+            ("role_text", &role.replace('\'', "''")),
+        ],
+    )?;
+    let vars = objects(table);
+    let mut used: Vec<(&str, &str)> = borrowed(&vars)
+        .into_iter()
+        .filter(|(name, _)| grant_template(access).contains(&format!("{{{name}}}")))
+        .collect();
+    used.push(("role", role));
+    Ok(schema + &render(grant_template(access), &used)?)
+}
+
 /// Session settings of a relay worker's connection (see `relay/worker.rs` for why each).
 /// The table name is a validated identifier: nothing in it can end the literal.
 pub(crate) fn relay_session(table: &TableName, statement_timeout: Duration) -> String {
@@ -1515,6 +1584,34 @@ mod tests {
         );
         let plain = Statements::new(&TableName::parse("orders").unwrap());
         assert_eq!(plain.create_schema, None);
+    }
+
+    #[test]
+    fn grants_render_for_every_side_and_table() {
+        for table in ["orders_outbox", "app.events"] {
+            let table = TableName::parse(table).unwrap();
+            for access in [
+                Access::Produce,
+                Access::Relay,
+                Access::Dedupe,
+                Access::Consume,
+                Access::Retire,
+            ] {
+                let sql = grants(&table, access, "\"o'relay\"\"s\"");
+                assert!(sql.contains("GRANT USAGE ON SCHEMA %I TO %s"), "{sql}");
+                assert!(sql.contains("'\"o''relay\"\"s\"'"), "{sql}");
+                assert!(!sql.contains('{'), "{sql}");
+            }
+        }
+        let relay = grants(
+            &TableName::parse("app.events").unwrap(),
+            Access::Relay,
+            "\"relay\"",
+        );
+        assert!(relay.contains(
+            "GRANT EXECUTE ON FUNCTION \"app\".\"events_partition\"(boolean), \
+             \"app\".\"events_settle\"() TO \"relay\";"
+        ));
     }
 
     #[test]

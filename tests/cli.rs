@@ -75,6 +75,23 @@ fn migrate_and_sql() {
 }
 
 #[test]
+fn grants_prints_what_a_side_needs_and_refuses_a_bad_role() {
+    let outbox = Outbox::new(&unique_name("cli_grants")).unwrap();
+    let relay = ok(&outbox, &["grants", "relay", "relay_role"]);
+    assert!(
+        relay.contains(&format!(
+            "GRANT SELECT, UPDATE ON \"{}\" TO \"relay_role\";",
+            outbox.table()
+        )),
+        "{relay}"
+    );
+    assert!(relay.contains("_settle\"() TO \"relay_role\";"), "{relay}");
+    let error = fails(&outbox, &["grants", "relay", ""], 1);
+    assert!(error.contains("invalid role"), "{error}");
+    fails(&outbox, &["grants", "owner", "relay_role"], 2);
+}
+
+#[test]
 fn migrate_makes_a_partitioned_table_and_the_doctor_lists_its_partitions() {
     let outbox = Outbox::new(&unique_name("cli_partitioned")).unwrap();
     let ddl = ok(&outbox, &["sql", "--partition-interval", "1d"]);

@@ -12,7 +12,7 @@ use postgres::error::SqlState;
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Transaction};
 use postgres_outbox::{
-    Error, Filter, HandlerError, Message, Outbox, ProcessReport, Rows, MAX_INDEXED_KEY,
+    Access, Error, Filter, HandlerError, Message, Outbox, ProcessReport, Rows, MAX_INDEXED_KEY,
     MAX_SHORT_STRING,
 };
 
@@ -2189,16 +2189,23 @@ fn dry_runs_count_what_skip_and_purge_would_change_and_refuse_as_they_do() -> Te
     Ok(())
 }
 
-/// Each side works with the rights the README's "Roles and grants" gives it, under a role
-/// of its own that owns nothing: a producer enqueues one message with an aggregate and a
+/// Each side works with the rights `Outbox::grants` gives it (the README's "Roles and
+/// grants"), under a role of its own that owns nothing: a producer enqueues one message with an aggregate and a
 /// key of its own, and a batch; a relay sends them, and `process` with its rights handles
 /// another; a consumer dedupes one.
 #[test]
 fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
     let (outbox, mut client) = common::outbox("roles");
-    let producer = common::Role::new(&mut client, &common::producer_grants(&outbox));
-    let relay_role = common::Role::new(&mut client, &common::relay_grants(&outbox, true));
-    let consumer = common::Role::new(&mut client, &common::dedupe_grants(&outbox));
+    for bad in ["", "a\0b", &"r".repeat(64)] {
+        let refused = outbox.grants(Access::Relay, bad).expect_err("refused");
+        assert!(refused.is_invalid_input(), "{refused}");
+    }
+    let roles = [Access::Produce, Access::Relay, Access::Dedupe].map(|access| {
+        let role = common::Role::new(&mut client);
+        role.grant(&mut client, &outbox, access);
+        role
+    });
+    let [producer, relay_role, consumer] = &roles;
 
     let mut as_producer = producer.client();
     let mut tx = as_producer.transaction().unwrap();
@@ -2264,12 +2271,10 @@ fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
     tx.commit().unwrap();
 
     // A role given none of it is refused, and nothing changes.
-    let nobody = common::Role::new(
+    let nobody = common::Role::new(&mut client);
+    nobody.execute(
         &mut client,
-        &format!(
-            "GRANT USAGE ON SCHEMA \"{}\" TO {{role}};",
-            common::schema()
-        ),
+        &format!("GRANT USAGE ON SCHEMA \"{}\" TO {{role}}", common::schema()),
     );
     let mut as_nobody = nobody.client();
     let mut tx = as_nobody.transaction().unwrap();

@@ -12,7 +12,9 @@ use common::pg_node::PgNode;
 use common::{client, quoted_with, relay_config, unique_name, wait_until, Role, Sink};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls};
-use postgres_outbox::{Check, Connections, Filter, HeldBack, Message, Outbox, Record, Relay, Rows};
+use postgres_outbox::{
+    Access, Check, Connections, Filter, HeldBack, Message, Outbox, Record, Relay, Rows,
+};
 
 /// The longest interval there is, so that no cut by the clock (a day's partition is cut at
 /// midnight UTC) comes in the middle of a test: each test cuts when it means to.
@@ -937,7 +939,17 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
 #[test]
 fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let (outbox, mut client) = partitioned("part_role");
-    let role = Role::new(&mut client, &common::relay_grants(&outbox, false));
+    // A relay's rights but the upkeep's, as before migration 15 nothing could give it.
+    let role = Role::new(&mut client);
+    role.grant(&mut client, &outbox, Access::Relay);
+    role.execute(
+        &mut client,
+        &format!(
+            "REVOKE EXECUTE ON FUNCTION {}(boolean), {}() FROM {{role}}",
+            quoted_with(&outbox, "_partition"),
+            quoted_with(&outbox, "_settle")
+        ),
+    );
     let mut as_role = role.client();
     for i in 0..3 {
         enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
@@ -989,13 +1001,8 @@ fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
         "{finding}"
     );
 
-    client
-        .batch_execute(&role.grants(&format!(
-            "{}{}",
-            common::upkeep_grant(&outbox),
-            common::retention_grant(&outbox)
-        )))
-        .expect("grant the upkeep and retention");
+    role.grant(&mut client, &outbox, Access::Relay);
+    role.grant(&mut client, &outbox, Access::Retire);
     // A cut by the role: new ids go to partition 1, and partition 2 is left ahead. (NULL
     // while the relay's upkeep, granted now too, holds the upkeep's lock: nothing done.)
     let mut cut = None;

@@ -16,7 +16,7 @@ use postgres_outbox::rabbitmq::{
     AGGREGATE_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER,
 };
 use postgres_outbox::{
-    HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+    Access, HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
 };
 
 /// A relay to `exchange` whose publishers are set up by `tune`, with short retry backoff.
@@ -497,20 +497,16 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
     broker.delete_queue(&queue);
 }
 
-/// A consumer under a role of its own, with the rights the README's "Roles and grants"
-/// gives it (and the handler's own table): it dedupes, and counts a failure and forgets it
+/// A consumer under a role of its own, with the rights `Outbox::grants` gives it (and the
+/// handler's own table): it dedupes, and counts a failure and forgets it
 /// once the message is processed.
 #[test]
 fn a_consumer_works_with_the_rights_the_readme_gives_it() {
     let (outbox, mut client) = outbox("rmq_role");
     let table = handled_table(&mut client);
-    let role = Role::new(
-        &mut client,
-        &format!(
-            "{} GRANT INSERT ON {table} TO {{role}};",
-            consumer_grants(&outbox)
-        ),
-    );
+    let role = Role::new(&mut client);
+    role.grant(&mut client, &outbox, Access::Consume);
+    role.execute(&mut client, &format!("GRANT INSERT ON {table} TO {{role}}"));
     let broker = Broker::new();
     let queue = broker.plain_queue("role");
     let failed_once = Arc::new(AtomicBool::new(false));

@@ -22,8 +22,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use postgres::{Client, NoTls};
 use postgres_outbox::{
-    publisher_fn, Connections, Metrics, Outbox, OutboxBuilder, PublishError, Record, RelayConfig,
-    Stats,
+    publisher_fn, Access, Connections, Metrics, Outbox, OutboxBuilder, PublishError, Record,
+    RelayConfig, Stats,
 };
 use r2d2_postgres::PostgresConnectionManager;
 
@@ -660,31 +660,35 @@ impl Metrics for Counters {
     }
 }
 
-/// A login role of a test's own, with the rights it was created with and no other: not the
+/// A login role of a test's own, with the rights it is granted and no other: not the
 /// owner's. Dropped, with what was granted to it, when it goes.
 pub struct Role {
     pub name: String,
 }
 
 impl Role {
-    /// A role granted `grants`, SQL in which `{role}` stands for its name.
-    pub fn new(client: &mut Client, grants: &str) -> Role {
+    /// A role that may log in and do nothing else yet.
+    pub fn new(client: &mut Client) -> Role {
         let role = Role {
             name: unique_name("outbox_role"),
         };
         client
-            .batch_execute(&format!(
-                "CREATE ROLE {} LOGIN PASSWORD 'role'; {}",
-                role.name,
-                role.grants(grants)
-            ))
+            .batch_execute(&format!("CREATE ROLE {} LOGIN PASSWORD 'role'", role.name))
             .expect("create a role");
         role
     }
 
-    /// `grants` with `{role}` standing for this role.
-    pub fn grants(&self, grants: &str) -> String {
-        grants.replace("{role}", &self.name)
+    /// Grants it what `access` needs on `outbox`, as `Outbox::grants` gives it.
+    pub fn grant(&self, client: &mut Client, outbox: &Outbox, access: Access) {
+        let grants = outbox.grants(access, &self.name).expect("the grants");
+        client.batch_execute(&grants).expect("grant");
+    }
+
+    /// Runs `sql`, in which `{role}` stands for this role.
+    pub fn execute(&self, client: &mut Client, sql: &str) {
+        client
+            .batch_execute(&sql.replace("{role}", &self.name))
+            .expect("a statement about the role");
     }
 
     pub fn config(&self) -> postgres::Config {
@@ -714,87 +718,4 @@ impl Drop for Role {
             eprintln!("role {} left behind: {e}", self.name);
         }
     }
-}
-
-/// The outbox's tables, quoted, for a GRANT.
-fn outbox_tables(outbox: &Outbox, suffixes: &[&str]) -> String {
-    suffixes
-        .iter()
-        .map(|suffix| quoted_with(outbox, suffix))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// What the README's "Roles and grants" gives a producer.
-pub fn producer_grants(outbox: &Outbox) -> String {
-    format!(
-        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
-         GRANT SELECT, INSERT ON {table} TO {{role}};
-         GRANT SELECT ON {read} TO {{role}};",
-        schema = schema(),
-        table = quoted(outbox),
-        read = outbox_tables(outbox, &["_waiting", "_partitions"]),
-    )
-}
-
-/// What the README's "Roles and grants" gives a relay; `upkeep`: with the partitions'
-/// upkeep (see [`upkeep_grant`]).
-pub fn relay_grants(outbox: &Outbox, upkeep: bool) -> String {
-    format!(
-        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
-         GRANT SELECT, UPDATE ON {table} TO {{role}};
-         GRANT SELECT, INSERT, UPDATE ON {counts} TO {{role}};
-         GRANT SELECT, INSERT, UPDATE, DELETE ON {own} TO {{role}};
-         GRANT SELECT ON {partitions} TO {{role}};
-         {upkeep}",
-        schema = schema(),
-        table = quoted(outbox),
-        counts = quoted_with(outbox, "_counts"),
-        own = outbox_tables(outbox, &["_waiting", "_relays"]),
-        partitions = quoted_with(outbox, "_partitions"),
-        upkeep = if upkeep {
-            upkeep_grant(outbox)
-        } else {
-            String::new()
-        },
-    )
-}
-
-/// The partitions' upkeep, which relays run (README, "Roles and grants").
-pub fn upkeep_grant(outbox: &Outbox) -> String {
-    format!(
-        "GRANT EXECUTE ON FUNCTION {}(boolean), {}() TO {{role}};",
-        quoted_with(outbox, "_partition"),
-        quoted_with(outbox, "_settle"),
-    )
-}
-
-/// Retention by partition, which `purge` by age runs (README, "Roles and grants").
-pub fn retention_grant(outbox: &Outbox) -> String {
-    format!(
-        "GRANT EXECUTE ON FUNCTION {}(timestamptz, boolean) TO {{role}};",
-        quoted_with(outbox, "_retire"),
-    )
-}
-
-/// What the README's "Roles and grants" gives `dedupe`.
-pub fn dedupe_grants(outbox: &Outbox) -> String {
-    format!(
-        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
-         GRANT INSERT ON {inbox} TO {{role}};",
-        schema = schema(),
-        inbox = quoted_with(outbox, "_inbox"),
-    )
-}
-
-/// What the README's "Roles and grants" gives the RabbitMQ `Consumer`.
-pub fn consumer_grants(outbox: &Outbox) -> String {
-    format!(
-        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}};
-         GRANT SELECT, INSERT ON {inbox} TO {{role}};
-         GRANT SELECT, INSERT, UPDATE, DELETE ON {failures} TO {{role}};",
-        schema = schema(),
-        inbox = quoted_with(outbox, "_inbox"),
-        failures = quoted_with(outbox, "_failures"),
-    )
 }

@@ -20,7 +20,7 @@ use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, PublisherConfig};
 use postgres_outbox::{
-    Connections, Filter, HealthThresholds, HeldBack, Outbox, Relay, RelayConfig, Rows,
+    Access, Connections, Filter, HealthThresholds, HeldBack, Outbox, Relay, RelayConfig, Rows,
 };
 use serde_json::{json, Value};
 
@@ -64,6 +64,15 @@ enum Command {
         /// As `migrate --partition-interval`.
         #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
         partition_interval: Option<Duration>,
+    },
+    /// Print the GRANT statements that give a role what one side of the outbox needs, and
+    /// no more (README, "Roles and grants"); run them as the table's owner, after migrate.
+    Grants {
+        /// The side the role plays.
+        #[arg(value_enum)]
+        access: AccessArg,
+        /// The role, as written (quoted): `relay` for a role created as CREATE ROLE relay.
+        role: String,
     },
     /// Rows by state, the oldest pending and blocked ages, and per topic pending and dead.
     /// Past 2,000 rows in a part of the backlog the counts are estimates, marked `~` (and
@@ -169,6 +178,33 @@ fn scope() -> ArgGroup {
 
 /// How recent a dedupe record `purge inbox` deletes without `--force`.
 const INBOX_WINDOW: Duration = Duration::from_secs(3600);
+
+/// A side of the outbox, for `grants`.
+#[derive(Clone, Copy, ValueEnum)]
+enum AccessArg {
+    /// enqueue and enqueue_all.
+    Produce,
+    /// A relay, and process.
+    Relay,
+    /// dedupe alone.
+    Dedupe,
+    /// The RabbitMQ consumer.
+    Consume,
+    /// purge by age of a partitioned table.
+    Retire,
+}
+
+impl AccessArg {
+    fn access(self) -> Access {
+        match self {
+            AccessArg::Produce => Access::Produce,
+            AccessArg::Relay => Access::Relay,
+            AccessArg::Dedupe => Access::Dedupe,
+            AccessArg::Consume => Access::Consume,
+            AccessArg::Retire => Access::Retire,
+        }
+    }
+}
 
 #[derive(Clone, Copy, ValueEnum)]
 enum What {
@@ -360,6 +396,10 @@ fn run(cli: Cli) -> Result<()> {
         print!("{}", outbox.sql());
         return Ok(());
     }
+    if let Command::Grants { access, role } = &cli.command {
+        print!("{}", outbox.grants(access.access(), role)?);
+        return Ok(());
+    }
     let tls = database_tls(&config, cli.database_ca.as_deref())?;
     if let Command::Relay(args) = cli.command {
         return relay(outbox, config, tls, args);
@@ -441,7 +481,7 @@ fn run(cli: Cli) -> Result<()> {
             let verb = if dry_run { "would purge" } else { "purged" };
             println!("{verb} {n} {noun}");
         }
-        Command::Sql { .. } | Command::Relay(_) | Command::Serve(_) => {}
+        Command::Sql { .. } | Command::Grants { .. } | Command::Relay(_) | Command::Serve(_) => {}
     }
     Ok(())
 }

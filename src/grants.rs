@@ -1,0 +1,64 @@
+//! The rights each side of an outbox needs under a role that owns nothing (README, "Roles
+//! and grants"), as GRANT statements: the list changes with the migrations, so it is kept
+//! here, beside them, and not in each deployment's scripts.
+
+use crate::error::{Error, Result};
+use crate::outbox::Outbox;
+use crate::sql;
+
+/// PostgreSQL's longest name, in bytes.
+const MAX_ROLE: usize = 63;
+
+/// A side of an outbox, for [`Outbox::grants`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Access {
+    /// `enqueue` and `enqueue_all`.
+    Produce,
+    /// A relay, and `process`: claims, records, reports, and keeps a partitioned table's
+    /// partitions.
+    Relay,
+    /// `dedupe` alone.
+    Dedupe,
+    /// The RabbitMQ `Consumer`: `dedupe`, and its failure counts.
+    Consume,
+    /// `purge` and `would_purge` by age on a partitioned table: drops partitions whose rows
+    /// are all sent.
+    Retire,
+}
+
+impl Outbox {
+    /// The GRANT statements that give `role` what `access` needs on this outbox's tables
+    /// and functions, USAGE on its schema included, and nothing more. Run them as the
+    /// owner (the role that ran `migrate`), after `migrate`, and again after an upgrade
+    /// whose notes say the rights changed; running them twice is harmless.
+    ///
+    /// `role` is taken as written (quoted): a role created as `CREATE ROLE relay` is
+    /// `relay`. An empty name, one with a NUL or longer than 63 bytes is refused.
+    ///
+    /// ```
+    /// use postgres_outbox::{Access, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let outbox = Outbox::new("app.orders_outbox")?;
+    /// let grants = outbox.grants(Access::Relay, "relay")?;
+    /// assert!(grants.contains(r#"GRANT SELECT, UPDATE ON "app"."orders_outbox" TO "relay";"#));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn grants(&self, access: Access, role: &str) -> Result<String> {
+        if role.is_empty() {
+            return Err(Error::invalid("role", "must not be empty"));
+        }
+        if role.contains('\0') {
+            return Err(Error::invalid("role", "contains a NUL character"));
+        }
+        if role.len() > MAX_ROLE {
+            return Err(Error::invalid(
+                "role",
+                format!("is longer than {MAX_ROLE} bytes"),
+            ));
+        }
+        let role = format!("\"{}\"", role.replace('"', "\"\""));
+        Ok(sql::grants(self.statements().table(), access, &role))
+    }
+}
