@@ -1346,14 +1346,19 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
 }
 
 /// USAGE on the schema the table is in, found when the statements run: `Outbox::sql()` may
-/// render a name without one.
+/// render a name without one. (The role's name holds no quote, dollar or backslash: see
+/// `Outbox::grants`.)
 const GRANT_SCHEMA: &str = "DO $grant$
+DECLARE
+    home name := (SELECT n.nspname FROM pg_class c
+                  JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.oid = to_regclass('{table_text}'));
 BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA %I TO %s',
-                   (SELECT n.nspname FROM pg_class c
-                    JOIN pg_namespace n ON n.oid = c.relnamespace
-                    WHERE c.oid = to_regclass('{table_text}')),
-                   '{role_text}');
+    IF home IS NULL THEN
+        RAISE EXCEPTION 'outbox {table_text} does not exist: migrate first'
+            USING ERRCODE = 'undefined_table';
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO {role}', home);
 END
 $grant$;
 ";
@@ -1399,10 +1404,7 @@ pub(crate) fn grants(table: &TableName, access: Access, role: &str) -> String {
 fn render_grants(table: &TableName, access: Access, role: &str) -> Result<String, RenderError> {
     let schema = render(
         GRANT_SCHEMA,
-        &[
-            ("table_text", &table.quoted().replace('\'', "''")),
-            ("role_text", &role.replace('\'', "''")),
-        ],
+        &[("table_text", &table.quoted()), ("role", role)],
     )?;
     let vars = objects(table);
     let mut used: Vec<(&str, &str)> = borrowed(&vars)
@@ -1597,9 +1599,11 @@ mod tests {
                 Access::Consume,
                 Access::Retire,
             ] {
-                let sql = grants(&table, access, "\"o'relay\"\"s\"");
-                assert!(sql.contains("GRANT USAGE ON SCHEMA %I TO %s"), "{sql}");
-                assert!(sql.contains("'\"o''relay\"\"s\"'"), "{sql}");
+                let sql = grants(&table, access, "\"app-relay@example.com\"");
+                assert!(
+                    sql.contains("GRANT USAGE ON SCHEMA %I TO \"app-relay@example.com\"'"),
+                    "{sql}"
+                );
                 assert!(!sql.contains('{'), "{sql}");
             }
         }

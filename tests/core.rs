@@ -2196,10 +2196,28 @@ fn dry_runs_count_what_skip_and_purge_would_change_and_refuse_as_they_do() -> Te
 #[test]
 fn producers_relays_and_consumers_work_with_the_rights_the_readme_gives_them() {
     let (outbox, mut client) = common::outbox("roles");
-    for bad in ["", "a\0b", &"r".repeat(64)] {
+    let too_long = "r".repeat(64);
+    for bad in [
+        "",
+        "a\0b",
+        "public",
+        "x$grant$;",
+        "o'brien",
+        "\"r\"",
+        &too_long,
+    ] {
         let refused = outbox.grants(Access::Relay, bad).expect_err("refused");
         assert!(refused.is_invalid_input(), "{refused}");
     }
+    let never_made = Outbox::new(&unique_name("never_made")).unwrap();
+    let refused = client
+        .batch_execute(&never_made.grants(Access::Relay, "relay").unwrap())
+        .expect_err("refused");
+    assert_eq!(
+        refused.code(),
+        Some(&SqlState::UNDEFINED_TABLE),
+        "{refused}"
+    );
     let roles = [Access::Produce, Access::Relay, Access::Dedupe].map(|access| {
         let role = common::Role::new(&mut client);
         role.grant(&mut client, &outbox, access);
