@@ -20,12 +20,17 @@ use postgres_outbox::{
 /// midnight UTC) comes in the middle of a test: each test cuts when it means to.
 const YEAR: Duration = Duration::from_secs(366 * 24 * 3600);
 
-fn partitioned(prefix: &str) -> (Outbox, Client) {
-    let outbox = Outbox::builder()
-        .table(unique_name(prefix))
+/// An outbox on `table`, partitioned by the year, not migrated.
+fn yearly(table: impl Into<String>) -> Outbox {
+    Outbox::builder()
+        .table(table)
         .partition_interval(YEAR)
         .build()
-        .expect("valid settings");
+        .expect("valid settings")
+}
+
+fn partitioned(prefix: &str) -> (Outbox, Client) {
+    let outbox = yearly(unique_name(prefix));
     let mut client = client();
     outbox.migrate(&mut client).expect("migrate");
     (outbox, client)
@@ -291,11 +296,7 @@ fn only_an_empty_table_becomes_partitioned() {
     let mut client = client();
     plain.migrate(&mut client).unwrap();
     enqueue(&mut client, &plain, message("kept")).unwrap();
-    let asked = Outbox::builder()
-        .table(&table)
-        .partition_interval(YEAR)
-        .build()
-        .unwrap();
+    let asked = yearly(&table);
     let err = asked.migrate(&mut client).unwrap_err();
     assert!(err.is_invalid_input(), "{err}");
     assert!(err.to_string().contains("holds rows"), "{err}");
@@ -325,11 +326,7 @@ fn only_an_empty_table_becomes_partitioned() {
 #[test]
 fn the_sql_script_makes_the_same_partitioned_table_and_runs_again() {
     let table = format!("{}.{}", common::schema(), unique_name("part_script"));
-    let outbox = Outbox::builder()
-        .table(&table)
-        .partition_interval(YEAR)
-        .build()
-        .unwrap();
+    let outbox = yearly(&table);
     let mut client = client();
     let script = outbox.sql();
     client.batch_execute(&script).expect("the script");
@@ -345,11 +342,7 @@ fn the_sql_script_makes_the_same_partitioned_table_and_runs_again() {
 /// they still make partitions, in the table's schema, as the owner's.
 #[test]
 fn the_sql_script_of_a_name_without_a_schema_keeps_its_partitions() {
-    let outbox = Outbox::builder()
-        .table(unique_name("part_bare"))
-        .partition_interval(YEAR)
-        .build()
-        .unwrap();
+    let outbox = yearly(unique_name("part_bare"));
     let mut client = client();
     client.batch_execute(&outbox.sql()).expect("the script");
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2]);
@@ -719,11 +712,7 @@ fn stats_reads_from_the_first_partition_that_may_hold_a_backlog() {
 fn a_prepared_transaction_holds_partitions_unsettled() {
     let node = PgNode::start();
     node.allow_prepared_transactions();
-    let outbox = Outbox::builder()
-        .table("part_prepared")
-        .partition_interval(YEAR)
-        .build()
-        .unwrap();
+    let outbox = yearly("part_prepared");
     let mut client = node.client();
     outbox.migrate(&mut client).unwrap();
 
@@ -761,11 +750,7 @@ fn a_prepared_transaction_holds_partitions_unsettled() {
 /// transactions running when it is applied.
 #[test]
 fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then() {
-    let outbox = Outbox::builder()
-        .table(unique_name("part_upgrade"))
-        .partition_interval(YEAR)
-        .build()
-        .unwrap();
+    let outbox = yearly(unique_name("part_upgrade"));
     let mut client = client();
     let script = outbox.sql();
     let (version_12, rest) = script
@@ -1056,11 +1041,7 @@ fn the_upkeep_calls_no_function_put_in_its_way() {
              LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'a function put in the way ran'; END $$;"
         ))
         .expect("the schema and its function");
-    let outbox = Outbox::builder()
-        .table(format!("{schema}.events"))
-        .partition_interval(YEAR)
-        .build()
-        .expect("valid settings");
+    let outbox = yearly(format!("{schema}.events"));
     outbox.migrate(&mut client).expect("migrate");
     client
         .batch_execute(&format!("SET search_path = {schema}, public"))
