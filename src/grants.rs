@@ -5,9 +5,7 @@
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::sql;
-
-/// PostgreSQL's longest name, in bytes.
-const MAX_ROLE: usize = 63;
+use crate::table::MAX_IDENT;
 
 /// A side of an outbox, for [`Outbox::grants`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,10 +51,10 @@ impl Outbox {
         if role.is_empty() {
             return Err(Error::invalid("role", "must not be empty"));
         }
-        if role.len() > MAX_ROLE {
+        if role.len() > MAX_IDENT {
             return Err(Error::invalid(
                 "role",
-                format!("is longer than {MAX_ROLE} bytes"),
+                format!("is longer than {MAX_IDENT} bytes"),
             ));
         }
         if !role

@@ -277,6 +277,15 @@ impl fmt::Display for Finding {
     }
 }
 
+/// Who keeps a partitioned outbox's partitions, and the rights it takes.
+fn run_upkeep(outbox: &Outbox) -> String {
+    format!(
+        "run a relay on {0} as its owner, or as a role given `postgres-outbox --table {0} \
+         grants relay <role>` (README, \"Roles and grants\")",
+        outbox.table()
+    )
+}
+
 /// Dead or parked rows as counted, up to 1,000.
 fn kept_rows(kept: u64) -> String {
     match kept {
@@ -540,9 +549,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     }
     if let Some(open) = health.partitions.iter().find(|p| p.is_open()) {
         let upkeep = format!(
-            "run a relay on {0}, as its owner or a role granted EXECUTE on {0}_partition and \
-             {0}_settle: it keeps the partitions every few seconds (or SELECT \
-             {0}_partition(false) now)",
+            "{}: it keeps the partitions every few seconds (or SELECT {}_partition(false) now)",
+            run_upkeep(outbox),
             outbox.table()
         );
         let ahead = health
@@ -621,9 +629,9 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     "nothing is left in it, but no upkeep has settled it".to_owned(),
                     "",
                     format!(
-                        "run a relay on {0}, as its owner or a role granted EXECUTE on \
-                         {0}_partition and {0}_settle (it logs why an upkeep fails), or \
-                         SELECT {0}_partition(false), {0}_settle()",
+                        "{} (it logs why an upkeep fails), or SELECT {1}_partition(false), \
+                         {1}_settle()",
+                        run_upkeep(outbox),
                         outbox.table()
                     ),
                 ),
@@ -660,11 +668,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 first.pid
             ),
             if error.contains("permission denied") {
-                format!(
-                    "grant EXECUTE on {0}_partition(boolean) and {0}_settle() to the relays' \
-                     role (README, \"Roles and grants\"), or run them as the table's owner",
-                    outbox.table()
-                )
+                run_upkeep(outbox)
             } else {
                 "see the relay's log; it tries again at its next report, every few seconds"
                     .to_owned()

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).
-const MAX_IDENT: usize = 63;
+pub(crate) const MAX_IDENT: usize = 63;
 
 /// The suffixes of the companion objects; the longest must still fit after the table name.
 const SUFFIXES: &[&str] = &[
