@@ -175,11 +175,11 @@ impl Partition {
 #[non_exhaustive]
 pub enum HeldBack {
     /// Dead letters or parked messages kept in it: this many, counted up to 1,000. They
-    /// stay until they are redriven and sent, skipped or purged; retention drops no
-    /// partition after it meanwhile.
+    /// stay until they are redriven and sent, skipped or purged; retention keeps the
+    /// partition whole meanwhile, its sent rows with it.
     Kept(u64),
     /// Messages still to be sent: the relays have not reached them yet, or they are
-    /// scheduled for later. Retention drops no partition after it meanwhile.
+    /// scheduled for later. Retention keeps the partition whole meanwhile.
     Pending,
     /// No such row, but a transaction that was running when the upkeep first found it
     /// closed, or a prepared transaction, may still write into it.
@@ -598,7 +598,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 .iter()
                 .filter(|p| p.number > partition.number && p.exists)
                 .count();
-            let retention = "retention drops none of the partitions after it, and ";
+            let retention = "retention keeps it whole, its sent rows with it, and ";
             let (why, retention, remedy) = match held_back {
                 HeldBack::Kept(kept) => (
                     format!("it keeps {}", kept_rows(kept)),

@@ -692,9 +692,9 @@ impl Outbox {
         }
     }
 
-    /// Drops, oldest first, each partition whose rows were all sent longer than `age` ago
-    /// (one statement and transaction each, see migration 0012), and returns how many rows
-    /// they held; with `dry_run`, how many they hold.
+    /// Drops each closed partition whose rows were all sent longer than `age` ago, passing
+    /// over the ones it keeps (one statement and transaction each, see migrations 0012 and
+    /// 0016), and returns how many rows they held; with `dry_run`, how many they hold.
     fn retire(&self, client: &mut Client, age: Duration, dry_run: bool) -> Result<u64> {
         let sql = self.statements();
         let age = micros(age);

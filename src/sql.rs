@@ -101,6 +101,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0015_upkeep_without_ownership",
         template: include_str!("../sql/0015_upkeep_without_ownership.sql"),
     },
+    Migration {
+        version: 16,
+        name: "0016_retention_past_kept_partitions",
+        template: include_str!("../sql/0016_retention_past_kept_partitions.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -1685,6 +1690,11 @@ mod tests {
                 "0015_upkeep_without_ownership",
                 0x3a8b10e28bb7de05,
                 0x503077bf743e44c5,
+            ),
+            (
+                "0016_retention_past_kept_partitions",
+                0xa89722d059f11d27,
+                0x8ceed1ba2d05e637,
             ),
         ];
         let fnv = |text: &str| {

@@ -246,6 +246,19 @@ fn a_cut_waits_for_producers_of_the_callers_keys() {
     assert!(partition_of(&mut client, &outbox, &after).ends_with("_p1"));
 }
 
+/// Backdates when the sent rows of `keys` were sent.
+fn sent_days_ago(client: &mut Client, outbox: &Outbox, keys: &[&str], days: i32) {
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET done_at = now() - $2::int * interval '1 day' WHERE key = ANY($1)",
+                common::quoted(outbox)
+            ),
+            &[&keys, &days],
+        )
+        .expect("backdate");
+}
+
 #[test]
 fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
     let (outbox, mut client) = partitioned("part_retire");
@@ -253,6 +266,10 @@ fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
         enqueue(&mut client, &outbox, message(&format!("old-{i}"))).unwrap();
     }
     enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
+    cut(&mut client, &outbox);
+    for i in 0..2 {
+        enqueue(&mut client, &outbox, message(&format!("mid-{i}"))).unwrap();
+    }
     cut(&mut client, &outbox);
     enqueue(&mut client, &outbox, message("new")).unwrap();
     let published = Sink::default();
@@ -267,33 +284,47 @@ fn retention_drops_a_partition_whole_once_every_row_in_it_is_sent() {
         }
     });
     Relay::run_until_idle(&config).expect("run until idle");
-    assert_eq!(published.len(), 6);
+    assert_eq!(published.len(), 8);
     let sent = Rows::Sent.matching(Filter::new());
 
-    // Partition 0 holds a dead letter: it stays, and so does every row in it.
-    assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 0);
-    assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 0);
-    assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    // Partition 0 holds a dead letter: it stays, and so does every row in it, but retention
+    // goes on past it; the open partition never goes.
+    assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 2);
+    assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 2);
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 2, 3, 4]);
     assert_eq!(common::stats(&outbox, &mut client).sent, 6);
+    assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 0);
 
-    // Once the dead letter is gone, the partition goes whole; the open one never does.
+    // Once the dead letter is gone, each partition is judged by when its own rows were
+    // sent: partition 0, one of whose rows went out after the cutoff, stays; partition 2,
+    // after it, whose rows all went out before, goes.
     assert_eq!(
         outbox
             .purge(&mut client, Rows::Dead.matching(Filter::new()))
             .unwrap(),
         1
     );
-    assert_eq!(outbox.would_purge(&mut client, sent.clone()).unwrap(), 5);
-    // Sent too recently for a purge of what is a day old.
+    cut(&mut client, &outbox);
+    sent_days_ago(
+        &mut client,
+        &outbox,
+        &["old-0", "old-1", "old-2", "old-3", "new"],
+        2,
+    );
     let day_old = Rows::Sent.matching(Filter::new().older_than(Duration::from_secs(86_400)));
+    assert_eq!(outbox.would_purge(&mut client, day_old.clone()).unwrap(), 1);
+    assert_eq!(outbox.purge(&mut client, day_old.clone()).unwrap(), 1);
+    assert_eq!(partitions(&mut client, &outbox), vec![0, 3, 4, 5]);
     assert_eq!(outbox.purge(&mut client, day_old).unwrap(), 0);
     assert_eq!(outbox.purge(&mut client, sent.clone()).unwrap(), 5);
-    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
+    assert_eq!(partitions(&mut client, &outbox), vec![3, 4, 5]);
     let stats = common::stats(&outbox, &mut client);
-    assert_eq!((stats.sent, stats.pending, stats.dead), (1, 0, 0));
-    assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
+    assert_eq!((stats.sent, stats.pending, stats.dead), (0, 0, 0));
 
     // A filter by anything but age deletes rows, as on a plain table.
+    enqueue(&mut client, &outbox, message("newest")).unwrap();
+    assert_eq!(send_all(&outbox).len(), 1);
+    assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
     let by_topic = Rows::Sent.matching(Filter::new().topic("t"));
     assert_eq!(outbox.purge(&mut client, by_topic).unwrap(), 1);
     assert_eq!(common::stats(&outbox, &mut client).sent, 0);
@@ -361,6 +392,10 @@ fn the_sql_script_of_a_name_without_a_schema_keeps_its_partitions() {
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
     let (schema, _) = partition_table(&mut client, &outbox, 3);
     assert_eq!(schema, common::schema());
+    // Retention too: partition 0, closed and empty, goes.
+    let sent = Rows::Sent.matching(Filter::new());
+    assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
+    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
 }
 
 /// The problem of the doctor's partitions finding, if it has one.
@@ -420,8 +455,8 @@ fn closed_long_ago(client: &mut Client, outbox: &Outbox, n: i64) {
         .unwrap();
 }
 
-/// A closed partition that does not settle holds back retention and brings back the cost
-/// of every partition after it: past its interval the doctor says so, and why, for each
+/// A closed partition that does not settle may be kept by retention, and brings back the
+/// cost of every partition after it: past its interval the doctor says so, and why, for each
 /// of the things that can hold it (a pending row, a dead letter, a transaction from before
 /// its cut, no upkeep since its cut), until it settles.
 #[test]
@@ -443,7 +478,7 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(problem.contains("partition 0 "), "{problem}");
     assert!(problem.contains("messages to send"), "{problem}");
-    assert!(problem.contains("retention drops none"), "{problem}");
+    assert!(problem.contains("retention keeps it whole"), "{problem}");
     let after = partitions(&mut client, &outbox).len() - 1;
     assert!(
         problem.contains(&format!("the {after} partitions after it")),
@@ -478,7 +513,7 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     );
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(problem.contains("may still write into it"), "{problem}");
-    // No row holds it: retention may drop what comes after.
+    // No row holds it: retention may drop it.
     assert!(!problem.contains("retention"), "{problem}");
 
     late.commit().unwrap();
@@ -1053,6 +1088,10 @@ fn the_upkeep_calls_no_function_put_in_its_way() {
     assert_eq!(upkeep(&mut client, &outbox, true), Some(1));
     assert_eq!(upkeep(&mut client, &outbox, false), Some(2));
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
+    // And retention: partition 0, closed and empty, goes.
+    let sent = Rows::Sent.matching(Filter::new());
+    assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
+    assert_eq!(partitions(&mut client, &outbox), vec![1, 2, 3]);
     client
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .unwrap();
