@@ -1030,7 +1030,9 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// by day, cut by hand to each count in `PARTITION_COUNTS`, its closed partitions holding
 /// 1,000 sent rows each and the open one 200 pending, against a plain table holding the
 /// same rows. The rows of the partitions closed are marked sent in place, and the relay's
-/// upkeep run once before measuring, as a relay would have done.
+/// upkeep run once before measuring, as a relay would have done. `kept_` is the
+/// partitioned table again with a dead letter kept in its oldest partition, which keeps it
+/// and every partition after it from settling.
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
@@ -1091,7 +1093,35 @@ fn partitions(scratch: &Scratch) -> Result<()> {
                 .kv(&format!("{name}enqueue_all_ms"), ms(batch));
             client.batch_execute(&sent.replace("{}", outbox.table()))?;
         }
-        line.print();
+        // A dead letter in the oldest partition, as a relay would have left it there before
+        // the partition settled.
+        let t = partitioned.table();
+        client.batch_execute(&format!(
+            "UPDATE {t} SET status = 'dead' WHERE id = (SELECT min(id) FROM {t});
+             UPDATE {t}_partitions SET settled_at = NULL
+             WHERE n = (SELECT min(n) FROM {t}_partitions)"
+        ))?;
+        upkeep(&mut client, false)?;
+        let started = Instant::now();
+        for _ in 0..STATS_CALLS {
+            partitioned.stats(&mut client)?;
+        }
+        let stats = started.elapsed() / STATS_CALLS;
+        let started = Instant::now();
+        for i in 0..ENQUEUES {
+            let mut tx = client.transaction()?;
+            partitioned.enqueue(&mut tx, event(i64::from(i)))?;
+            tx.commit()?;
+        }
+        let enqueue = started.elapsed() / ENQUEUES;
+        client.batch_execute(&format!(
+            "DELETE FROM {t} WHERE status = 'dead'; {}",
+            sent.replace("{}", t)
+        ))?;
+        upkeep(&mut client, false)?;
+        line.kv("kept_stats_ms", ms(stats))
+            .kv("kept_enqueue_ms", ms(enqueue))
+            .print();
     }
     Ok(())
 }

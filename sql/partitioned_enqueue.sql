@@ -1,27 +1,28 @@
 -- The enqueue functions of a partitioned outbox, made with the table after
 -- sql/partitioned.sql. A migration that changes them changes this file and makes them
--- again on tables partitioned before it, as migration 0014 does. Each is restated whole.
+-- again on tables partitioned before it, as migrations 0014 and 0017 do. Each is restated
+-- whole.
 --
 -- A message with an aggregate key is a head when no earlier message of its aggregate is
 -- pending or parked. That look reads only the partitions that may hold such a message:
--- from the first not settled (migration 0013: a settled partition has every row sent, and
--- nothing may write to it again), so its cost follows the backlog, not the partitions
--- kept. The bound is a variable, so the look leaves the settled partitions out when it
--- starts. As a subquery of the same statement it gave back half of what it saves, from
--- a function of its own a fifth to a third (BENCHMARKS.md, "What each kept partition
--- costs").
+-- from the first not quiet (migration 0016: a quiet partition holds sent and dead rows
+-- only, and nothing may write to it again but a redrive, which marks it not quiet first),
+-- so its cost follows the backlog, not the partitions kept. The bound is a variable, so
+-- the look leaves the quiet partitions out when it starts. As a subquery of the same
+-- statement it gave back half of what it saves, from a function of its own a fifth to a
+-- third (BENCHMARKS.md, "What each kept partition costs").
 
 -- The aggregates of a batch that cannot take a new head, as migration 0010's, from the
--- first partition not settled.
+-- first partition not quiet.
 CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 DECLARE
-    backlog_from bigint;
+    look_from bigint;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k WHERE k IS NOT NULL);
     END IF;
-    backlog_from := ({backlog_from});
+    look_from := ({look_from});
     -- A probe per aggregate: with every key in one condition, a range of the primary key
     -- from the bound looks cheaper to the planner, and reads every row after it.
     RETURN ARRAY(SELECT k
@@ -29,7 +30,7 @@ BEGIN
                       LATERAL (SELECT 1 FROM {table} o
                                WHERE o.head IN (false, true) AND o.aggregate_key = keys.k
                                  AND o.status IN ('pending', 'parked')
-                                 AND o.id >= backlog_from
+                                 AND o.id >= look_from
                                LIMIT 1) AS found);
 END
 $fn$;
@@ -44,7 +45,7 @@ DECLARE
     held text;
     lock_key bigint;
     new_id bigint;
-    backlog_from bigint;
+    look_from bigint;
 BEGIN
     -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
     -- this one cost five times what the lock does.
@@ -70,7 +71,7 @@ BEGIN
     END IF;
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
-        backlog_from := ({backlog_from});
+        look_from := ({look_from});
     END IF;
     IF p_key_generated THEN
         INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
@@ -84,7 +85,7 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= backlog_from));
+                                  AND o.id >= look_from));
     -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
     -- one's snapshot as a serialization failure: a duplicate all the same, and in a block of
     -- its own it leaves the caller's transaction usable (see migration 0005).
@@ -125,7 +126,7 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= backlog_from))
+                                  AND o.id >= look_from))
         ON CONFLICT DO NOTHING
         RETURNING id INTO new_id;
         IF new_id IS NULL THEN

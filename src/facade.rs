@@ -401,6 +401,7 @@ pub(crate) mod tests {
                     rows: 0,
                     settled: None,
                     held_back: None,
+                    quiet: false,
                 })
                 .collect(),
             relays: [

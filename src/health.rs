@@ -148,14 +148,17 @@ pub struct Partition {
     /// Its rows, as the planner last estimated them.
     pub rows: u64,
     /// Since it settled: closed, every row in it sent, and no producer left that may still
-    /// write into it. `None` while it may hold a backlog: then every enqueue's look for an
-    /// aggregate's earlier messages and every `stats()` read it, and the partitions after
-    /// it.
+    /// write into it. `None` while it may hold a backlog or a dead letter: then every
+    /// `stats()` reads it, and the partitions after it, and so does every enqueue's look
+    /// for an aggregate's earlier messages unless only dead letters are left in it.
     pub settled: Option<Duration>,
     /// For the oldest closed partition not settled: what keeps it from settling. The
     /// upkeep settles partitions oldest first, so it holds back every one after it too.
     /// `None` for every other partition.
     pub held_back: Option<HeldBack>,
+    /// Closed, no producer left that may still write into it, and no pending or parked
+    /// row in it: enqueues' looks leave it out (migration 16).
+    pub(crate) quiet: bool,
 }
 
 impl Partition {
@@ -387,6 +390,7 @@ impl Outbox {
                 rows: count(&row, 5),
                 settled: seconds(row.get(6)),
                 held_back: None,
+                quiet: row.get(7),
             })
             .collect();
         // A partition dropped by hand holds nothing back.
@@ -599,6 +603,12 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 .filter(|p| p.number > partition.number && p.exists)
                 .count();
             let retention = "retention keeps it whole, its sent rows with it, and ";
+            // Dead letters alone leave it quiet: enqueues no longer look into it.
+            let readers = if partition.quiet {
+                "each stats()"
+            } else {
+                "each enqueue with an aggregate key and each stats()"
+            };
             let (why, retention, remedy) = match held_back {
                 HeldBack::Kept(kept) => (
                     format!("it keeps {}", kept_rows(kept)),
@@ -640,8 +650,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 Check::Partitions,
                 format!(
                     "partition {} of {}, closed {} ago, has not settled: {why}. Until it \
-                     does, {retention}each enqueue with an aggregate key and each stats() \
-                     reads it and the {after} partitions after it",
+                     does, {retention}{readers} reads it and the {after} partitions after it",
                     partition.number,
                     outbox.table(),
                     whole(closed)

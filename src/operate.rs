@@ -494,12 +494,12 @@ impl Outbox {
         let filter = filter.into();
         filter.check_unlimited("redrive")?;
         let sql = self.statements();
-        let n = self.update_where(
-            client,
-            &filter,
-            Some(&sql.lock_redriven),
-            &sql.redrive_where,
-        )?;
+        let redrive = if self.partitioned(client)? {
+            &sql.redrive_partitioned
+        } else {
+            &sql.redrive_where
+        };
+        let n = self.update_where(client, &filter, Some(&sql.lock_redriven), redrive)?;
         if n > 0 {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }

@@ -103,8 +103,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     },
     Migration {
         version: 16,
-        name: "0016_retention_past_kept_partitions",
-        template: include_str!("../sql/0016_retention_past_kept_partitions.sql"),
+        name: "0016_past_kept_partitions",
+        template: include_str!("../sql/0016_past_kept_partitions.sql"),
+    },
+    Migration {
+        version: 17,
+        name: "0017_looks_from_quiet_partitions",
+        template: include_str!("../sql/0017_looks_from_quiet_partitions.sql"),
     },
 ];
 
@@ -114,7 +119,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
 
 /// The enqueue functions of a partitioned table. A migration that changes them changes this
-/// file, and makes them again on a table partitioned before it, as migration 14 does.
+/// file, and makes them again on a table partitioned before it, as migrations 14 and 17 do.
 const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
 
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
@@ -127,6 +132,13 @@ pub(crate) const PARTITION_ID_BITS: u32 = 40;
 const BACKLOG_FROM: &str =
     "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE settled_at IS NULL";
 
+/// The first id that may belong to a pending or parked row of a partitioned table: the first
+/// of the oldest partition not quiet (migration 0016), where an enqueue's look for its
+/// aggregate's pending messages starts. Quiet partitions hold sent and dead rows only, and
+/// a redrive marks a partition not quiet before a row of it is pending again.
+const LOOK_FROM: &str =
+    "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE quiet_at IS NULL";
+
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
 
@@ -134,6 +146,25 @@ pub(crate) const PARTITIONS_AHEAD: i32 = 2;
 /// `{attempt}`.
 const RECORD_TEMPLATE: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
      t.headers, {attempt}, t.max_attempts, t.created_at, t.lease_until, t.park";
+
+/// The redrive of the dead letters `{filter}` selects, with `more` (a statement of the WITH,
+/// ending with a comma) beside it.
+fn redrive(more: &str) -> String {
+    format!(
+        "WITH first AS (
+           SELECT t.aggregate_key, min(t.id) AS id FROM {{table}} t
+           WHERE {{filter}} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
+         {more}
+         unmarked AS (
+           UPDATE {{table}} o SET head = false FROM first f
+           WHERE o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
+             AND o.status IN ('pending', 'parked'))
+         UPDATE {{table}} t SET status = 'pending', attempts = 0, claims = 0,
+                              available_at = now(),
+                              lease_until = NULL, done_at = NULL, head = false
+         WHERE {{filter}}"
+    )
+}
 
 /// A record as an operator lists it: its attempt is the number of attempts made.
 fn record_columns() -> Result<String, RenderError> {
@@ -256,6 +287,8 @@ pub(crate) struct Statements {
     pub(crate) lock_redriven: String,
     /// Dead letters matching a filter become pending; returns how many.
     pub(crate) redrive_where: String,
+    /// `redrive_where` on a partitioned table.
+    pub(crate) redrive_partitioned: String,
     /// Parked dead letters matching a filter stop holding their aggregates.
     pub(crate) skip_where: String,
     pub(crate) purge_where: String,
@@ -558,19 +591,15 @@ impl Statements {
             // that was marked the head while it was dead is the head no longer. (Both
             // updates read one snapshot: the dead rows, and the later rows of their
             // aggregates, which the lock of `lock_redriven` keeps producers from adding to.)
-            redrive_where: values.render(
-                "WITH first AS (
-                   SELECT t.aggregate_key, min(t.id) AS id FROM {table} t
-                   WHERE {filter} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
-                 unmarked AS (
-                   UPDATE {table} o SET head = false FROM first f
-                   WHERE o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
-                     AND o.status IN ('pending', 'parked'))
-                 UPDATE {table} t SET status = 'pending', attempts = 0, claims = 0,
-                                      available_at = now(),
-                                      lease_until = NULL, done_at = NULL, head = false
-                 WHERE {filter}"
-            )?,
+            redrive_where: values.render(&redrive(""))?,
+            // On a partitioned table its partitions are no longer quiet (migration 0016):
+            // producers' looks read them again. The rows are read in the same snapshot as
+            // the update's, so every partition it makes a row pending in is among them.
+            redrive_partitioned: values.render(&redrive(
+                "unquiet AS (
+                   UPDATE {partitions} p SET quiet_at = NULL
+                   WHERE p.n IN (SELECT DISTINCT t.id >> {id_bits} FROM {table} t WHERE {filter})),",
+            ))?,
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
             // counter (slot $6) goes down by the sent rows deleted.
@@ -780,7 +809,9 @@ impl Statements {
                         extract(epoch FROM now() - p.opened_at)::float8,
                         extract(epoch FROM now() - p.closed_at)::float8,
                         c.oid IS NOT NULL, greatest(c.reltuples, 0)::bigint,
-                        extract(epoch FROM now() - p.settled_at)::float8
+                        extract(epoch FROM now() - p.settled_at)::float8,
+                        -- Through the row's JSON: a table not migrated to 16 has no column.
+                        to_jsonb(p) ->> 'quiet_at' IS NOT NULL
                  FROM {partitions} p
                  LEFT JOIN pg_class c
                    ON c.oid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
@@ -1305,7 +1336,7 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
     Ok(rendered)
 }
 
-/// `PARTITIONED_ENQUEUE` for `table`, as migration 14 applies it.
+/// `PARTITIONED_ENQUEUE` for `table`, as migrations 14 and 17 apply it.
 fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> {
     render(
         PARTITIONED_ENQUEUE,
@@ -1337,9 +1368,9 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
         ("lock_seed", bigint(table.aggregate_lock_seed())),
         ("name", table.name().to_owned()),
         (
-            "backlog_from",
+            "look_from",
             render(
-                BACKLOG_FROM,
+                LOOK_FROM,
                 &[
                     ("partitions", &partitions),
                     ("id_bits", &PARTITION_ID_BITS.to_string()),
@@ -1684,17 +1715,17 @@ mod tests {
                 0x7ec26394fb2c3563,
                 0x83f01a123bfc516c,
             ),
-            // 0014 renders the current sql/partitioned_enqueue.sql, on purpose: a table
-            // partitioned before it gets the enqueue functions a new one would have.
+            // 0014 and 0017 render the current sql/partitioned_enqueue.sql, on purpose: a
+            // table partitioned before them gets the enqueue functions a new one would have.
             (
                 "0015_upkeep_without_ownership",
                 0x3a8b10e28bb7de05,
                 0x503077bf743e44c5,
             ),
             (
-                "0016_retention_past_kept_partitions",
-                0xa89722d059f11d27,
-                0x8ceed1ba2d05e637,
+                "0016_past_kept_partitions",
+                0x1b87b27af3d9db68,
+                0xd3fa3dd553fdcdc8,
             ),
         ];
         let fnv = |text: &str| {

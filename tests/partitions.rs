@@ -800,7 +800,7 @@ fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then(
         .split_once("-- partitioned\n")
         .expect("the script makes the table partitioned");
     client.batch_execute(version_12).unwrap();
-    // Today's partitioned step, whose enqueue functions read a column of migration 13 for
+    // Today's partitioned step, whose enqueue functions read a column of migration 16 for
     // messages with an aggregate key only: the late message has none.
     client.batch_execute(partitioned).unwrap();
     let mut producer = common::client();
@@ -902,7 +902,7 @@ fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -
     let row = client
         .query_one(
             "SELECT count(*), coalesce(bool_or(strpos(pg_get_functiondef(oid),
-                                                      'o.id >= backlog_from') > 0), false)
+                                                      'o.id >= look_from') > 0), false)
              FROM pg_proc WHERE proname = $1 AND pg_function_is_visible(oid)",
             &[&format!("{}{suffix}", outbox.table())],
         )
@@ -935,7 +935,7 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
             .unwrap()
             .get(0);
         client
-            .batch_execute(&definition.replace("o.id >= backlog_from", "true"))
+            .batch_execute(&definition.replace("o.id >= look_from", "true"))
             .unwrap();
         assert!(!probes_from_the_backlog(&mut client, &outbox, suffix));
     }
@@ -955,6 +955,89 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
             "{suffix}"
         );
     }
+}
+
+/// Enqueues `message` and says how many times it scanned the ordered index (where the look
+/// for an aggregate's pending messages goes) of partitions 0 and 1. (The counts are the
+/// session's since the server last took them in, so the difference is read in one
+/// transaction, where it takes in none.)
+fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> (i64, i64) {
+    let scans = |tx: &mut postgres::Transaction| -> (i64, i64) {
+        let rows = tx
+            .query(
+                "SELECT coalesce(sum(pg_stat_get_xact_numscans(i.indexrelid)), 0)::bigint
+                 FROM unnest(ARRAY[0, 1]) AS n
+                 LEFT JOIN pg_index i
+                   ON i.indrelid = to_regclass($1 || n)
+                  AND pg_get_indexdef(i.indexrelid) LIKE '%(head, aggregate_key, id)%'
+                 GROUP BY n ORDER BY n",
+                &[&format!("{}_p", outbox.table())],
+            )
+            .expect("index scans");
+        (rows[0].get(0), rows[1].get(0))
+    };
+    let mut tx = client.transaction().unwrap();
+    let before = scans(&mut tx);
+    outbox.enqueue(&mut tx, message).unwrap();
+    let after = scans(&mut tx);
+    tx.commit().unwrap();
+    (after.0 - before.0, after.1 - before.1)
+}
+
+/// A dead letter kept in a closed partition keeps it from settling, but the partition is
+/// quiet: producers' looks for their aggregates' pending messages leave it out (as they
+/// leave out settled ones), and only `stats()` still reads it. A redrive makes it part of
+/// the looks again before its row is pending, so the aggregate's order holds.
+#[test]
+fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
+    let (outbox, mut client) = partitioned("part_quiet");
+    let of = |key: &str, aggregate: &str| message(key).aggregate_key(aggregate);
+    enqueue(&mut client, &outbox, of("doomed", "a").max_attempts(1)).unwrap();
+    enqueue(&mut client, &outbox, of("fine", "b")).unwrap();
+    cut(&mut client, &outbox);
+    let config = relay_config(&outbox, |record| {
+        if record.key == "doomed" {
+            return Err(postgres_outbox::PublishError::permanent("refused"));
+        }
+        Ok(())
+    });
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
+    // Once no transaction that ran at the cut (other tests' too) is left.
+    let quiet = format!(
+        "SELECT quiet_at IS NOT NULL FROM {} WHERE n = 0",
+        quoted_with(&outbox, "_partitions")
+    );
+    wait_until("partition 0 is quiet", || {
+        upkeep(&mut client, &outbox, false);
+        client.query_one(&quiet, &[]).unwrap().get(0)
+    });
+    assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
+    let (into_0, into_1) = looks_into(&mut client, &outbox, of("c2", "c"));
+    // Two scans a look: one for each value of the head flag.
+    assert_eq!((into_0, into_1), (0, 2));
+    closed_long_ago(&mut client, &outbox, 0);
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(problem.contains("each stats() reads it"), "{problem}");
+    assert!(!problem.contains("each enqueue"), "{problem}");
+
+    // Redriven, the dead letter goes before what its aggregate enqueues next.
+    assert_eq!(
+        outbox
+            .redrive(&mut client, Filter::new().key("doomed"))
+            .unwrap(),
+        1
+    );
+    // It finds the redriven row there, at the first scan.
+    assert_eq!(looks_into(&mut client, &outbox, of("a2", "a")).0, 1);
+    assert!(!is_head(&mut client, &outbox, "a2"));
+    let sent = send_all(&outbox).keys();
+    let a: Vec<&String> = sent
+        .iter()
+        .filter(|k| ["doomed", "a2"].contains(&k.as_str()))
+        .collect();
+    assert_eq!(a, ["doomed", "a2"]);
+    wait_settled(&mut client, &outbox, 0);
+    assert_eq!(looks_into(&mut client, &outbox, of("c3", "c")), (0, 2));
 }
 
 /// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay
