@@ -603,11 +603,17 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 .filter(|p| p.number > partition.number && p.exists)
                 .count();
             let retention = "retention keeps it whole, its sent rows with it, and ";
-            // Dead letters alone leave it quiet: enqueues no longer look into it.
-            let readers = if partition.quiet {
-                "each stats()"
+            // Dead letters alone leave it quiet: only stats() still reads it, for them.
+            let reads = if partition.quiet {
+                format!(
+                    "each stats() reads the dead letters of it and of the {after} partitions \
+                     after it"
+                )
             } else {
-                "each enqueue with an aggregate key and each stats()"
+                format!(
+                    "each enqueue with an aggregate key and each stats() reads it and the \
+                     {after} partitions after it"
+                )
             };
             let (why, retention, remedy) = match held_back {
                 HeldBack::Kept(kept) => (
@@ -650,7 +656,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 Check::Partitions,
                 format!(
                     "partition {} of {}, closed {} ago, has not settled: {why}. Until it \
-                     does, {retention}{readers} reads it and the {after} partitions after it",
+                     does, {retention}{reads}",
                     partition.number,
                     outbox.table(),
                     whole(closed)

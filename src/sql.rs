@@ -267,12 +267,14 @@ pub(crate) struct Statements {
     pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
-    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`), from the
-    /// id in `$1` on (0 on a plain table): partitions before it are left out of the plan.
+    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): dead
+    /// letters from the id in `$1` on, the rest from the id in `$2` on (`backlog_from`; 0
+    /// on a plain table): partitions before them are left out of the plan.
     pub(crate) stats: String,
-    /// The first id `stats` and `topic_stats` read on a partitioned table: the first of the
-    /// oldest partition not settled (migration 0013), whose rows may still be pending,
-    /// parked or dead.
+    /// The first ids `stats` and `topic_stats` read on a partitioned table: of the oldest
+    /// partition not settled (migration 0013), whose rows may still be pending, parked or
+    /// dead, and of the oldest not quiet (migration 0016), whose rows may still be pending
+    /// or parked.
     pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -430,13 +432,13 @@ impl Statements {
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at <= now() AND id >= $1
+                     AND available_at <= now() AND id >= $2
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  l AS MATERIALIZED (
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at > now() AND id >= $1
+                     AND available_at > now() AND id >= $2
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  u AS MATERIALIZED (
                    SELECT id, aggregate_key, status, available_at, lease_until, created_at,
@@ -444,13 +446,13 @@ impl Statements {
                           first_value(created_at) OVER w AS first_created
                    FROM {table}
                    WHERE NOT head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
-                     AND id >= $1
+                     AND id >= $2
                    WINDOW w AS (PARTITION BY aggregate_key ORDER BY id)
                    ORDER BY aggregate_key, id LIMIT {stats_counted} + 1),
                  m AS MATERIALIZED (
                    SELECT 1 FROM {table}
                    WHERE head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
-                     AND id >= $1
+                     AND id >= $2
                    LIMIT {stats_counted} + 1),
                  -- The head that holds an aggregate's rows back: the marked one ahead of
                  -- them if any (created before them or, when the transactions overlapped,
@@ -463,7 +465,7 @@ impl Statements {
                    FROM u LEFT JOIN LATERAL (
                      SELECT o.created_at FROM {table} o
                      WHERE u.first AND o.head AND o.aggregate_key = u.aggregate_key
-                       AND o.status IN ('pending', 'parked') AND o.id < u.id AND o.id >= $1
+                       AND o.status IN ('pending', 'parked') AND o.id < u.id AND o.id >= $2
                      ORDER BY o.id LIMIT 1) h ON true),
                  -- Every row read, with what it counts as: `behind` a head, it is blocked
                  -- while waiting, held back by the head created at `held_since`.
@@ -512,12 +514,12 @@ impl Statements {
                                        UNION ALL
                                        SELECT relid FROM pg_partition_tree(i.oid) WHERE isleaf) l
                    JOIN pg_class c ON c.oid = l.leaf
-                   -- Leaves out the partitions before $1, settled: they hold no backlog,
+                   -- Leaves out the partitions before $2, quiet: they hold no backlog,
                    -- and sizing each index is a file system call.
                    WHERE NOT EXISTS (SELECT FROM pg_index x
                                      JOIN pg_class t ON t.oid = x.indrelid
                                      JOIN {partitions} p ON t.relname = {name_text} || p.n
-                                     WHERE x.indexrelid = l.leaf AND p.n < $1 >> 40)
+                                     WHERE x.indexrelid = l.leaf AND p.n < $2 >> 40)
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
@@ -797,7 +799,7 @@ impl Statements {
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
-            backlog_from: values.render(BACKLOG_FROM)?,
+            backlog_from: values.render(&format!("SELECT ({BACKLOG_FROM}), ({LOOK_FROM})"))?,
             // From the catalog, which every role may read.
             is_partitioned: values.render(
                 "SELECT coalesce((SELECT relkind = 'p' FROM pg_class

@@ -96,9 +96,9 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let from = self.backlog_from(client)?;
+        let (from, pending_from) = self.backlog_from(client)?;
         let rows = client
-            .query(&self.statements().stats, &[&from])
+            .query(&self.statements().stats, &[&from, &pending_from])
             .map_err(|e| self.db_error(e))?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
@@ -133,7 +133,7 @@ impl Outbox {
     /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
     /// are not read, nor are a partitioned table's settled partitions).
     pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
-        let from = self.backlog_from(client)?;
+        let (from, _) = self.backlog_from(client)?;
         let rows = client
             .query(&self.statements().topic_stats, &[&from])
             .map_err(|e| self.db_error(e))?;
@@ -147,17 +147,19 @@ impl Outbox {
             .collect())
     }
 
-    /// The first id that may hold a backlog: on a partitioned table, the first of the
-    /// oldest partition not settled (migration 0013). Statements planned with it leave the
-    /// settled partitions (all sent, for good) out, however many days retention keeps.
-    fn backlog_from(&self, client: &mut Client) -> Result<i64> {
+    /// The first id that may hold a backlog or a dead letter, and the first that may hold a
+    /// pending or parked row: on a partitioned table, the first of the oldest partition not
+    /// settled (migration 0013) and of the oldest not quiet (migration 0016). Statements
+    /// planned with them leave the partitions before them out, however many days retention
+    /// keeps, and a dead letter kept costs only the read of the dead letters.
+    fn backlog_from(&self, client: &mut Client) -> Result<(i64, i64)> {
         if !self.partitioned(client)? {
-            return Ok(0);
+            return Ok((0, 0));
         }
-        Ok(client
+        let row = client
             .query_one(&self.statements().backlog_from, &[])
-            .map_err(|e| self.db_error(e))?
-            .get(0))
+            .map_err(|e| self.db_error(e))?;
+        Ok((row.get(0), row.get(1)))
     }
 }
 

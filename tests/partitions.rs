@@ -1015,9 +1015,15 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     let (into_0, into_1) = looks_into(&mut client, &outbox, of("c2", "c"));
     // Two scans a look: one for each value of the head flag.
     assert_eq!((into_0, into_1), (0, 2));
+    // stats() still counts the dead letter there (and agrees with stats_exact()).
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.dead, stats.pending, stats.sent), (1, 1, 1));
     closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
-    assert!(problem.contains("each stats() reads it"), "{problem}");
+    assert!(
+        problem.contains("each stats() reads the dead letters of it"),
+        "{problem}"
+    );
     assert!(!problem.contains("each enqueue"), "{problem}");
 
     // Redriven, the dead letter goes before what its aggregate enqueues next.
