@@ -1031,8 +1031,9 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// 1,000 sent rows each and the open one 200 pending, against a plain table holding the
 /// same rows. The rows of the partitions closed are marked sent in place, and the relay's
 /// upkeep run once before measuring, as a relay would have done. `kept_` is the
-/// partitioned table again with a dead letter kept in its oldest partition, which keeps it
-/// and every partition after it from settling.
+/// partitioned table again with a dead letter kept in its oldest partition, which keeps
+/// that partition from settling, and so moves the bound `stats()` (and, before migration
+/// 16, each enqueue's look) reads from back to it.
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;

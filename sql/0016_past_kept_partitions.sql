@@ -22,7 +22,10 @@ ALTER TABLE {partitions} ADD COLUMN quiet_at timestamptz;
 UPDATE {partitions} SET quiet_at = settled_at WHERE settled_at IS NOT NULL;
 
 -- Marks closed partitions quiet, and settled, oldest first: it stops at the first that is
--- not quiet, and settles none after the first that keeps a dead row.
+-- not quiet, and settles none after the first that keeps a dead row. A partition already
+-- quiet is read again only while every one before it is settled, to settle it once its
+-- dead rows are gone, and is written only then: the bookkeeping of a dead letter kept, and
+-- of every quiet partition after it, is left alone call after call.
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
@@ -54,17 +57,23 @@ BEGIN
     PERFORM set_config('lock_timeout', '500ms', true);
     FOR p IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
+        CONTINUE WHEN p.quiet_at IS NOT NULL AND NOT settling;
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+        waiting := false;
         kept := false;
         IF to_regclass(part) IS NOT NULL THEN
-            EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
-                                                     AND virtualxid = ANY (p.cut_vxids));
-            EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
-                              WHERE database = current_database());
+            IF p.quiet_at IS NULL THEN
+                EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
+                                                         AND virtualxid = ANY (p.cut_vxids));
+                EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
+                                  WHERE database = current_database());
+                -- Before the rows are read: a redrive that makes a row of it pending holds
+                -- this lock until it commits (and is left to it: SKIP LOCKED), and once it
+                -- is had, the read after it sees what such a redrive committed.
+                PERFORM FROM {partitions} WHERE n = p.n FOR UPDATE SKIP LOCKED;
+                EXIT WHEN NOT FOUND;
+            END IF;
             BEGIN
-                -- Before the rows are read: a redrive that has made a row of it pending
-                -- holds this lock until it commits, and the read after it sees the row.
-                PERFORM FROM {partitions} WHERE n = p.n FOR UPDATE;
                 EXECUTE format(probe, part) INTO waiting, kept;
             EXCEPTION WHEN lock_not_available OR undefined_table THEN
                 waiting := true;
@@ -72,11 +81,15 @@ BEGIN
             EXIT WHEN waiting;
         END IF;
         settling := settling AND NOT kept;
+        -- A quiet partition a redrive has made a row of pending since the loop began is
+        -- quiet no longer: the condition, looked at again on the row as the redrive left
+        -- it, keeps it from being settled.
         UPDATE {partitions}
         SET quiet_at = coalesce(quiet_at, clock_timestamp()),
             settled_at = CASE WHEN settling THEN clock_timestamp() END,
             cut_vxids = CASE WHEN settling THEN NULL ELSE cut_vxids END
-        WHERE n = p.n;
+        WHERE n = p.n AND (quiet_at IS NULL OR settling)
+          AND (quiet_at IS NOT NULL OR p.quiet_at IS NULL);
     END LOOP;
 END
 $fn$;

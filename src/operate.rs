@@ -571,8 +571,10 @@ impl Outbox {
     }
 
     /// Redrive or skip: one statement over the dead letters that match, after `lock` (given
-    /// the same parameters) in the same transaction, then a wake-up for a waiting relay, as
-    /// their aggregates may move now.
+    /// the same parameters, and returning the aggregates it locked, which the update is
+    /// given as `$6`) in the same transaction, then a wake-up for a waiting relay, as their
+    /// aggregates may move now. READ COMMITTED whatever the session's default: the update's
+    /// snapshot must come after the locks, to see what the aggregates' producers committed.
     fn update_where(
         &self,
         client: &mut Client,
@@ -582,11 +584,21 @@ impl Outbox {
     ) -> Result<u64> {
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
         let params: [&(dyn ToSql + Sync); 5] = [&keys, &topic, &error, &age, &states];
-        let mut tx = client.transaction()?;
-        if let Some(lock) = lock {
-            tx.execute(lock, &params).map_err(|e| self.db_error(e))?;
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::ReadCommitted)
+            .start()?;
+        let n = match lock {
+            Some(lock) => {
+                let locked: Vec<String> = tx
+                    .query_one(lock, &params)
+                    .map_err(|e| self.db_error(e))?
+                    .get(0);
+                tx.execute(update, &[&keys, &topic, &error, &age, &states, &locked])
+            }
+            None => tx.execute(update, &params),
         }
-        let n = tx.execute(update, &params).map_err(|e| self.db_error(e))?;
+        .map_err(|e| self.db_error(e))?;
         if n > 0 {
             tx.execute(&self.statements().notify_if_waiting, &[])
                 .map_err(|e| self.db_error(e))?;

@@ -147,13 +147,20 @@ pub(crate) const PARTITIONS_AHEAD: i32 = 2;
 const RECORD_TEMPLATE: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
      t.headers, {attempt}, t.max_attempts, t.created_at, t.lease_until, t.park";
 
-/// The redrive of the dead letters `{filter}` selects, with `more` (a statement of the WITH,
+/// The dead letters a redrive makes pending: those `{filter}` selects, of no aggregate or of
+/// one `lock_redriven` locked ($6). A row that died after that lock's snapshot, of an
+/// aggregate it did not lock, waits for the next redrive: a producer of its aggregate may
+/// be deciding its head meanwhile.
+const REDRIVEN: &str =
+    "{filter} AND (t.aggregate_key IS NULL OR t.aggregate_key = ANY ($6::text[]))";
+
+/// The redrive of the dead letters `REDRIVEN` selects, with `more` (a statement of the WITH,
 /// ending with a comma) beside it.
 fn redrive(more: &str) -> String {
     format!(
         "WITH first AS (
            SELECT t.aggregate_key, min(t.id) AS id FROM {{table}} t
-           WHERE {{filter}} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
+           WHERE {REDRIVEN} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
          {more}
          unmarked AS (
            UPDATE {{table}} o SET head = false FROM first f
@@ -162,7 +169,7 @@ fn redrive(more: &str) -> String {
          UPDATE {{table}} t SET status = 'pending', attempts = 0, claims = 0,
                               available_at = now(),
                               lease_until = NULL, done_at = NULL, head = false
-         WHERE {{filter}}"
+         WHERE {REDRIVEN}"
     )
 }
 
@@ -337,9 +344,9 @@ pub(crate) struct Statements {
     /// Keeps a partitioned outbox's partitions and settles the closed ones (migrations 0012
     /// and 0013; NULL on a plain one).
     pub(crate) maintain_partitions: String,
-    /// Drops the oldest partition if its rows are all sent longer ago than $1 us, and its
-    /// sent count with it; returns how many rows it held (NULL: none dropped). With $2,
-    /// drops nothing and counts the rows of every partition it would.
+    /// Drops a closed partition whose rows are all sent longer ago than $1 us, and its sent
+    /// count with it; returns how many rows it held (NULL: none dropped). With $2, drops
+    /// nothing and counts the rows of every partition it would.
     pub(crate) retire_partition: String,
     /// Whether the table is partitioned.
     pub(crate) is_partitioned: String,
@@ -583,9 +590,13 @@ impl Statements {
                  GROUP BY t.last_error ORDER BY count(*) DESC, t.last_error"
             )?,
             count_where: values.render("SELECT count(*) FROM {table} t WHERE {filter}")?,
+            // Returns the aggregates it locked: rows of others that die after its snapshot
+            // are left out of the redrive that follows (see `REDRIVEN`).
             lock_redriven: values.render(
-                "SELECT {lock_n_fn}(ARRAY(SELECT t.aggregate_key::text FROM {table} t
-                                          WHERE {filter} AND t.aggregate_key IS NOT NULL))"
+                "SELECT s.k FROM (SELECT ARRAY(SELECT DISTINCT t.aggregate_key::text FROM {table} t
+                                             WHERE {filter} AND t.aggregate_key IS NOT NULL)
+                                  AS k) s
+                 CROSS JOIN LATERAL {lock_n_fn}(s.k)"
             )?,
             // A redriven row keeps its id, so it is again the head of its aggregate (a parked
             // one goes first, then the rows it held back, in order). It waits among the rows
@@ -597,11 +608,15 @@ impl Statements {
             // On a partitioned table its partitions are no longer quiet (migration 0016):
             // producers' looks read them again. The rows are read in the same snapshot as
             // the update's, so every partition it makes a row pending in is among them.
-            redrive_partitioned: values.render(&redrive(
+            // (Closed partitions only: the open one is never quiet, and a redrive that
+            // began before its cut holds settling back, as any transaction then does.)
+            redrive_partitioned: values.render(&redrive(&format!(
                 "unquiet AS (
-                   UPDATE {partitions} p SET quiet_at = NULL
-                   WHERE p.n IN (SELECT DISTINCT t.id >> {id_bits} FROM {table} t WHERE {filter})),",
-            ))?,
+                   UPDATE {{partitions}} p SET quiet_at = NULL
+                   WHERE p.closed_at IS NOT NULL
+                     AND p.n IN (SELECT DISTINCT t.id >> {{id_bits}} FROM {{table}} t
+                                 WHERE {REDRIVEN})),"
+            )))?,
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
             // counter (slot $6) goes down by the sent rows deleted.
@@ -1726,8 +1741,8 @@ mod tests {
             ),
             (
                 "0016_past_kept_partitions",
-                0x1b87b27af3d9db68,
-                0xd3fa3dd553fdcdc8,
+                0xaee2654977f78411,
+                0xbece0a27173fb7e5,
             ),
         ];
         let fnv = |text: &str| {
