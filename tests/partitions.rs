@@ -984,6 +984,15 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> (i64, i
     (after.0 - before.0, after.1 - before.1)
 }
 
+/// Whether partition `n` is quiet: left out of producers' looks (migration 16).
+fn is_quiet(client: &mut Client, outbox: &Outbox, n: i64) -> bool {
+    let sql = format!(
+        "SELECT quiet_at IS NOT NULL FROM {} WHERE n = $1",
+        quoted_with(outbox, "_partitions")
+    );
+    client.query_one(&sql, &[&n]).expect("the partition").get(0)
+}
+
 /// A dead letter kept in a closed partition keeps it from settling, but the partition is
 /// quiet: producers' looks for their aggregates' pending messages leave it out (as they
 /// leave out settled ones), and only `stats()` still reads it. A redrive makes it part of
@@ -1003,13 +1012,9 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     });
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
     // Once no transaction that ran at the cut (other tests' too) is left.
-    let quiet = format!(
-        "SELECT quiet_at IS NOT NULL FROM {} WHERE n = 0",
-        quoted_with(&outbox, "_partitions")
-    );
     wait_until("partition 0 is quiet", || {
         upkeep(&mut client, &outbox, false);
-        client.query_one(&quiet, &[]).unwrap().get(0)
+        is_quiet(&mut client, &outbox, 0)
     });
     assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
     let (into_0, into_1) = looks_into(&mut client, &outbox, of("c2", "c"));
@@ -1044,6 +1049,50 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     wait_settled(&mut client, &outbox, 0);
     let (into_0, into_1) = looks_into(&mut client, &outbox, of("c3", "c"));
     assert!(into_0 == 0 && into_1 > 0, "{into_0} {into_1}");
+}
+
+/// A parked message holds its aggregate's later messages back, so its partition stays in
+/// producers' looks however long it waits; skipped, it is a dead letter that holds nothing,
+/// and the partition is quiet.
+#[test]
+fn a_parked_message_keeps_its_partition_in_producers_looks() {
+    let (outbox, mut client) = partitioned("part_parked");
+    let of = |key: &str| message(key).aggregate_key("a");
+    let stuck = of("stuck").max_attempts(1).park_on_dead(true);
+    enqueue(&mut client, &outbox, stuck).unwrap();
+    cut(&mut client, &outbox);
+    let config = relay_config(&outbox, |record| {
+        if record.key == "stuck" {
+            return Err(postgres_outbox::PublishError::permanent("refused"));
+        }
+        Ok(())
+    });
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
+    // Once the transactions the cut wrote down have ended, only the parked row holds it.
+    let ended = format!(
+        "SELECT p.cut_vxids IS NOT NULL
+                AND NOT EXISTS (SELECT FROM pg_locks l WHERE l.locktype = 'virtualxid'
+                                                         AND l.virtualxid = ANY (p.cut_vxids))
+         FROM {} p WHERE p.n = 0",
+        quoted_with(&outbox, "_partitions")
+    );
+    wait_until("the transactions from before the cut end", || {
+        client.query_one(&ended, &[]).unwrap().get(0)
+    });
+    upkeep(&mut client, &outbox, false);
+    assert!(!is_quiet(&mut client, &outbox, 0));
+    assert!(looks_into(&mut client, &outbox, of("after")).0 > 0);
+    assert!(!is_head(&mut client, &outbox, "after"));
+
+    assert_eq!(
+        outbox
+            .skip(&mut client, Filter::new().key("stuck"))
+            .unwrap(),
+        1
+    );
+    upkeep(&mut client, &outbox, false);
+    assert!(is_quiet(&mut client, &outbox, 0));
+    assert_eq!(send_all(&outbox).keys(), vec!["after".to_owned()]);
 }
 
 /// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay
