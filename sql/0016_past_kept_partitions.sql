@@ -17,18 +17,21 @@
 -- dead row either, which `stats` counts) are quiet too. A redrive, the one way a dead row
 -- becomes pending again, marks its partition not quiet in the same statement; the upkeep
 -- locks a partition's row before it reads its rows, so the two meet in one order or the
--- other and never both miss each other.
+-- other and never both miss each other. A redrive that still took the partition for open
+-- (its snapshot predates the cut) marks nothing, and is one of the transactions the
+-- upkeep waits for before a partition is quiet.
 ALTER TABLE {partitions} ADD COLUMN quiet_at timestamptz;
 UPDATE {partitions} SET quiet_at = settled_at WHERE settled_at IS NOT NULL;
 
 -- Marks closed partitions quiet, and settled, oldest first: it stops at the first that is
 -- not quiet, and settles none after the first that keeps a dead row. A partition already
 -- quiet is read again only while every one before it is settled, to settle it once its
--- dead rows are gone, and is written only then: the bookkeeping of a dead letter kept, and
--- of every quiet partition after it, is left alone call after call.
+-- dead rows are gone, and is locked and written only then: the bookkeeping of a dead
+-- letter kept, and of every quiet partition after it, is left alone call after call.
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
+    k bigint;
     p {partitions};
     part text;
     waiting boolean;
@@ -48,30 +51,42 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN;
     END IF;
+    -- Written down by a transaction that sees the cut committed, never by the one that
+    -- made it: a redrive whose snapshot predates the cut sees the partition open, marks it
+    -- nothing, and must be among the transactions waited for. (A cut's own transaction
+    -- writes them down at its next call.) A row another call holds is left to it.
+    PERFORM set_config('lock_timeout', '500ms', true);
     UPDATE {partitions} SET cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
                                               WHERE locktype = 'virtualxid')
-    WHERE closed_at IS NOT NULL AND settled_at IS NULL AND cut_vxids IS NULL;
+    WHERE n IN (SELECT n FROM {partitions}
+                WHERE closed_at IS NOT NULL AND settled_at IS NULL AND cut_vxids IS NULL
+                  AND xmin IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
+                FOR UPDATE SKIP LOCKED);
     -- The transactions first, then the prepared ones: PREPARE lists a transaction as
     -- prepared before it lets its virtual one go. A partition locked against reads, or
     -- dropped by hand meanwhile, waits for the next call; the ones before it stay settled.
-    PERFORM set_config('lock_timeout', '500ms', true);
-    FOR p IN SELECT * FROM {partitions}
+    FOR k IN SELECT n FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
+        -- Locked before its rows are read, and written only under the lock: a redrive
+        -- that makes a row of it pending holds this lock until it commits (the partition
+        -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
+        -- what such a redrive committed, while one still to come waits for this
+        -- transaction, then marks the partition not quiet.
+        SELECT * INTO p FROM {partitions} WHERE n = k FOR UPDATE SKIP LOCKED;
+        EXIT WHEN NOT FOUND;
+        CONTINUE WHEN p.settled_at IS NOT NULL;
         CONTINUE WHEN p.quiet_at IS NOT NULL AND NOT settling;
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
         waiting := false;
         kept := false;
         IF to_regclass(part) IS NOT NULL THEN
+            -- A quiet partition passed these once, and only a redrive writes to it since.
             IF p.quiet_at IS NULL THEN
+                EXIT WHEN p.cut_vxids IS NULL;
                 EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
                                                          AND virtualxid = ANY (p.cut_vxids));
                 EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
                                   WHERE database = current_database());
-                -- Before the rows are read: a redrive that makes a row of it pending holds
-                -- this lock until it commits (and is left to it: SKIP LOCKED), and once it
-                -- is had, the read after it sees what such a redrive committed.
-                PERFORM FROM {partitions} WHERE n = p.n FOR UPDATE SKIP LOCKED;
-                EXIT WHEN NOT FOUND;
             END IF;
             BEGIN
                 EXECUTE format(probe, part) INTO waiting, kept;
@@ -81,15 +96,13 @@ BEGIN
             EXIT WHEN waiting;
         END IF;
         settling := settling AND NOT kept;
-        -- A quiet partition a redrive has made a row of pending since the loop began is
-        -- quiet no longer: the condition, looked at again on the row as the redrive left
-        -- it, keeps it from being settled.
-        UPDATE {partitions}
-        SET quiet_at = coalesce(quiet_at, clock_timestamp()),
-            settled_at = CASE WHEN settling THEN clock_timestamp() END,
-            cut_vxids = CASE WHEN settling THEN NULL ELSE cut_vxids END
-        WHERE n = p.n AND (quiet_at IS NULL OR settling)
-          AND (quiet_at IS NOT NULL OR p.quiet_at IS NULL);
+        IF p.quiet_at IS NULL OR settling THEN
+            UPDATE {partitions}
+            SET quiet_at = coalesce(quiet_at, clock_timestamp()),
+                settled_at = CASE WHEN settling THEN clock_timestamp() END,
+                cut_vxids = CASE WHEN settling THEN NULL ELSE cut_vxids END
+            WHERE n = p.n;
+        END IF;
     END LOOP;
 END
 $fn$;

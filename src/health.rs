@@ -603,12 +603,29 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 .filter(|p| p.number > partition.number && p.exists)
                 .count();
             let retention = "retention keeps it whole, its sent rows with it, and ";
-            // Dead letters alone leave it quiet: only stats() still reads it, for them.
+            // Dead letters alone leave it quiet: only stats() still reads it, for them, and
+            // enqueues read from the first closed partition not quiet, if any.
             let reads = if partition.quiet {
-                format!(
+                let stats = format!(
                     "each stats() reads the dead letters of it and of the {after} partitions \
                      after it"
-                )
+                );
+                let looked = health.partitions.iter().find(|p| {
+                    p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
+                });
+                match looked {
+                    Some(looked) => format!(
+                        "{stats}, and each enqueue with an aggregate key reads partition {} \
+                         and the {} after it",
+                        looked.number,
+                        health
+                            .partitions
+                            .iter()
+                            .filter(|p| p.number > looked.number && p.exists)
+                            .count()
+                    ),
+                    None => stats,
+                }
             } else {
                 format!(
                     "each enqueue with an aggregate key and each stats() reads it and the \

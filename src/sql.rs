@@ -608,12 +608,15 @@ impl Statements {
             // On a partitioned table its partitions are no longer quiet (migration 0016):
             // producers' looks read them again. The rows are read in the same snapshot as
             // the update's, so every partition it makes a row pending in is among them.
-            // (Closed partitions only: the open one is never quiet, and a redrive that
-            // began before its cut holds settling back, as any transaction then does.)
+            // Closed partitions not settled only: the open one is never quiet (a redrive
+            // whose snapshot predates its cut is among the transactions the upkeep waits
+            // for), nor is one that holds a dead letter ever settled. Not only the quiet
+            // ones: the update locks each, and the upkeep, which locks a partition before
+            // it reads its rows, must wait for this transaction or be waited for.
             redrive_partitioned: values.render(&redrive(&format!(
                 "unquiet AS (
                    UPDATE {{partitions}} p SET quiet_at = NULL
-                   WHERE p.closed_at IS NOT NULL
+                   WHERE p.closed_at IS NOT NULL AND p.settled_at IS NULL
                      AND p.n IN (SELECT DISTINCT t.id >> {{id_bits}} FROM {{table}} t
                                  WHERE {REDRIVEN})),"
             )))?,
@@ -1741,8 +1744,8 @@ mod tests {
             ),
             (
                 "0016_past_kept_partitions",
-                0xaee2654977f78411,
-                0xbece0a27173fb7e5,
+                0x25105a1091b45b53,
+                0xb6a8745f229899e0,
             ),
         ];
         let fnv = |text: &str| {

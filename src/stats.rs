@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use postgres::{Client, Row};
+use postgres::{Client, GenericClient, IsolationLevel, Row};
 
 use crate::clock::seconds;
 use crate::error::{Error, Result};
@@ -96,10 +96,18 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let (from, pending_from) = self.backlog_from(client)?;
-        let rows = client
+        // One snapshot for the bounds and the counts: a redrive committed in between moves
+        // the second bound back, before rows the counts would then miss.
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()?;
+        let (from, pending_from) = self.backlog_from(&mut tx)?;
+        let rows = tx
             .query(&self.statements().stats, &[&from, &pending_from])
             .map_err(|e| self.db_error(e))?;
+        tx.commit()?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
             .map_err(Error::Db)
@@ -152,7 +160,7 @@ impl Outbox {
     /// settled (migration 0013) and of the oldest not quiet (migration 0016). Statements
     /// planned with them leave the partitions before them out, however many days retention
     /// keeps, and a dead letter kept costs only the read of the dead letters.
-    fn backlog_from(&self, client: &mut Client) -> Result<(i64, i64)> {
+    fn backlog_from(&self, client: &mut impl GenericClient) -> Result<(i64, i64)> {
         if !self.partitioned(client)? {
             return Ok((0, 0));
         }
