@@ -31,7 +31,7 @@ UPDATE {partitions} SET quiet_at = settled_at WHERE settled_at IS NOT NULL;
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
-    k bigint;
+    q {partitions};
     p {partitions};
     part text;
     waiting boolean;
@@ -51,31 +51,39 @@ BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN;
     END IF;
+    -- One caller at a time, as for the rest of the upkeep (a relay calls this beside
+    -- {partition_fn}, which takes the same lock), and never beside a retire.
+    IF NOT pg_try_advisory_xact_lock({partition_lock}) THEN
+        RETURN;
+    END IF;
     -- Written down by a transaction that sees the cut committed, never by the one that
-    -- made it: a redrive whose snapshot predates the cut sees the partition open, marks it
-    -- nothing, and must be among the transactions waited for. (A cut's own transaction
-    -- writes them down at its next call.) A row another call holds is left to it.
+    -- made it (its row's version is not its own, and the cut came before it began): a
+    -- redrive whose snapshot predates the cut sees the partition open, marks it nothing,
+    -- and must be among the transactions waited for. This one, which writes no row of the
+    -- outbox, is not. A row a redrive holds is left to it.
     PERFORM set_config('lock_timeout', '500ms', true);
     UPDATE {partitions} SET cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
-                                              WHERE locktype = 'virtualxid')
+                                              WHERE locktype = 'virtualxid'
+                                                AND pid IS DISTINCT FROM pg_backend_pid())
     WHERE n IN (SELECT n FROM {partitions}
                 WHERE closed_at IS NOT NULL AND settled_at IS NULL AND cut_vxids IS NULL
+                  AND closed_at < transaction_timestamp()
                   AND xmin IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
                 FOR UPDATE SKIP LOCKED);
     -- The transactions first, then the prepared ones: PREPARE lists a transaction as
     -- prepared before it lets its virtual one go. A partition locked against reads, or
     -- dropped by hand meanwhile, waits for the next call; the ones before it stay settled.
-    FOR k IN SELECT n FROM {partitions}
+    FOR q IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
+        CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling;
         -- Locked before its rows are read, and written only under the lock: a redrive
         -- that makes a row of it pending holds this lock until it commits (the partition
         -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
         -- what such a redrive committed, while one still to come waits for this
         -- transaction, then marks the partition not quiet.
-        SELECT * INTO p FROM {partitions} WHERE n = k FOR UPDATE SKIP LOCKED;
+        SELECT * INTO p FROM {partitions} WHERE n = q.n FOR UPDATE SKIP LOCKED;
         EXIT WHEN NOT FOUND;
         CONTINUE WHEN p.settled_at IS NOT NULL;
-        CONTINUE WHEN p.quiet_at IS NOT NULL AND NOT settling;
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
         waiting := false;
         kept := false;

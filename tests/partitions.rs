@@ -965,7 +965,7 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> (i64, i
     let scans = |tx: &mut postgres::Transaction| -> (i64, i64) {
         let rows = tx
             .query(
-                "SELECT pg_stat_get_xact_numscans(to_regclass($1 || n))
+                "SELECT coalesce(pg_stat_get_xact_numscans(to_regclass($1 || n)), 0)
                         + coalesce((SELECT sum(pg_stat_get_xact_numscans(i.indexrelid))
                                     FROM pg_index i
                                     WHERE i.indrelid = to_regclass($1 || n)
