@@ -1065,12 +1065,12 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         for outbox in [&partitioned, &plain] {
             prefill(&mut client, outbox, 200)?;
         }
-        let mut line = Line::new("partitions").kv("count", count);
-        for (name, outbox) in [("", &partitioned), ("plain_", &plain)] {
-            outbox.stats(&mut client)?;
+        // The mean of a `stats()` and of a single enqueue.
+        let stats_and_enqueue = |client: &mut Client, outbox: &Outbox| -> Result<_> {
+            outbox.stats(client)?;
             let started = Instant::now();
             for _ in 0..STATS_CALLS {
-                outbox.stats(&mut client)?;
+                outbox.stats(client)?;
             }
             let stats = started.elapsed() / STATS_CALLS;
             let started = Instant::now();
@@ -1079,7 +1079,11 @@ fn partitions(scratch: &Scratch) -> Result<()> {
                 outbox.enqueue(&mut tx, event(i64::from(i)))?;
                 tx.commit()?;
             }
-            let enqueue = started.elapsed() / ENQUEUES;
+            Ok((stats, started.elapsed() / ENQUEUES))
+        };
+        let mut line = Line::new("partitions").kv("count", count);
+        for (name, outbox) in [("", &partitioned), ("plain_", &plain)] {
+            let (stats, enqueue) = stats_and_enqueue(&mut client, outbox)?;
             let started = Instant::now();
             for i in 0..BATCHES {
                 let mut tx = client.transaction()?;
@@ -1103,18 +1107,7 @@ fn partitions(scratch: &Scratch) -> Result<()> {
              WHERE n = (SELECT min(n) FROM {t}_partitions)"
         ))?;
         upkeep(&mut client, false)?;
-        let started = Instant::now();
-        for _ in 0..STATS_CALLS {
-            partitioned.stats(&mut client)?;
-        }
-        let stats = started.elapsed() / STATS_CALLS;
-        let started = Instant::now();
-        for i in 0..ENQUEUES {
-            let mut tx = client.transaction()?;
-            partitioned.enqueue(&mut tx, event(i64::from(i)))?;
-            tx.commit()?;
-        }
-        let enqueue = started.elapsed() / ENQUEUES;
+        let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
         client.batch_execute(&format!(
             "DELETE FROM {t} WHERE status = 'dead'; {}",
             sent.replace("{}", t)

@@ -128,6 +128,16 @@ fn message(key: &str) -> Message {
     Message::new("t", b"{}".to_vec()).key(key)
 }
 
+/// A relay that publishes every row but `key`'s, which it refuses for good.
+fn refusing(outbox: &Outbox, key: &'static str) -> postgres_outbox::RelayConfig {
+    relay_config(outbox, move |record| {
+        if record.key == key {
+            return Err(postgres_outbox::PublishError::permanent("refused"));
+        }
+        Ok(())
+    })
+}
+
 /// Sends every due row through a relay that publishes into `published`.
 fn send_all(outbox: &Outbox) -> Sink {
     let published = Sink::default();
@@ -485,12 +495,7 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
         "{problem}"
     );
 
-    let config = relay_config(&outbox, |record| {
-        if record.key == "doomed" {
-            return Err(postgres_outbox::PublishError::permanent("refused"));
-        }
-        Ok(())
-    });
+    let config = refusing(&outbox, "doomed");
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
     upkeep(&mut client, &outbox, false);
     assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
@@ -1005,12 +1010,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     enqueue(&mut client, &outbox, of("doomed", "a").max_attempts(1)).unwrap();
     enqueue(&mut client, &outbox, of("fine", "b")).unwrap();
     cut(&mut client, &outbox);
-    let config = relay_config(&outbox, |record| {
-        if record.key == "doomed" {
-            return Err(postgres_outbox::PublishError::permanent("refused"));
-        }
-        Ok(())
-    });
+    let config = refusing(&outbox, "doomed");
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
     // Once no transaction that ran at the cut (other tests' too) is left.
     wait_until("partition 0 is quiet", || {
@@ -1062,12 +1062,7 @@ fn a_parked_message_keeps_its_partition_in_producers_looks() {
     let stuck = of("stuck").max_attempts(1).park_on_dead(true);
     enqueue(&mut client, &outbox, stuck).unwrap();
     cut(&mut client, &outbox);
-    let config = relay_config(&outbox, |record| {
-        if record.key == "stuck" {
-            return Err(postgres_outbox::PublishError::permanent("refused"));
-        }
-        Ok(())
-    });
+    let config = refusing(&outbox, "stuck");
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
     // Once the transactions the cut wrote down have ended, only the parked row holds it.
     let ended = format!(
