@@ -643,16 +643,16 @@ impl Statements {
                      FROM {{table}} o WHERE {READY_ROWS}"
                 ),
             )?,
-            // Pending rows through their two partial indexes, dead ones through the done
-            // index: sent rows, however many, are never read.
+            // Pending rows through their two partial indexes (from $2), dead ones through
+            // the done index (from $1): sent rows, however many, are never read.
             topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
                    SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NULL AND id >= $1
+                   WHERE status = 'pending' AND aggregate_key IS NULL AND id >= $2
                    GROUP BY topic
                    UNION ALL
                    SELECT topic, count(*), 0 FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND id >= $1
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND id >= $2
                    GROUP BY topic
                    UNION ALL
                    SELECT topic, 0, count(*) FROM {table}

@@ -96,18 +96,7 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        // One snapshot for the bounds and the counts: a redrive committed in between moves
-        // the second bound back, before rows the counts would then miss.
-        let mut tx = client
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()?;
-        let (from, pending_from) = self.backlog_from(&mut tx)?;
-        let rows = tx
-            .query(&self.statements().stats, &[&from, &pending_from])
-            .map_err(|e| self.db_error(e))?;
-        tx.commit()?;
+        let rows = self.read_backlog(client, &self.statements().stats)?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
             .map_err(Error::Db)
@@ -139,12 +128,10 @@ impl Outbox {
     }
 
     /// Pending and dead rows per topic, from the claim and dead-letter indexes (sent rows
-    /// are not read, nor are a partitioned table's settled partitions).
+    /// are not read, nor are a partitioned table's settled partitions, nor its quiet ones
+    /// but for their dead letters).
     pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
-        let (from, _) = self.backlog_from(client)?;
-        let rows = client
-            .query(&self.statements().topic_stats, &[&from])
-            .map_err(|e| self.db_error(e))?;
+        let rows = self.read_backlog(client, &self.statements().topic_stats)?;
         Ok(rows
             .iter()
             .map(|row| TopicStats {
@@ -153,6 +140,23 @@ impl Outbox {
                 dead: count(row, 2),
             })
             .collect())
+    }
+
+    /// Runs `query`, which reads dead letters from the id `$1` on and the rest from `$2` on
+    /// (`backlog_from`), in one snapshot with its bounds: a redrive committed in between
+    /// moves the second bound back, before rows the counts would then miss.
+    fn read_backlog(&self, client: &mut Client, query: &str) -> Result<Vec<Row>> {
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()?;
+        let (from, pending_from) = self.backlog_from(&mut tx)?;
+        let rows = tx
+            .query(query, &[&from, &pending_from])
+            .map_err(|e| self.db_error(e))?;
+        tx.commit()?;
+        Ok(rows)
     }
 
     /// The first id that may hold a backlog or a dead letter, and the first that may hold a

@@ -1024,6 +1024,12 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     // stats() still counts the dead letter there (and agrees with stats_exact()).
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.dead, stats.pending, stats.sent), (1, 1, 1));
+    let topics = outbox.topic_stats(&mut client).unwrap();
+    let by_topic: Vec<_> = topics
+        .iter()
+        .map(|t| (t.topic.as_str(), t.pending, t.dead))
+        .collect();
+    assert_eq!(by_topic, [("t", 1, 1)]);
     closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(
