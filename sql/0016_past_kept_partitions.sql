@@ -83,7 +83,6 @@ BEGIN
         -- transaction, then marks the partition not quiet.
         SELECT * INTO p FROM {partitions} WHERE n = q.n FOR UPDATE SKIP LOCKED;
         EXIT WHEN NOT FOUND;
-        CONTINUE WHEN p.settled_at IS NOT NULL;
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
         waiting := false;
         kept := false;

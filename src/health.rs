@@ -597,40 +597,34 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     if let Some((partition, held_back)) = held {
         let closed = partition.closed.unwrap_or_default();
         if closed > partition.every {
-            let after = health
-                .partitions
-                .iter()
-                .filter(|p| p.number > partition.number && p.exists)
-                .count();
+            // The partitions a read from partition `n` on goes through after it.
+            let after = |n: i64| {
+                let after = health.partitions.iter();
+                after.filter(|p| p.number > n && p.exists).count()
+            };
             let retention = "retention keeps it whole, its sent rows with it, and ";
             // Dead letters alone leave it quiet: only stats() still reads it, for them, and
             // enqueues read from the first closed partition not quiet, if any.
-            let reads = if partition.quiet {
-                let stats = format!(
-                    "each stats() reads the dead letters of it and of the {after} partitions \
-                     after it"
-                );
-                let looked = health.partitions.iter().find(|p| {
-                    p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
-                });
-                match looked {
-                    Some(looked) => format!(
-                        "{stats}, and each enqueue with an aggregate key reads partition {} \
-                         and the {} after it",
-                        looked.number,
-                        health
-                            .partitions
-                            .iter()
-                            .filter(|p| p.number > looked.number && p.exists)
-                            .count()
-                    ),
-                    None => stats,
-                }
-            } else {
-                format!(
-                    "each enqueue with an aggregate key and each stats() reads it and the \
-                     {after} partitions after it"
-                )
+            let looked = health.partitions.iter().find(|p| {
+                p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
+            });
+            let reads = match (partition.quiet, looked) {
+                (false, _) => format!(
+                    "each enqueue with an aggregate key and each stats() reads it and the {} \
+                     partitions after it",
+                    after(partition.number)
+                ),
+                (true, looked) => format!(
+                    "each stats() reads the dead letters of it and of the {} partitions after \
+                     it{}",
+                    after(partition.number),
+                    looked.map_or_else(String::new, |p| format!(
+                        ", and each enqueue with an aggregate key reads partition {} and the {} \
+                         after it",
+                        p.number,
+                        after(p.number)
+                    ))
+                ),
             };
             let (why, retention, remedy) = match held_back {
                 HeldBack::Kept(kept) => (

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use postgres::{Client, GenericClient, IsolationLevel, Row};
+use postgres::{Client, IsolationLevel, Row};
 
 use crate::clock::seconds;
 use crate::error::{Error, Result};
@@ -142,36 +142,32 @@ impl Outbox {
             .collect())
     }
 
-    /// Runs `query`, which reads dead letters from the id `$1` on and the rest from `$2` on
-    /// (`backlog_from`), in one snapshot with its bounds: a redrive committed in between
+    /// Runs `query`, which reads dead letters from the id `$1` on and the rest from `$2` on:
+    /// on a partitioned table, the first ids of the oldest partition not settled (migration
+    /// 0013) and of the oldest not quiet (migration 0016), so that its plan leaves the
+    /// partitions before them out, however many days retention keeps; on a plain one, 0.
+    /// The bounds and the counts are read in one snapshot: a redrive committed in between
     /// moves the second bound back, before rows the counts would then miss.
     fn read_backlog(&self, client: &mut Client, query: &str) -> Result<Vec<Row>> {
+        if !self.partitioned(client)? {
+            return client
+                .query(query, &[&0_i64, &0_i64])
+                .map_err(|e| self.db_error(e));
+        }
         let mut tx = client
             .build_transaction()
             .isolation_level(IsolationLevel::RepeatableRead)
             .read_only(true)
             .start()?;
-        let (from, pending_from) = self.backlog_from(&mut tx)?;
+        let bounds = tx
+            .query_one(&self.statements().backlog_from, &[])
+            .map_err(|e| self.db_error(e))?;
+        let (from, pending_from): (i64, i64) = (bounds.get(0), bounds.get(1));
         let rows = tx
             .query(query, &[&from, &pending_from])
             .map_err(|e| self.db_error(e))?;
         tx.commit()?;
         Ok(rows)
-    }
-
-    /// The first id that may hold a backlog or a dead letter, and the first that may hold a
-    /// pending or parked row: on a partitioned table, the first of the oldest partition not
-    /// settled (migration 0013) and of the oldest not quiet (migration 0016). Statements
-    /// planned with them leave the partitions before them out, however many days retention
-    /// keeps, and a dead letter kept costs only the read of the dead letters.
-    fn backlog_from(&self, client: &mut impl GenericClient) -> Result<(i64, i64)> {
-        if !self.partitioned(client)? {
-            return Ok((0, 0));
-        }
-        let row = client
-            .query_one(&self.statements().backlog_from, &[])
-            .map_err(|e| self.db_error(e))?;
-        Ok((row.get(0), row.get(1)))
     }
 }
 
