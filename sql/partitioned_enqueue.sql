@@ -107,7 +107,7 @@ BEGIN
         IF new_id IS NULL THEN
             RETURN false;
         END IF;
-        IF new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+        IF new_id >> {id_bits} > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
             RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
                 USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
         END IF;
@@ -134,7 +134,7 @@ BEGIN
         END IF;
         -- SERIALIZABLE: a key written in another partition is no conflict its checks see.
         IF current_setting('transaction_isolation') <> 'read committed'
-           AND new_id >> 40 > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
+           AND new_id >> {id_bits} > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
             RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
                 USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';
         END IF;
@@ -221,7 +221,7 @@ BEGIN
         RETURN (SELECT array_agg(k ORDER BY k) FROM unnest(p_keys) AS k);
     END;
     IF current_setting('transaction_isolation') <> 'read committed'
-       AND (SELECT max(i) FROM unnest(inserted) AS i) >> 40
+       AND (SELECT max(i) FROM unnest(inserted) AS i) >> {id_bits}
            > (SELECT max(n) FROM {partitions} WHERE opened_at IS NOT NULL) THEN
         RAISE EXCEPTION 'outbox {name}: a partition cut came after this transaction''s snapshot'
             USING ERRCODE = 'serialization_failure', HINT = 'Run the transaction again.';

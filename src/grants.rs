@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::sql;
-use crate::table::MAX_IDENT;
+use crate::table;
 
 /// A side of an outbox, for [`Outbox::grants`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,34 +48,11 @@ impl Outbox {
     /// # }
     /// ```
     pub fn grants(&self, access: Access, role: &str) -> Result<String> {
-        if role.is_empty() {
-            return Err(Error::invalid("role", "must not be empty"));
-        }
-        if role.len() > MAX_IDENT {
-            return Err(Error::invalid(
-                "role",
-                format!("is longer than {MAX_IDENT} bytes"),
-            ));
-        }
-        if !role
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_-.@".contains(c))
-        {
-            return Err(Error::invalid(
-                "role",
-                "may hold only ASCII letters, digits and _ - . @",
-            ));
-        }
-        if role == "public" {
-            return Err(Error::invalid(
-                "role",
-                "public is every role: name the role to grant to",
-            ));
-        }
+        table::check_role(role).map_err(|why| Error::invalid("role", why))?;
         Ok(sql::grants(
             self.statements().table(),
             access,
-            &format!("\"{role}\""),
+            &table::quote(role),
         ))
     }
 }

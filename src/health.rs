@@ -11,6 +11,7 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
+use postgres::error::SqlState;
 use postgres::Client;
 
 use crate::clock::seconds;
@@ -693,7 +694,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 outbox.table(),
                 first.pid
             ),
-            if error.contains("permission denied") {
+            if error.starts_with(&format!("[{}]", SqlState::INSUFFICIENT_PRIVILEGE.code())) {
                 run_upkeep(outbox)
             } else {
                 "see the relay's log; it tries again at its next report, every few seconds"

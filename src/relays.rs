@@ -60,7 +60,8 @@ pub struct RelayReport {
     /// Rows it published since it started.
     pub published: u64,
     /// Why its last upkeep of a partitioned table's partitions failed (a role not granted
-    /// it, say; see the README's "Roles and grants"); none once one works.
+    /// it, say; see the README's "Roles and grants"): the server's SQLSTATE in brackets,
+    /// then the error's text; none once one works.
     pub upkeep_error: Option<String>,
 }
 

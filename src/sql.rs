@@ -526,7 +526,7 @@ impl Statements {
                    WHERE NOT EXISTS (SELECT FROM pg_index x
                                      JOIN pg_class t ON t.oid = x.indrelid
                                      JOIN {partitions} p ON t.relname = {name_text} || p.n
-                                     WHERE x.indexrelid = l.leaf AND p.n < $2 >> 40)
+                                     WHERE x.indexrelid = l.leaf AND p.n < $2 >> {id_bits})
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
@@ -630,7 +630,7 @@ impl Statements {
                      ORDER BY t.status, t.done_at LIMIT {purge_batch}
                      FOR UPDATE SKIP LOCKED)
                    RETURNING status, id),
-                 c AS (SELECT id >> 40 AS part, count(*) FILTER (WHERE status = 'sent') AS sent
+                 c AS (SELECT id >> {id_bits} AS part, count(*) FILTER (WHERE status = 'sent') AS sent
                        FROM gone GROUP BY 1),
                  bump AS (UPDATE {counts} k SET sent = k.sent - c.sent FROM c
                           WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0)
@@ -766,7 +766,7 @@ impl Statements {
                    RETURNING t.status, t.id),
                  -- Counted by partition (migration 0012; all are partition 0 on a plain
                  -- table), so a partition dropped is taken off the count without a count.
-                 c AS (SELECT id >> 40 AS part, count(*) AS n,
+                 c AS (SELECT id >> {id_bits} AS part, count(*) AS n,
                               count(*) FILTER (WHERE status = 'sent') AS sent
                        FROM upd GROUP BY 1),
                  bump AS (UPDATE {counts} k SET sent = k.sent + c.sent FROM c
@@ -1397,6 +1397,7 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
                 ],
             )?,
         ),
+        ("id_bits", PARTITION_ID_BITS.to_string()),
     ]);
     Ok(vars)
 }
@@ -1458,17 +1459,11 @@ pub(crate) fn grants(table: &TableName, access: Access, role: &str) -> String {
 }
 
 fn render_grants(table: &TableName, access: Access, role: &str) -> Result<String, RenderError> {
-    let schema = render(
-        GRANT_SCHEMA,
-        &[("table_text", &table.quoted()), ("role", role)],
-    )?;
-    let vars = objects(table);
-    let mut used: Vec<(&str, &str)> = borrowed(&vars)
-        .into_iter()
-        .filter(|(name, _)| grant_template(access).contains(&format!("{{{name}}}")))
-        .collect();
-    used.push(("role", role));
-    Ok(schema + &render(grant_template(access), &used)?)
+    let mut vars = objects(table);
+    vars.extend([("table_text", table.quoted()), ("role", role.to_owned())]);
+    // Each side's template names some of the table's objects, not all: no `finish`.
+    let mut values = Values::new(&borrowed(&vars))?;
+    Ok(values.render(GRANT_SCHEMA)? + &values.render(grant_template(access))?)
 }
 
 /// Session settings of a relay worker's connection (see `relay/worker.rs` for why each).
@@ -1682,6 +1677,26 @@ mod tests {
             .find(|migration| migration.name == "0012_partitions")
             .expect("migration 12");
         assert_eq!(partitions.template.matches(&width).count(), 2);
+        // Every later function that spells a width out spells this one.
+        for migration in MIGRATIONS {
+            let spelled = migration
+                .template
+                .matches("width constant bigint :=")
+                .count();
+            assert_eq!(
+                migration.template.matches(&width).count(),
+                spelled,
+                "{}",
+                migration.name
+            );
+        }
+        assert_eq!(
+            MIGRATIONS
+                .iter()
+                .map(|migration| migration.template.matches(&width).count())
+                .sum::<usize>(),
+            3
+        );
     }
 
     /// A migration that has shipped runs again nowhere (`<table>_migrations` records it by

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).
-pub(crate) const MAX_IDENT: usize = 63;
+const MAX_IDENT: usize = 63;
 
 /// The suffixes of the companion objects; the longest must still fit after the table name.
 const SUFFIXES: &[&str] = &[
@@ -169,18 +169,41 @@ impl TableName {
     }
 }
 
-/// Quotes an identifier that `check_ident` accepted (so it holds no quote to escape).
+/// Quotes an identifier that `check_ident` or `check_role` accepted (so it holds no quote
+/// to escape).
 pub(crate) fn quote(ident: &str) -> String {
     format!("\"{ident}\"")
 }
 
-fn check_ident(ident: &str) -> std::result::Result<(), String> {
-    if ident.is_empty() {
+/// A name PostgreSQL keeps whole: not empty, at most `MAX_IDENT` bytes.
+fn check_length(name: &str) -> std::result::Result<(), String> {
+    if name.is_empty() {
         return Err("name is empty".into());
     }
-    if ident.len() > MAX_IDENT {
+    if name.len() > MAX_IDENT {
         return Err(format!("name is longer than {MAX_IDENT} bytes"));
     }
+    Ok(())
+}
+
+/// A role's name `Outbox::grants` may put between quotes and into a DO block's text: ASCII
+/// letters, digits and `_ - . @` (which cover cloud IAM user names), never `public`.
+pub(crate) fn check_role(role: &str) -> std::result::Result<(), String> {
+    check_length(role)?;
+    if !role
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "_-.@".contains(c))
+    {
+        return Err("name may hold only ASCII letters, digits and _ - . @".into());
+    }
+    if role == "public" {
+        return Err("public is every role: name the role to grant to".into());
+    }
+    Ok(())
+}
+
+fn check_ident(ident: &str) -> std::result::Result<(), String> {
+    check_length(ident)?;
     let mut chars = ident.chars();
     let first_ok = chars
         .next()

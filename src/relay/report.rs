@@ -146,7 +146,12 @@ impl Report {
                         sql.table().as_str()
                     );
                 }
-                Some(e.to_string())
+                // With its SQLSTATE, which `doctor` reads the cause from: the text is in
+                // the server's language.
+                Some(match e.code() {
+                    Some(code) => format!("[{}] {e}", code.code()),
+                    None => e.to_string(),
+                })
             }
         }
     }
