@@ -1061,7 +1061,9 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
         .filter(|k| ["doomed", "a2"].contains(&k.as_str()))
         .collect();
     assert_eq!(a, ["doomed", "a2"]);
+    // Once the transactions from before the second cut (other tests' too) have ended.
     wait_settled(&mut client, &outbox, 0);
+    wait_settled(&mut client, &outbox, 1);
     // Partitions 0 and 1 settled; the look reads the open one, 2, alone.
     let looks = looks_into(&mut client, &outbox, of("c3", "c"));
     assert!(looks[0] == 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
