@@ -604,8 +604,9 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 after.filter(|p| p.number > n && p.exists).count()
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
-            // Dead letters alone leave it quiet: only stats() still reads it, for them, and
-            // enqueues read from the first closed partition not quiet, if any.
+            // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
+            // topic_stats() still reads it for them, and enqueues read from the first
+            // closed partition not quiet, if any.
             let looked = health.partitions.iter().find(|p| {
                 p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
             });
@@ -616,8 +617,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     after(partition.number)
                 ),
                 (true, looked) => format!(
-                    "each stats() reads the dead letters of it and of the {} partitions after \
-                     it{}",
+                    "each topic_stats() reads the dead letters of it and of the {} partitions \
+                     after it{}",
                     after(partition.number),
                     looked.map_or_else(String::new, |p| format!(
                         ", and each enqueue with an aggregate key reads partition {} and the {} \

@@ -111,6 +111,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0017_looks_from_quiet_partitions",
         template: include_str!("../sql/0017_looks_from_quiet_partitions.sql"),
     },
+    Migration {
+        version: 18,
+        name: "0018_counted_dead_letters",
+        template: include_str!("../sql/0018_counted_dead_letters.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -274,9 +279,10 @@ pub(crate) struct Statements {
     pub(crate) notify_if_waiting: String,
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
-    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): dead
-    /// letters from the id in `$1` on, the rest from the id in `$2` on (`backlog_from`; 0
-    /// on a plain table): partitions before them are left out of the plan.
+    /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): every
+    /// row from the id in `$2` on (`backlog_from`; 0 on a plain table), so that partitions
+    /// before it are left out of the plan, and the dead letters counted in the quiet ones
+    /// from `$1` to it.
     pub(crate) stats: String,
     /// The first ids `stats` and `topic_stats` read on a partitioned table: of the oldest
     /// partition not settled (migration 0013), whose rows may still be pending, parked or
@@ -535,10 +541,15 @@ impl Statements {
                         (SELECT rows FROM sizes WHERE name = 'ready'),
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
-                 FROM (SELECT count(*) AS total,
+                 -- Dead letters: read from $2 on, counted before it (migration 0018).
+                 FROM (SELECT count(*) + (SELECT coalesce(sum(q.dead), 0)::bigint
+                                          FROM {partitions} q
+                                          WHERE q.quiet_at IS NOT NULL
+                                            AND q.n >= $1::bigint >> {id_bits}
+                                            AND q.n < $2::bigint >> {id_bits}) AS total,
                               count(*) FILTER (WHERE status = 'parked'
                                                  AND aggregate_key IS NOT NULL) AS parked
-                       FROM {table} WHERE status IN ('dead', 'parked') AND id >= $1) AS dead
+                       FROM {table} WHERE status IN ('dead', 'parked') AND id >= $2) AS dead
                       LEFT JOIN parts p ON true"
             )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
@@ -615,7 +626,7 @@ impl Statements {
             // it reads its rows, must wait for this transaction or be waited for.
             redrive_partitioned: values.render(&redrive(&format!(
                 "unquiet AS (
-                   UPDATE {{partitions}} p SET quiet_at = NULL
+                   UPDATE {{partitions}} p SET quiet_at = NULL, dead = NULL
                    WHERE p.closed_at IS NOT NULL AND p.settled_at IS NULL
                      AND p.n IN (SELECT DISTINCT t.id >> {{id_bits}} FROM {{table}} t
                                  WHERE {REDRIVEN})),"
@@ -630,10 +641,17 @@ impl Statements {
                      ORDER BY t.status, t.done_at LIMIT {purge_batch}
                      FOR UPDATE SKIP LOCKED)
                    RETURNING status, id),
-                 c AS (SELECT id >> {id_bits} AS part, count(*) FILTER (WHERE status = 'sent') AS sent
+                 c AS (SELECT id >> {id_bits} AS part, count(*) FILTER (WHERE status = 'sent') AS sent,
+                              count(*) FILTER (WHERE status <> 'sent') AS dead
                        FROM gone GROUP BY 1),
                  bump AS (UPDATE {counts} k SET sent = k.sent - c.sent FROM c
-                          WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0)
+                          WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0),
+                 -- A partitioned table's count of a quiet partition's dead letters
+                 -- (migration 0018). Each partition it deletes dead letters from is locked,
+                 -- quiet or not: the upkeep, which locks one before it counts it, counts
+                 -- after this commits, or this waits for its count.
+                 kept AS (UPDATE {partitions} p SET dead = p.dead - c.dead FROM c
+                          WHERE p.n = c.part AND c.dead > 0)
                  SELECT count(*) FROM gone"
             )?,
             // The first entry of the ready index: the oldest row a relay could take as it is.

@@ -82,7 +82,9 @@ impl Outbox {
     /// past 2,000 of them an aggregate stuck for long whose key sorts late is missed, as is
     /// a row retried long past its creation behind 2,000 later ones.
     /// `sent` (a counter), `dead` and `parked` are always exact (these two read the
-    /// dead-letter index: their cost grows with the dead letters kept, not the backlog).
+    /// dead-letter index: their cost grows with the dead letters kept, not the backlog; on
+    /// a partitioned outbox, those of closed partitions with nothing else left to send are
+    /// counted once, by the relays' upkeep, and not read again).
     ///
     /// [`stats_exact`](Outbox::stats_exact) reads every pending row instead.
     ///
@@ -142,10 +144,11 @@ impl Outbox {
             .collect())
     }
 
-    /// Runs `query`, which reads dead letters from the id `$1` on and the rest from `$2` on:
-    /// on a partitioned table, the first ids of the oldest partition not settled (migration
-    /// 0013) and of the oldest not quiet (migration 0016), so that its plan leaves the
-    /// partitions before them out, however many days retention keeps; on a plain one, 0.
+    /// Runs `query`, which reads dead letters from the id `$1` on (or counts those before
+    /// `$2`, see `Statements::stats`) and the rest from `$2` on: on a partitioned table, the
+    /// first ids of the oldest partition not settled (migration 0013) and of the oldest not
+    /// quiet (migration 0016), so that its plan leaves the partitions before them out,
+    /// however many days retention keeps; on a plain one, 0.
     /// The bounds and the counts are read in one snapshot: a redrive committed in between
     /// moves the second bound back, before rows the counts would then miss.
     fn read_backlog(&self, client: &mut Client, query: &str) -> Result<Vec<Row>> {

@@ -128,10 +128,11 @@ fn message(key: &str) -> Message {
     Message::new("t", b"{}".to_vec()).key(key)
 }
 
-/// A relay that publishes every row but `key`'s, which it refuses for good.
+/// A relay that publishes every row but those whose key starts with `key`, which it refuses
+/// for good.
 fn refusing(outbox: &Outbox, key: &'static str) -> postgres_outbox::RelayConfig {
     relay_config(outbox, move |record| {
-        if record.key == key {
+        if record.key.starts_with(key) {
             return Err(postgres_outbox::PublishError::permanent("refused"));
         }
         Ok(())
@@ -999,9 +1000,18 @@ fn is_quiet(client: &mut Client, outbox: &Outbox, n: i64) -> bool {
     client.query_one(&sql, &[&n]).expect("the partition").get(0)
 }
 
+/// Waits until partition `n` is quiet: until no transaction that ran at its cut (other
+/// tests' too) is left.
+fn wait_quiet(client: &mut Client, outbox: &Outbox, n: i64) {
+    wait_until(&format!("partition {n} is quiet"), || {
+        upkeep(client, outbox, false);
+        is_quiet(client, outbox, n)
+    });
+}
+
 /// A dead letter kept in a closed partition keeps it from settling, but the partition is
 /// quiet: producers' looks for their aggregates' pending messages leave it out (as they
-/// leave out settled ones), and only `stats()` still reads it. A redrive makes it part of
+/// leave out settled ones), and only `topic_stats()` still reads it. A redrive makes it part of
 /// the looks again before its row is pending, so the aggregate's order holds.
 #[test]
 fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
@@ -1012,16 +1022,12 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     cut(&mut client, &outbox);
     let config = refusing(&outbox, "doomed");
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
-    // Once no transaction that ran at the cut (other tests' too) is left.
-    wait_until("partition 0 is quiet", || {
-        upkeep(&mut client, &outbox, false);
-        is_quiet(&mut client, &outbox, 0)
-    });
+    wait_quiet(&mut client, &outbox, 0);
     assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
     let [into_0, into_1, _] = looks_into(&mut client, &outbox, of("c2", "c"));
     // (A look may scan an index once for each value of the head flag.)
     assert!(into_0 == 0 && into_1 > 0, "{into_0} {into_1}");
-    // stats() still counts the dead letter there (and agrees with stats_exact()).
+    // stats() counts the dead letter there (and agrees with stats_exact()).
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.dead, stats.pending, stats.sent), (1, 1, 1));
     let topics = outbox.topic_stats(&mut client).unwrap();
@@ -1033,7 +1039,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(
-        problem.contains("each stats() reads the dead letters of it"),
+        problem.contains("each topic_stats() reads the dead letters of it"),
         "{problem}"
     );
     assert!(!problem.contains("each enqueue"), "{problem}");
@@ -1067,6 +1073,89 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     // Partitions 0 and 1 settled; the look reads the open one, 2, alone.
     let looks = looks_into(&mut client, &outbox, of("c3", "c"));
     assert!(looks[0] == 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
+}
+
+/// The dead letters partition `n` was counted to hold when it became quiet (migration 18).
+fn counted_dead(client: &mut Client, outbox: &Outbox, n: i64) -> Option<i64> {
+    let sql = format!(
+        "SELECT dead FROM {} WHERE n = $1",
+        quoted_with(outbox, "_partitions")
+    );
+    client.query_one(&sql, &[&n]).expect("the partition").get(0)
+}
+
+/// Makes `dead` dead letters (`doomed-1`, ...) and a sent row in partition 0, cuts, and
+/// waits until the partition is quiet.
+fn dead_letters_in_partition_0(client: &mut Client, outbox: &Outbox, dead: usize) {
+    for i in 1..=dead {
+        let doomed = message(&format!("doomed-{i}")).max_attempts(1);
+        enqueue(client, outbox, doomed).unwrap();
+    }
+    enqueue(client, outbox, message("fine")).unwrap();
+    cut(client, outbox);
+    let config = refusing(outbox, "doomed-");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), dead + 1);
+    wait_quiet(client, outbox, 0);
+}
+
+/// A partition quiet before migration 18 has its dead letters counted by the migration.
+#[test]
+fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
+    let (outbox, mut client) = partitioned("part_counted_upgrade");
+    dead_letters_in_partition_0(&mut client, &outbox, 2);
+    // As a table at migration 17 is.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {} DROP COLUMN dead; DELETE FROM {} WHERE version = 18",
+            quoted_with(&outbox, "_partitions"),
+            quoted_with(&outbox, "_migrations")
+        ))
+        .unwrap();
+    outbox.migrate(&mut client).unwrap();
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(2));
+    assert_eq!(common::stats(&outbox, &mut client).dead, 2);
+}
+
+/// The dead letters of a quiet partition are counted once, by the upkeep that marks it
+/// quiet, and `stats()` takes them from that count rather than reading the partition: a
+/// purge takes the letters it deletes off the count, and a redrive makes the partition not
+/// quiet, to be read until the upkeep counts it again.
+#[test]
+fn stats_counts_a_quiet_partitions_dead_letters_through_purges_and_redrives() {
+    let (outbox, mut client) = partitioned("part_counted");
+    dead_letters_in_partition_0(&mut client, &outbox, 3);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(3));
+    let dead = |client: &mut Client| common::stats(&outbox, client).dead;
+    assert_eq!(dead(&mut client), 3);
+
+    let purge = |client: &mut Client, key: &str| {
+        let letter = Rows::Dead.matching(Filter::new().key(key));
+        outbox.purge(client, letter).unwrap()
+    };
+    assert_eq!(purge(&mut client, "doomed-1"), 1);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(2));
+    assert_eq!(dead(&mut client), 2);
+
+    assert_eq!(
+        outbox
+            .redrive(&mut client, Filter::new().key("doomed-2"))
+            .unwrap(),
+        1
+    );
+    assert!(!is_quiet(&mut client, &outbox, 0));
+    assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.dead, stats.pending), (1, 1));
+    assert_eq!(send_all(&outbox).keys(), vec!["doomed-2".to_owned()]);
+    wait_quiet(&mut client, &outbox, 0);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(1));
+    assert_eq!(dead(&mut client), 1);
+
+    // Its last dead letter gone, it settles.
+    assert_eq!(purge(&mut client, "doomed-3"), 1);
+    wait_settled(&mut client, &outbox, 0);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(0));
+    assert_eq!(dead(&mut client), 0);
 }
 
 /// A parked message holds its aggregate's later messages back, so its partition stays in

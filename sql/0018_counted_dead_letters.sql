@@ -1,0 +1,156 @@
+-- A dead letter kept no longer costs `stats()` every partition after it.
+--
+-- `stats()` read dead letters from the oldest partition not settled, so one dead letter
+-- kept in an old partition had it plan and start an index scan of every partition since:
+-- 16-22 ms at 120 partitions against 6-7 with none kept. Yet the dead letters of a quiet
+-- partition change only by an operator's hand: no row of it is pending, so none can die
+-- there. A redrive marks the partition not quiet in the statement that makes its rows
+-- pending (migration 16), and a purge now takes what it deletes off the partition's count
+-- in the statement that deletes them. So the upkeep counts a partition's dead letters once,
+-- when it marks the partition quiet, and `stats()` reads dead letters from the first
+-- partition not quiet on, as it reads pending ones, and adds the counts of the quiet
+-- partitions before it.
+--
+-- `dead`: the dead letters of a quiet partition not settled, as the upkeep counted them and
+-- purges took them off since; 0 once settled; NULL while not quiet. A purge by a version
+-- older than this migration leaves the count too high, until the upkeep finds the
+-- partition's dead letters all gone and settles it (README, "Partitioned outboxes").
+ALTER TABLE {partitions} ADD COLUMN dead bigint;
+
+-- The partitions quiet already: counted now, under the upkeep's lock, so that no upkeep
+-- marks one quiet uncounted meanwhile (the ones after this migration count).
+DO $do$
+DECLARE
+    p record;
+    part text;
+    kept bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock({partition_lock});
+    FOR p IN SELECT n FROM {partitions}
+             WHERE quiet_at IS NOT NULL AND settled_at IS NULL ORDER BY n FOR UPDATE LOOP
+        part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+        kept := 0;
+        IF to_regclass(part) IS NOT NULL THEN
+            EXECUTE format('SELECT count(*) FROM %s WHERE status IN (''dead'', ''parked'')', part)
+            INTO kept;
+        END IF;
+        UPDATE {partitions} SET dead = kept WHERE n = p.n;
+    END LOOP;
+    UPDATE {partitions} SET dead = 0 WHERE settled_at IS NOT NULL;
+END
+$do$;
+
+-- The upkeep of migration 16, counting the dead letters of each partition it marks quiet.
+CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+DECLARE
+    q {partitions};
+    p {partitions};
+    part text;
+    waiting boolean;
+    kept boolean;
+    counted bigint;
+    settling boolean := true;
+    -- Pending or parked rows, through the claim's two partial indexes; dead or parked ones
+    -- through the done index.
+    probe constant text := 'SELECT EXISTS (SELECT 1 FROM %1$s WHERE status = ''pending''
+                                             AND (head OR aggregate_key IS NULL))
+                                OR EXISTS (SELECT 1 FROM %1$s
+                                           WHERE status IN (''pending'', ''parked'')
+                                             AND aggregate_key IS NOT NULL),
+                                EXISTS (SELECT 1 FROM %1$s WHERE status IN (''dead'', ''parked''))';
+BEGIN
+    -- The rows are read last, by a snapshot taken after the looks at the transactions: an
+    -- older one (REPEATABLE READ's) could miss the row of a producer that has just ended.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN;
+    END IF;
+    -- One caller at a time, as for the rest of the upkeep (a relay calls this beside
+    -- {partition_fn}, which takes the same lock), and never beside a retire.
+    IF NOT pg_try_advisory_xact_lock({partition_lock}) THEN
+        RETURN;
+    END IF;
+    -- Written down by a transaction that sees the cut committed, never by the one that
+    -- made it (its row's version is not its own, and the cut came before it began): a
+    -- redrive whose snapshot predates the cut sees the partition open, marks it nothing,
+    -- and must be among the transactions waited for. This one, which writes no row of the
+    -- outbox, is not. A row a redrive holds is left to it.
+    PERFORM set_config('lock_timeout', '500ms', true);
+    UPDATE {partitions} SET cut_vxids = ARRAY(SELECT virtualxid FROM pg_locks
+                                              WHERE locktype = 'virtualxid'
+                                                AND pid IS DISTINCT FROM pg_backend_pid())
+    WHERE n IN (SELECT n FROM {partitions}
+                WHERE closed_at IS NOT NULL AND settled_at IS NULL AND cut_vxids IS NULL
+                  AND closed_at < transaction_timestamp()
+                  AND xmin IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
+                FOR UPDATE SKIP LOCKED);
+    -- The transactions first, then the prepared ones: PREPARE lists a transaction as
+    -- prepared before it lets its virtual one go. A partition locked against reads, or
+    -- dropped by hand meanwhile, waits for the next call; the ones before it stay settled.
+    FOR q IN SELECT * FROM {partitions}
+             WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
+        CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling;
+        -- Locked before its rows are read, and written only under the lock: a redrive
+        -- that makes a row of it pending holds this lock until it commits (the partition
+        -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
+        -- what such a redrive committed, while one still to come waits for this
+        -- transaction, then marks the partition not quiet.
+        SELECT * INTO p FROM {partitions} WHERE n = q.n FOR UPDATE SKIP LOCKED;
+        EXIT WHEN NOT FOUND;
+        part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
+        waiting := false;
+        kept := false;
+        counted := 0;
+        IF to_regclass(part) IS NOT NULL THEN
+            -- A quiet partition passed these once, and only a redrive writes to it since.
+            IF p.quiet_at IS NULL THEN
+                EXIT WHEN p.cut_vxids IS NULL;
+                EXIT WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'virtualxid'
+                                                         AND virtualxid = ANY (p.cut_vxids));
+                EXIT WHEN EXISTS (SELECT FROM pg_prepared_xacts
+                                  WHERE database = current_database());
+            END IF;
+            BEGIN
+                EXECUTE format(probe, part) INTO waiting, kept;
+                -- Its dead letters, counted once, as it becomes quiet: from then on only
+                -- an operator changes them (see above). A purge that deletes some locks
+                -- this partition's row as well: one holding it now made this call stop
+                -- above, and one to come waits for this count, then takes its rows off.
+                IF kept AND NOT waiting AND p.quiet_at IS NULL THEN
+                    EXECUTE format('SELECT count(*) FROM %s WHERE status IN (''dead'', ''parked'')',
+                                   part)
+                    INTO counted;
+                END IF;
+            EXCEPTION WHEN lock_not_available OR undefined_table THEN
+                waiting := true;
+            END;
+            EXIT WHEN waiting;
+        END IF;
+        settling := settling AND NOT kept;
+        IF p.quiet_at IS NULL OR settling THEN
+            UPDATE {partitions}
+            SET quiet_at = coalesce(quiet_at, clock_timestamp()),
+                settled_at = CASE WHEN settling THEN clock_timestamp() END,
+                cut_vxids = CASE WHEN settling THEN NULL ELSE cut_vxids END,
+                dead = counted
+            WHERE n = p.n;
+        END IF;
+    END LOOP;
+END
+$fn$;
+
+-- CREATE OR REPLACE gives a function its settings anew (its grants stay): the search path
+-- of migration 15, decided the same way.
+DO $do$
+DECLARE
+    home name := (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.oid = '{table}'::regclass);
+    f regprocedure := '{settle_fn}()'::regprocedure;
+BEGIN
+    EXECUTE format('ALTER FUNCTION %s SET search_path = %s', f,
+                   CASE WHEN strpos((SELECT prosrc FROM pg_proc WHERE oid = f),
+                                    '"' || replace(home, '"', '""') || '".') > 0
+                        THEN 'pg_catalog, pg_temp'
+                        ELSE quote_ident(home) || ', pg_temp' END);
+END
+$do$;
