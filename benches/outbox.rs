@@ -1032,8 +1032,8 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// same rows. The rows of the partitions closed are marked sent in place, and the relay's
 /// upkeep run once before measuring, as a relay would have done. `kept_` is the
 /// partitioned table again with a dead letter kept in its oldest partition, which keeps
-/// that partition from settling, and so moves the bound `stats()` (and, before migration
-/// 16, each enqueue's look) reads from back to it.
+/// that partition from settling (before migration 18, `stats()` read every partition from
+/// there; before migration 16, each enqueue's look did too).
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
@@ -1099,11 +1099,11 @@ fn partitions(scratch: &Scratch) -> Result<()> {
             client.batch_execute(&sent.replace("{}", outbox.table()))?;
         }
         // A dead letter in the oldest partition, as a relay would have left it there before
-        // the partition settled.
+        // the partition was quiet: the upkeep finds it.
         let t = partitioned.table();
         client.batch_execute(&format!(
             "UPDATE {t} SET status = 'dead' WHERE id = (SELECT min(id) FROM {t});
-             UPDATE {t}_partitions SET settled_at = NULL
+             UPDATE {t}_partitions SET settled_at = NULL, quiet_at = NULL
              WHERE n = (SELECT min(n) FROM {t}_partitions)"
         ))?;
         upkeep(&mut client, false)?;
@@ -1350,8 +1350,9 @@ fn scale_fill(
     client.execute(
         &format!(
             "UPDATE {t}_counts c SET sent = s.n \
-             FROM (SELECT id >> 40 AS part, count(*) AS n FROM {t} WHERE status = 'sent' \
-                   GROUP BY 1) s \
+             FROM (SELECT coalesce(substring(tableoid::regclass::text FROM '_p([0-9]+)\"?$')\
+                                   ::bigint, 0) AS part, \
+                          count(*) AS n FROM {t} WHERE status = 'sent' GROUP BY 1) s \
              WHERE c.part = s.part AND c.slot = 0"
         ),
         &[],

@@ -512,7 +512,11 @@ impl Statements {
                    FROM counted GROUP BY part),
                  -- As the planner sizes a relation: the rows per page its last vacuum or
                  -- analyze found, times the pages it has now.
-                 -- A partitioned index: its partitions' rows per page, times their pages.
+                 -- A partitioned index: its partitions' rows per page, times their pages,
+                 -- from $2 on (the ones before are quiet: they hold no backlog, and sizing
+                 -- each index is a file system call). Each is found by its table's name
+                 -- and the catalogs' indexes, never by a walk of every partition or a read
+                 -- of all of pg_class.
                  sizes AS (
                    SELECT i.name,
                           (sum(c.reltuples) FILTER (WHERE c.reltuples >= 0 AND c.relpages > 0))::float8
@@ -522,17 +526,16 @@ impl Statements {
                             AS rows
                    FROM (VALUES ('ready', to_regclass('{ready_idx}')),
                                 ('ordered', to_regclass('{ordered_idx}'))) AS i (name, oid)
-                   CROSS JOIN LATERAL (SELECT i.oid AS leaf
-                                       WHERE NOT EXISTS (SELECT FROM pg_partition_tree(i.oid))
-                                       UNION ALL
-                                       SELECT relid FROM pg_partition_tree(i.oid) WHERE isleaf) l
+                   CROSS JOIN LATERAL (
+                     -- A plain table keeps no partitions (migration 0012).
+                     SELECT i.oid AS leaf WHERE NOT EXISTS (SELECT FROM {partitions})
+                     UNION ALL
+                     SELECT h.inhrelid FROM {partitions} p
+                     JOIN pg_index x
+                       ON x.indrelid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
+                     JOIN pg_inherits h ON h.inhrelid = x.indexrelid AND h.inhparent = i.oid
+                     WHERE p.n >= $2 >> {id_bits}) l
                    JOIN pg_class c ON c.oid = l.leaf
-                   -- Leaves out the partitions before $2, quiet: they hold no backlog,
-                   -- and sizing each index is a file system call.
-                   WHERE NOT EXISTS (SELECT FROM pg_index x
-                                     JOIN pg_class t ON t.oid = x.indrelid
-                                     JOIN {partitions} p ON t.relname = {name_text} || p.n
-                                     WHERE x.indexrelid = l.leaf AND p.n < $2 >> {id_bits})
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
                  SELECT p.part, p.n, p.waiting, p.in_flight, p.due, p.blocked, p.marked,
