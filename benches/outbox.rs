@@ -1033,7 +1033,10 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// upkeep run once before measuring, as a relay would have done. `kept_` is the
 /// partitioned table again with a dead letter kept in its oldest partition, which keeps
 /// that partition from settling (before migration 18, `stats()` read every partition from
-/// there; before migration 16, each enqueue's look did too).
+/// there; before migration 16, each enqueue's look did too). `held_` is the same with a
+/// message scheduled for tomorrow in the oldest partition, which keeps it from being
+/// quiet (before migration 19, each enqueue's look and `stats()` read every partition
+/// from there).
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
@@ -1106,15 +1109,45 @@ fn partitions(scratch: &Scratch) -> Result<()> {
              UPDATE {t}_partitions SET settled_at = NULL, quiet_at = NULL
              WHERE n = (SELECT min(n) FROM {t}_partitions)"
         ))?;
-        upkeep(&mut client, false)?;
+        // Quiet once no transaction from before this is left (autovacuum's included).
+        let quiet = format!(
+            "SELECT quiet_at IS NOT NULL FROM {t}_partitions \
+             WHERE n = (SELECT min(n) FROM {t}_partitions)"
+        );
+        let started = Instant::now();
+        loop {
+            upkeep(&mut client, false)?;
+            if client.query_one(&quiet, &[])?.get(0) {
+                break;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return Err("the oldest partition did not become quiet".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
         client.batch_execute(&format!(
             "DELETE FROM {t} WHERE status = 'dead'; {}",
             sent.replace("{}", t)
         ))?;
         upkeep(&mut client, false)?;
-        line.kv("kept_stats_ms", ms(stats))
-            .kv("kept_enqueue_ms", ms(enqueue))
+        line = line
+            .kv("kept_stats_ms", ms(stats))
+            .kv("kept_enqueue_ms", ms(enqueue));
+        // A message scheduled for tomorrow in the oldest partition instead.
+        client.batch_execute(&format!(
+            "UPDATE {t} SET status = 'pending', done_at = NULL,
+                            available_at = now() + interval '1 day'
+             WHERE id = (SELECT min(id) FROM {t});
+             UPDATE {t}_partitions SET settled_at = NULL, quiet_at = NULL
+             WHERE n = (SELECT min(n) FROM {t}_partitions)"
+        ))?;
+        upkeep(&mut client, false)?;
+        let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
+        client.batch_execute(&sent.replace("{}", t))?;
+        upkeep(&mut client, false)?;
+        line.kv("held_stats_ms", ms(stats))
+            .kv("held_enqueue_ms", ms(enqueue))
             .print();
     }
     Ok(())

@@ -11,21 +11,29 @@
 -- partition not quiet on, as it reads pending ones, and adds the counts of the quiet
 -- partitions before it.
 --
+-- A message that holds its partition from being quiet (one scheduled a month ahead, a parked
+-- one) kept every later partition from being quiet too: the upkeep stopped at it. It now
+-- goes on past it, so the later ones are quiet as soon as their own rows allow, and
+-- migration 19 has the looks, and `stats()`, leave them out.
+--
 -- `dead`: the dead letters of a quiet partition not settled, as the upkeep counted them and
--- purges took them off since; 0 once settled; NULL while not quiet. A purge by a version
--- older than this migration leaves the count too high, until the upkeep finds the
--- partition's dead letters all gone and settles it (README, "Partitioned outboxes").
+-- purges took them off since; 0 once settled; NULL while not quiet, or not counted yet. A
+-- purge by a version older than this migration leaves the count too high; setting it to
+-- NULL has the upkeep count again (README, "Partitioned outboxes").
+--
+-- The upkeep's lock first, before any lock on the bookkeeping (a retire takes them in that
+-- order): no upkeep marks a partition quiet uncounted while this runs.
+SELECT pg_advisory_xact_lock({partition_lock});
 ALTER TABLE {partitions} ADD COLUMN dead bigint;
 
--- The partitions quiet already: counted now, under the upkeep's lock, so that no upkeep
--- marks one quiet uncounted meanwhile (the ones after this migration count).
+-- The partitions quiet already: counted now. (Should one escape, under a snapshot taken
+-- before an upkeep of the previous version committed, the upkeep counts it next.)
 DO $do$
 DECLARE
     p record;
     part text;
     kept bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock({partition_lock});
     FOR p IN SELECT n FROM {partitions}
              WHERE quiet_at IS NOT NULL AND settled_at IS NULL ORDER BY n FOR UPDATE LOOP
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
@@ -40,7 +48,11 @@ BEGIN
 END
 $do$;
 
--- The upkeep of migration 16, counting the dead letters of each partition it marks quiet.
+-- The upkeep of migration 16, counting the dead letters of each partition it marks quiet
+-- (and of a quiet one not counted), and going on past a partition that still holds
+-- pending or parked rows to mark the later ones quiet (it stopped there). A partition of
+-- more than 100,000 dead letters is not quiet: counting them on every call would cost more
+-- than the looks and `stats()` reading that partition.
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
@@ -50,6 +62,7 @@ DECLARE
     waiting boolean;
     kept boolean;
     counted bigint;
+    too_many boolean;
     settling boolean := true;
     -- Pending or parked rows, through the claim's two partial indexes; dead or parked ones
     -- through the done index.
@@ -89,7 +102,7 @@ BEGIN
     -- dropped by hand meanwhile, waits for the next call; the ones before it stay settled.
     FOR q IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
-        CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling;
+        CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling AND q.dead IS NOT NULL;
         -- Locked before its rows are read, and written only under the lock: a redrive
         -- that makes a row of it pending holds this lock until it commits (the partition
         -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
@@ -101,6 +114,7 @@ BEGIN
         waiting := false;
         kept := false;
         counted := 0;
+        too_many := false;
         IF to_regclass(part) IS NOT NULL THEN
             -- A quiet partition passed these once, and only a redrive writes to it since.
             IF p.quiet_at IS NULL THEN
@@ -116,18 +130,28 @@ BEGIN
                 -- an operator changes them (see above). A purge that deletes some locks
                 -- this partition's row as well: one holding it now made this call stop
                 -- above, and one to come waits for this count, then takes its rows off.
-                IF kept AND NOT waiting AND p.quiet_at IS NULL THEN
-                    EXECUTE format('SELECT count(*) FROM %s WHERE status IN (''dead'', ''parked'')',
-                                   part)
+                IF kept AND NOT waiting AND (p.quiet_at IS NULL OR p.dead IS NULL) THEN
+                    EXECUTE format('SELECT count(*) FROM (SELECT FROM %s
+                                                          WHERE status IN (''dead'', ''parked'')
+                                                          LIMIT 100001) AS letters', part)
                     INTO counted;
+                    too_many := counted > 100000;
                 END IF;
             EXCEPTION WHEN lock_not_available OR undefined_table THEN
                 waiting := true;
             END;
-            EXIT WHEN waiting;
+            -- Pending or parked rows keep this one from being quiet, not the ones after
+            -- it: each is judged by its own rows.
+            IF waiting OR too_many THEN
+                IF too_many AND p.quiet_at IS NOT NULL THEN
+                    UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
+                END IF;
+                settling := false;
+                CONTINUE;
+            END IF;
         END IF;
         settling := settling AND NOT kept;
-        IF p.quiet_at IS NULL OR settling THEN
+        IF p.quiet_at IS NULL OR settling OR p.dead IS NULL THEN
             UPDATE {partitions}
             SET quiet_at = coalesce(quiet_at, clock_timestamp()),
                 settled_at = CASE WHEN settling THEN clock_timestamp() END,

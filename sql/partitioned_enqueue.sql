@@ -5,24 +5,28 @@
 --
 -- A message with an aggregate key is a head when no earlier message of its aggregate is
 -- pending or parked. That look reads only the partitions that may hold such a message:
--- from the first not quiet (migration 0016: a quiet partition holds sent and dead rows
--- only, and nothing may write to it again but a redrive, which marks it not quiet first),
--- so its cost follows the backlog, not the partitions kept. The bound is a variable, so
--- the look leaves the quiet partitions out when it starts. As a subquery of the same
--- statement it gave back half of what it saves, from a function of its own a fifth to a
--- third (BENCHMARKS.md, "What each kept partition costs").
+-- the first not quiet (migration 0016: a quiet partition holds sent and dead rows only,
+-- and nothing may write to it again but a redrive, which marks it not quiet first), and
+-- every one from the next not quiet on (migration 0019: a message held in an old
+-- partition, scheduled far ahead or parked, no longer brings every partition after it
+-- back into the look), so its cost follows the backlog, not the partitions kept. The
+-- bounds are variables, so the look leaves the quiet partitions out when it starts. As a
+-- subquery of the same statement it gave back half of what it saves, from a function of
+-- its own a fifth to a third (BENCHMARKS.md, "What each kept partition costs").
 
--- The aggregates of a batch that cannot take a new head, as migration 0010's, from the
--- first partition not quiet.
+-- The aggregates of a batch that cannot take a new head, as migration 0010's, in the
+-- partitions not quiet.
 CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 DECLARE
     look_from bigint;
+    look_skip bigint;
+    look_again bigint;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k WHERE k IS NOT NULL);
     END IF;
-    look_from := ({look_from});
+    SELECT * INTO look_from, look_skip, look_again FROM ({look_bounds}) AS b;
     -- A probe per aggregate: with every key in one condition, a range of the primary key
     -- from the bound looks cheaper to the planner, and reads every row after it.
     RETURN ARRAY(SELECT k
@@ -31,6 +35,7 @@ BEGIN
                                WHERE o.head IN (false, true) AND o.aggregate_key = keys.k
                                  AND o.status IN ('pending', 'parked')
                                  AND o.id >= look_from
+                                 AND (o.id < look_skip OR o.id >= look_again)
                                LIMIT 1) AS found);
 END
 $fn$;
@@ -46,6 +51,8 @@ DECLARE
     lock_key bigint;
     new_id bigint;
     look_from bigint;
+    look_skip bigint;
+    look_again bigint;
 BEGIN
     -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
     -- this one cost five times what the lock does.
@@ -71,7 +78,7 @@ BEGIN
     END IF;
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
-        look_from := ({look_from});
+        SELECT * INTO look_from, look_skip, look_again FROM ({look_bounds}) AS b;
     END IF;
     IF p_key_generated THEN
         INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
@@ -85,7 +92,8 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= look_from));
+                                  AND o.id >= look_from
+                                  AND (o.id < look_skip OR o.id >= look_again)));
     -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
     -- one's snapshot as a serialization failure: a duplicate all the same, and in a block of
     -- its own it leaves the caller's transaction usable (see migration 0005).
@@ -126,7 +134,8 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= look_from))
+                                  AND o.id >= look_from
+                                  AND (o.id < look_skip OR o.id >= look_again)))
         ON CONFLICT DO NOTHING
         RETURNING id INTO new_id;
         IF new_id IS NULL THEN

@@ -598,10 +598,18 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     if let Some((partition, held_back)) = held {
         let closed = partition.closed.unwrap_or_default();
         if closed > partition.every {
-            // The partitions a read from partition `n` on goes through after it.
+            // The partitions after `n`, not quiet itself, that a look or stats() reads:
+            // those from the next partition not quiet on (migration 0019).
             let after = |n: i64| {
-                let after = health.partitions.iter();
-                after.filter(|p| p.number > n && p.exists).count()
+                let not_quiet = |p: &&Partition| p.closed.is_none() || !p.quiet;
+                let partitions = health.partitions.iter();
+                let next = partitions.filter(|p| p.number > n).find(not_quiet);
+                next.map_or(0, |next| {
+                    let partitions = health.partitions.iter();
+                    partitions
+                        .filter(|p| p.number >= next.number && p.exists)
+                        .count()
+                })
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
             // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
@@ -612,17 +620,21 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             });
             let reads = match (partition.quiet, looked) {
                 (false, _) => format!(
-                    "each enqueue with an aggregate key and each stats() reads it and the {} \
+                    "each enqueue with an aggregate key and each stats() reads it and {} \
                      partitions after it",
                     after(partition.number)
                 ),
                 (true, looked) => format!(
                     "each topic_stats() reads the dead letters of it and of the {} partitions \
                      after it{}",
-                    after(partition.number),
+                    health
+                        .partitions
+                        .iter()
+                        .filter(|p| p.number > partition.number && p.exists)
+                        .count(),
                     looked.map_or_else(String::new, |p| format!(
-                        ", and each enqueue with an aggregate key reads partition {} and the {} \
-                         after it",
+                        ", and each enqueue with an aggregate key reads partition {} and {} \
+                         partitions after it",
                         p.number,
                         after(p.number)
                     ))

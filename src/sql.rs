@@ -116,6 +116,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0018_counted_dead_letters",
         template: include_str!("../sql/0018_counted_dead_letters.sql"),
     },
+    Migration {
+        version: 19,
+        name: "0019_looks_past_held_partitions",
+        template: include_str!("../sql/0019_looks_past_held_partitions.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -124,7 +129,8 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
 
 /// The enqueue functions of a partitioned table. A migration that changes them changes this
-/// file, and makes them again on a table partitioned before it, as migrations 14 and 17 do.
+/// file, and makes them again on a table partitioned before it, as migrations 14, 17 and 19
+/// do.
 const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
 
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
@@ -137,12 +143,20 @@ pub(crate) const PARTITION_ID_BITS: u32 = 40;
 const BACKLOG_FROM: &str =
     "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE settled_at IS NULL";
 
-/// The first id that may belong to a pending or parked row of a partitioned table: the first
-/// of the oldest partition not quiet (migration 0016), where an enqueue's look for its
-/// aggregate's pending messages starts. Quiet partitions hold sent and dead rows only, and
-/// a redrive marks a partition not quiet before a row of it is pending again.
-const LOOK_FROM: &str =
-    "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE quiet_at IS NULL";
+/// The ids that may belong to a pending or parked row of a partitioned table, where an
+/// enqueue's look for its aggregate's pending messages goes: from the first of the oldest
+/// partition not quiet (migration 0016) to the end of it (the second value), and from the
+/// first of the next partition not quiet on (the third; migrations 0018 and 0019). Quiet
+/// partitions hold sent and dead rows only, and a redrive marks a partition not quiet
+/// before a row of it is pending again. The quiet ones between the two ranges (after a
+/// message scheduled far ahead, or parked, in an old partition) are left out.
+const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
+        coalesce((SELECT min(a.n) FROM {partitions} a WHERE a.quiet_at IS NULL AND a.n > f.n),
+                 f.n + 1) << {id_bits}
+ FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
+
+/// Whether row `{id}`'s id is in the ranges `LOOK_BOUNDS` gives, as `$2`, `$3` and `$4`.
+const IN_BACKLOG: &str = "{id} >= $2 AND ({id} < $3 OR {id} >= $4)";
 
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
@@ -280,14 +294,14 @@ pub(crate) struct Statements {
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
     /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): every
-    /// row from the id in `$2` on (`backlog_from`; 0 on a plain table), so that partitions
-    /// before it are left out of the plan, and the dead letters counted in the quiet ones
-    /// from `$1` to it.
+    /// row in the ranges `$2`, `$3` and `$4` give (`backlog_from`, see `IN_BACKLOG`; 0 on a
+    /// plain table), so that the partitions out of them are left out of the plan, and the
+    /// dead letters counted in the quiet ones from `$1` to `$4`.
     pub(crate) stats: String,
-    /// The first ids `stats` and `topic_stats` read on a partitioned table: of the oldest
-    /// partition not settled (migration 0013), whose rows may still be pending, parked or
-    /// dead, and of the oldest not quiet (migration 0016), whose rows may still be pending
-    /// or parked.
+    /// The ids `stats` and `topic_stats` read on a partitioned table: from the first of the
+    /// oldest partition not settled (migration 0013), whose rows may still be pending,
+    /// parked or dead; and the ranges of `LOOK_BOUNDS`, whose rows may still be pending or
+    /// parked.
     pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -401,6 +415,8 @@ impl Statements {
             ("schema_text", format!("'{}'", table.schema_prefix())),
             ("name_text", format!("'{}_p'", table.name())),
             ("id_bits", PARTITION_ID_BITS.to_string()),
+            ("in_backlog", render(IN_BACKLOG, &[("id", "id")])?),
+            ("o_in_backlog", render(IN_BACKLOG, &[("id", "o.id")])?),
         ]);
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = Statements {
@@ -445,13 +461,13 @@ impl Statements {
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at <= now() AND id >= $2
+                     AND available_at <= now() AND {in_backlog}
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  l AS MATERIALIZED (
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
                    WHERE status = 'pending' AND (head OR aggregate_key IS NULL)
-                     AND available_at > now() AND id >= $2
+                     AND available_at > now() AND {in_backlog}
                    ORDER BY available_at, id LIMIT {stats_counted} + 1),
                  u AS MATERIALIZED (
                    SELECT id, aggregate_key, status, available_at, lease_until, created_at,
@@ -459,13 +475,13 @@ impl Statements {
                           first_value(created_at) OVER w AS first_created
                    FROM {table}
                    WHERE NOT head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
-                     AND id >= $2
+                     AND {in_backlog}
                    WINDOW w AS (PARTITION BY aggregate_key ORDER BY id)
                    ORDER BY aggregate_key, id LIMIT {stats_counted} + 1),
                  m AS MATERIALIZED (
                    SELECT 1 FROM {table}
                    WHERE head AND status IN ('pending', 'parked') AND aggregate_key IS NOT NULL
-                     AND id >= $2
+                     AND {in_backlog}
                    LIMIT {stats_counted} + 1),
                  -- The head that holds an aggregate's rows back: the marked one ahead of
                  -- them if any (created before them or, when the transactions overlapped,
@@ -478,7 +494,8 @@ impl Statements {
                    FROM u LEFT JOIN LATERAL (
                      SELECT o.created_at FROM {table} o
                      WHERE u.first AND o.head AND o.aggregate_key = u.aggregate_key
-                       AND o.status IN ('pending', 'parked') AND o.id < u.id AND o.id >= $2
+                       AND o.status IN ('pending', 'parked') AND o.id < u.id
+                       AND {o_in_backlog}
                      ORDER BY o.id LIMIT 1) h ON true),
                  -- Every row read, with what it counts as: `behind` a head, it is blocked
                  -- while waiting, held back by the head created at `held_since`.
@@ -513,7 +530,7 @@ impl Statements {
                  -- As the planner sizes a relation: the rows per page its last vacuum or
                  -- analyze found, times the pages it has now.
                  -- A partitioned index: its partitions' rows per page, times their pages,
-                 -- from $2 on (the ones before are quiet: they hold no backlog, and sizing
+                 -- in the ranges read (the others are quiet: they hold no backlog, and sizing
                  -- each index is a file system call). Each is found by its table's name
                  -- and the catalogs' indexes, never by a walk of every partition or a read
                  -- of all of pg_class.
@@ -527,14 +544,16 @@ impl Statements {
                    FROM (VALUES ('ready', to_regclass('{ready_idx}')),
                                 ('ordered', to_regclass('{ordered_idx}'))) AS i (name, oid)
                    CROSS JOIN LATERAL (
-                     -- A plain table keeps no partitions (migration 0012).
-                     SELECT i.oid AS leaf WHERE NOT EXISTS (SELECT FROM {partitions})
+                     SELECT i.oid AS leaf
+                     WHERE NOT EXISTS (SELECT FROM pg_class k WHERE k.oid = i.oid
+                                                                AND k.relkind = 'I')
                      UNION ALL
                      SELECT h.inhrelid FROM {partitions} p
                      JOIN pg_index x
                        ON x.indrelid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
                      JOIN pg_inherits h ON h.inhrelid = x.indexrelid AND h.inhparent = i.oid
-                     WHERE p.n >= $2 >> {id_bits}) l
+                     WHERE p.n >= $2 >> {id_bits}
+                       AND (p.n < $3 >> {id_bits} OR p.n >= $4 >> {id_bits})) l
                    JOIN pg_class c ON c.oid = l.leaf
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
@@ -544,15 +563,16 @@ impl Statements {
                         (SELECT rows FROM sizes WHERE name = 'ready'),
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
-                 -- Dead letters: read from $2 on, counted before it (migration 0018).
+                 -- Dead letters: read where the rest is, counted in the quiet partitions
+                 -- before $4 (migration 0018).
                  FROM (SELECT count(*) + (SELECT coalesce(sum(q.dead), 0)::bigint
                                           FROM {partitions} q
                                           WHERE q.quiet_at IS NOT NULL
                                             AND q.n >= $1::bigint >> {id_bits}
-                                            AND q.n < $2::bigint >> {id_bits}) AS total,
+                                            AND q.n < $4::bigint >> {id_bits}) AS total,
                               count(*) FILTER (WHERE status = 'parked'
                                                  AND aggregate_key IS NOT NULL) AS parked
-                       FROM {table} WHERE status IN ('dead', 'parked') AND id >= $2) AS dead
+                       FROM {table} WHERE status IN ('dead', 'parked') AND {in_backlog}) AS dead
                       LEFT JOIN parts p ON true"
             )?,
             // Each half reads its own partial index. The ordered half walks the aggregate
@@ -626,13 +646,17 @@ impl Statements {
             // whose snapshot predates its cut is among the transactions the upkeep waits
             // for), nor is one that holds a dead letter ever settled. Not only the quiet
             // ones: the update locks each, and the upkeep, which locks a partition before
-            // it reads its rows, must wait for this transaction or be waited for.
+            // it reads its rows, must wait for this transaction or be waited for. Locked in
+            // their order, as a purge locks them, so the two never wait for each other in
+            // a cycle.
             redrive_partitioned: values.render(&redrive(&format!(
                 "unquiet AS (
                    UPDATE {{partitions}} p SET quiet_at = NULL, dead = NULL
-                   WHERE p.closed_at IS NOT NULL AND p.settled_at IS NULL
-                     AND p.n IN (SELECT DISTINCT t.id >> {{id_bits}} FROM {{table}} t
-                                 WHERE {REDRIVEN})),"
+                   WHERE p.n IN (SELECT q.n FROM {{partitions}} q
+                                 WHERE q.closed_at IS NOT NULL AND q.settled_at IS NULL
+                                   AND q.n IN (SELECT t.id >> {{id_bits}} FROM {{table}} t
+                                               WHERE {REDRIVEN})
+                                 ORDER BY q.n FOR UPDATE)),"
             )))?,
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
@@ -650,11 +674,18 @@ impl Statements {
                  bump AS (UPDATE {counts} k SET sent = k.sent - c.sent FROM c
                           WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0),
                  -- A partitioned table's count of a quiet partition's dead letters
-                 -- (migration 0018). Each partition it deletes dead letters from is locked,
-                 -- quiet or not: the upkeep, which locks one before it counts it, counts
-                 -- after this commits, or this waits for its count.
+                 -- (migration 0018). Each closed partition it deletes dead letters from is
+                 -- locked, quiet or not: the upkeep, which locks one before it counts it,
+                 -- counts after this commits, or this waits for its count. (A purge whose
+                 -- snapshot predates a cut is among the transactions the upkeep waits for
+                 -- before that partition is quiet.) Locked in their order, as a redrive
+                 -- locks them.
                  kept AS (UPDATE {partitions} p SET dead = p.dead - c.dead FROM c
-                          WHERE p.n = c.part AND c.dead > 0)
+                          WHERE p.n = c.part
+                            AND p.n IN (SELECT q.n FROM {partitions} q
+                                        WHERE q.closed_at IS NOT NULL
+                                          AND q.n IN (SELECT part FROM c WHERE dead > 0)
+                                        ORDER BY q.n FOR UPDATE))
                  SELECT count(*) FROM gone"
             )?,
             // The first entry of the ready index: the oldest row a relay could take as it is.
@@ -664,16 +695,17 @@ impl Statements {
                      FROM {{table}} o WHERE {READY_ROWS}"
                 ),
             )?,
-            // Pending rows through their two partial indexes (from $2), dead ones through
-            // the done index (from $1): sent rows, however many, are never read.
+            // Pending rows through their two partial indexes (in the ranges of $2 to $4),
+            // dead ones through the done index (from $1): sent rows, however many, are
+            // never read.
             topic_stats: values.render(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
                    SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NULL AND id >= $2
+                   WHERE status = 'pending' AND aggregate_key IS NULL AND {in_backlog}
                    GROUP BY topic
                    UNION ALL
                    SELECT topic, count(*), 0 FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND id >= $2
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND {in_backlog}
                    GROUP BY topic
                    UNION ALL
                    SELECT topic, 0, count(*) FROM {table}
@@ -838,7 +870,9 @@ impl Statements {
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
-            backlog_from: values.render(&format!("SELECT ({BACKLOG_FROM}), ({LOOK_FROM})"))?,
+            backlog_from: values.render(&format!(
+                "SELECT ({BACKLOG_FROM}), b.* FROM ({LOOK_BOUNDS}) AS b"
+            ))?,
             // From the catalog, which every role may read.
             is_partitioned: values.render(
                 "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
@@ -1377,7 +1411,7 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
     Ok(rendered)
 }
 
-/// `PARTITIONED_ENQUEUE` for `table`, as migrations 14 and 17 apply it.
+/// `PARTITIONED_ENQUEUE` for `table`, as migrations 14, 17 and 19 apply it.
 fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> {
     render(
         PARTITIONED_ENQUEUE,
@@ -1409,9 +1443,9 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
         ("lock_seed", bigint(table.aggregate_lock_seed())),
         ("name", table.name().to_owned()),
         (
-            "look_from",
+            "look_bounds",
             render(
-                LOOK_FROM,
+                LOOK_BOUNDS,
                 &[
                     ("partitions", &partitions),
                     ("id_bits", &PARTITION_ID_BITS.to_string()),
@@ -1771,7 +1805,7 @@ mod tests {
                 0x7ec26394fb2c3563,
                 0x83f01a123bfc516c,
             ),
-            // 0014 and 0017 render the current sql/partitioned_enqueue.sql, on purpose: a
+            // 0014, 0017 and 0019 render the current sql/partitioned_enqueue.sql, on purpose: a
             // table partitioned before them gets the enqueue functions a new one would have.
             (
                 "0015_upkeep_without_ownership",

@@ -84,7 +84,8 @@ impl Outbox {
     /// `sent` (a counter), `dead` and `parked` are always exact (these two read the
     /// dead-letter index: their cost grows with the dead letters kept, not the backlog; on
     /// a partitioned outbox, those of closed partitions with nothing else left to send are
-    /// counted once, by the relays' upkeep, and not read again).
+    /// counted once, by the relays' upkeep, and not read again: exact as long as dead
+    /// letters are deleted only by `purge` of this version or later).
     ///
     /// [`stats_exact`](Outbox::stats_exact) reads every pending row instead.
     ///
@@ -145,16 +146,17 @@ impl Outbox {
     }
 
     /// Runs `query`, which reads dead letters from the id `$1` on (or counts those before
-    /// `$2`, see `Statements::stats`) and the rest from `$2` on: on a partitioned table, the
-    /// first ids of the oldest partition not settled (migration 0013) and of the oldest not
-    /// quiet (migration 0016), so that its plan leaves the partitions before them out,
-    /// however many days retention keeps; on a plain one, 0.
+    /// `$4`, see `Statements::stats`) and the rest in the ranges `$2` to `$3` and from `$4`
+    /// on: on a partitioned table, the first id of the oldest partition not settled
+    /// (migration 0013), and the ids of the oldest not quiet and of every partition from the
+    /// next not quiet on (migrations 0016 and 0019), so that its plan leaves the others
+    /// out, however many days retention keeps; on a plain one, 0.
     /// The bounds and the counts are read in one snapshot: a redrive committed in between
     /// moves the second bound back, before rows the counts would then miss.
     fn read_backlog(&self, client: &mut Client, query: &str) -> Result<Vec<Row>> {
         if !self.partitioned(client)? {
             return client
-                .query(query, &[&0_i64, &0_i64])
+                .query(query, &[&0_i64, &0_i64, &0_i64, &0_i64])
                 .map_err(|e| self.db_error(e));
         }
         let mut tx = client
@@ -165,9 +167,9 @@ impl Outbox {
         let bounds = tx
             .query_one(&self.statements().backlog_from, &[])
             .map_err(|e| self.db_error(e))?;
-        let (from, pending_from): (i64, i64) = (bounds.get(0), bounds.get(1));
+        let bounds: [i64; 4] = [0, 1, 2, 3].map(|i| bounds.get(i));
         let rows = tx
-            .query(query, &[&from, &pending_from])
+            .query(query, &[&bounds[0], &bounds[1], &bounds[2], &bounds[3]])
             .map_err(|e| self.db_error(e))?;
         tx.commit()?;
         Ok(rows)

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::pg_node::PgNode;
-use common::{client, quoted_with, relay_config, unique_name, wait_until, Role, Sink};
+use common::{client, quoted, quoted_with, relay_config, unique_name, wait_until, Role, Sink};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls};
 use postgres_outbox::{
@@ -492,7 +492,7 @@ fn the_doctor_says_what_keeps_a_closed_partition_from_settling() {
     assert!(problem.contains("retention keeps it whole"), "{problem}");
     let after = partitions(&mut client, &outbox).len() - 1;
     assert!(
-        problem.contains(&format!("the {after} partitions after it")),
+        problem.contains(&format!("reads it and {after} partitions after it")),
         "{problem}"
     );
 
@@ -1098,6 +1098,165 @@ fn dead_letters_in_partition_0(client: &mut Client, outbox: &Outbox, dead: usize
     wait_quiet(client, outbox, 0);
 }
 
+/// A partition of more dead letters than the upkeep counts (100,000) is not quiet: the
+/// looks and `stats()` read it rather than the upkeep count it again on every call.
+#[test]
+fn a_partition_of_too_many_dead_letters_is_read_not_counted() {
+    let (outbox, mut client) = partitioned("part_many_dead");
+    dead_letters_in_partition_0(&mut client, &outbox, 1);
+    // 100,000 more in partition 0, as relays would have left them, and the count cleared
+    // (as after a purge by an older version).
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {} (id, key, topic, payload, status, attempts, done_at)
+             OVERRIDING SYSTEM VALUE
+             SELECT 1000000 + i, 'many-' || i, 't', '', 'dead', 1, now()
+             FROM generate_series(1, 100000) AS i;
+             UPDATE {} SET dead = NULL WHERE n = 0",
+            quoted(&outbox),
+            quoted_with(&outbox, "_partitions")
+        ))
+        .unwrap();
+    upkeep(&mut client, &outbox, false);
+    assert!(!is_quiet(&mut client, &outbox, 0));
+    assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+    assert_eq!(common::stats(&outbox, &mut client).dead, 100_001);
+
+    let all = Rows::Dead.matching(Filter::new());
+    assert_eq!(outbox.purge(&mut client, all).unwrap(), 100_001);
+    wait_settled(&mut client, &outbox, 0);
+    assert_eq!(common::stats(&outbox, &mut client).dead, 0);
+}
+
+/// A purge and a redrive of dead letters in the same two quiet partitions both lock the
+/// partitions' bookkeeping, in the same order whatever the plan: waiting behind a third
+/// transaction that holds the first, neither holds the second while it waits, so they never
+/// deadlock, whichever comes first.
+#[test]
+fn a_purge_and_a_redrive_across_the_same_partitions_do_not_deadlock() {
+    for redrive_first in [true, false] {
+        purge_beside_redrive(redrive_first);
+    }
+}
+
+fn purge_beside_redrive(redrive_first: bool) {
+    let (outbox, mut client) = partitioned("part_lock_order");
+    for n in 0..2 {
+        for key in ["purged", "redriven"] {
+            let doomed = message(&format!("doomed-{key}-{n}")).max_attempts(1);
+            enqueue(&mut client, &outbox, doomed).unwrap();
+        }
+        cut(&mut client, &outbox);
+    }
+    let config = refusing(&outbox, "doomed-");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 4);
+    for n in 0..2 {
+        wait_quiet(&mut client, &outbox, n);
+    }
+
+    let partitions = quoted_with(&outbox, "_partitions");
+    // Partition 0's row after partition 1's in the table, so that a scan of the table
+    // meets them out of order.
+    client
+        .execute(
+            &format!("UPDATE {partitions} SET every = every WHERE n = 0"),
+            &[],
+        )
+        .unwrap();
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    held.execute(
+        &format!("SELECT FROM {partitions} WHERE n = 0 FOR UPDATE"),
+        &[],
+    )
+    .unwrap();
+    let keys = |what: &str| {
+        Filter::new()
+            .key(format!("doomed-{what}-0"))
+            .key(format!("doomed-{what}-1"))
+    };
+    let (purge, redrive) = (keys("purged"), keys("redriven"));
+    // The first to wait is the first to lock partition 0 once it is free.
+    let mut runs = Vec::new();
+    for redriving in [redrive_first, !redrive_first] {
+        let mut session = common::client();
+        // Plans that read the bookkeeping in its table's order, not the partitions'.
+        session
+            .batch_execute("SET enable_indexscan = off; SET enable_bitmapscan = off")
+            .unwrap();
+        let pid: i32 = session
+            .query_one("SELECT pg_backend_pid()", &[])
+            .unwrap()
+            .get(0);
+        let (outbox, purge, redrive) = (outbox.clone(), purge.clone(), redrive.clone());
+        runs.push(std::thread::spawn(move || {
+            if redriving {
+                outbox.redrive(&mut session, redrive)
+            } else {
+                outbox.purge(&mut session, Rows::Dead.matching(purge))
+            }
+        }));
+        wait_until("it waits for a lock", || {
+            client
+                .query_one(
+                    "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND pid = $1)",
+                    &[&pid],
+                )
+                .unwrap()
+                .get(0)
+        });
+    }
+    held.commit().unwrap();
+    for run in runs {
+        assert_eq!(run.join().unwrap().unwrap(), 2);
+    }
+    // Both partitions hold pending rows again: read, not counted.
+    for n in 0..2 {
+        assert_eq!(counted_dead(&mut client, &outbox, n), None);
+    }
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.pending, stats.dead), (2, 0));
+}
+
+/// A message held in an old partition (here one scheduled for tomorrow) keeps that
+/// partition from being quiet, and no longer the ones after it (migration 18): producers'
+/// looks and `stats()` read it and the open one, leaving out the quiet one between (19),
+/// and the held message still goes before its aggregate's next one.
+#[test]
+fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
+    let (outbox, mut client) = partitioned("part_scheduled");
+    let tomorrow = message("tomorrow")
+        .aggregate_key("a")
+        .delay(Duration::from_secs(86_400));
+    enqueue(&mut client, &outbox, tomorrow).unwrap();
+    cut(&mut client, &outbox);
+    enqueue(&mut client, &outbox, message("sent")).unwrap();
+    enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
+    cut(&mut client, &outbox);
+    let config = refusing(&outbox, "doomed");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
+    wait_quiet(&mut client, &outbox, 1);
+    assert!(!is_quiet(&mut client, &outbox, 0));
+
+    let of = |key: &str, aggregate: &str| message(key).aggregate_key(aggregate);
+    let looks = looks_into(&mut client, &outbox, of("b", "b"));
+    assert!(looks[0] > 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
+    enqueue(&mut client, &outbox, of("a2", "a")).unwrap();
+    assert!(!is_head(&mut client, &outbox, "a2"));
+    // stats() reads partitions 0 and 2, and counts partition 1's dead letter.
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!(
+        (stats.pending, stats.blocked, stats.dead, stats.sent),
+        (3, 1, 1, 1)
+    );
+    let topics = outbox.topic_stats(&mut client).unwrap();
+    let by_topic: Vec<_> = topics
+        .iter()
+        .map(|t| (t.topic.as_str(), t.pending, t.dead))
+        .collect();
+    assert_eq!(by_topic, [("t", 3, 1)]);
+}
+
 /// A partition quiet before migration 18 has its dead letters counted by the migration.
 #[test]
 fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
@@ -1113,6 +1272,8 @@ fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
         .unwrap();
     outbox.migrate(&mut client).unwrap();
     assert_eq!(counted_dead(&mut client, &outbox, 0), Some(2));
+    // The open partition is not quiet: nothing counted.
+    assert_eq!(counted_dead(&mut client, &outbox, 1), None);
     assert_eq!(common::stats(&outbox, &mut client).dead, 2);
 }
 
@@ -1124,6 +1285,20 @@ fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
 fn stats_counts_a_quiet_partitions_dead_letters_through_purges_and_redrives() {
     let (outbox, mut client) = partitioned("part_counted");
     dead_letters_in_partition_0(&mut client, &outbox, 3);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(3));
+    // stats() takes them from the count, which the upkeep makes again once it is cleared
+    // (as an operator would, after a purge by an older version).
+    let set_count = |client: &mut Client, count: Option<i64>| {
+        let sql = format!(
+            "UPDATE {} SET dead = $1 WHERE n = 0",
+            quoted_with(&outbox, "_partitions")
+        );
+        client.execute(&sql, &[&count]).unwrap();
+    };
+    set_count(&mut client, Some(7));
+    assert_eq!(outbox.stats(&mut client).unwrap().dead, 7);
+    set_count(&mut client, None);
+    upkeep(&mut client, &outbox, false);
     assert_eq!(counted_dead(&mut client, &outbox, 0), Some(3));
     let dead = |client: &mut Client| common::stats(&outbox, client).dead;
     assert_eq!(dead(&mut client), 3);
