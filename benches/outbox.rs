@@ -1109,9 +1109,10 @@ fn partitions(scratch: &Scratch) -> Result<()> {
              UPDATE {t}_partitions SET settled_at = NULL, quiet_at = NULL
              WHERE n = (SELECT min(n) FROM {t}_partitions)"
         ))?;
-        // Quiet once no transaction from before this is left (autovacuum's included).
+        // Quiet once no transaction from before this is left (autovacuum's included), if
+        // it is closed (with 3 partitions, the oldest is the open one).
         let quiet = format!(
-            "SELECT quiet_at IS NOT NULL FROM {t}_partitions \
+            "SELECT quiet_at IS NOT NULL OR closed_at IS NULL FROM {t}_partitions \
              WHERE n = (SELECT min(n) FROM {t}_partitions)"
         );
         let started = Instant::now();

@@ -17,9 +17,10 @@
 -- migration 19 has the looks, and `stats()`, leave them out.
 --
 -- `dead`: the dead letters of a quiet partition not settled, as the upkeep counted them and
--- purges took them off since; 0 once settled; NULL while not quiet, or not counted yet. A
--- purge by a version older than this migration leaves the count too high; setting it to
--- NULL has the upkeep count again (README, "Partitioned outboxes").
+-- purges took them off since; 0 once settled; NULL while not quiet, or not counted yet
+-- (the upkeep counts a quiet one then). A purge by a version older than this migration
+-- leaves the count too high; setting it and `quiet_at` to NULL has the partition read
+-- until the upkeep counts it again (README, "Partitioned outboxes").
 --
 -- The upkeep's lock first, before any lock on the bookkeeping (a retire takes them in that
 -- order): no upkeep marks a partition quiet uncounted while this runs.
@@ -39,10 +40,16 @@ BEGIN
         part := format('%s%I', '{schema_prefix}', '{name}_p' || p.n);
         kept := 0;
         IF to_regclass(part) IS NOT NULL THEN
-            EXECUTE format('SELECT count(*) FROM %s WHERE status IN (''dead'', ''parked'')', part)
+            EXECUTE format('SELECT count(*) FROM (SELECT FROM %s
+                                                  WHERE status IN (''dead'', ''parked'')
+                                                  LIMIT 100001) AS letters', part)
             INTO kept;
         END IF;
-        UPDATE {partitions} SET dead = kept WHERE n = p.n;
+        -- Too many to count (see {settle_fn} below): read, not counted.
+        UPDATE {partitions}
+        SET dead = CASE WHEN kept <= 100000 THEN kept END,
+            quiet_at = CASE WHEN kept <= 100000 THEN quiet_at END
+        WHERE n = p.n;
     END LOOP;
     UPDATE {partitions} SET dead = 0 WHERE settled_at IS NOT NULL;
 END
@@ -51,8 +58,10 @@ $do$;
 -- The upkeep of migration 16, counting the dead letters of each partition it marks quiet
 -- (and of a quiet one not counted), and going on past a partition that still holds
 -- pending or parked rows to mark the later ones quiet (it stopped there). A partition of
--- more than 100,000 dead letters is not quiet: counting them on every call would cost more
--- than the looks and `stats()` reading that partition.
+-- more than 100,000 dead letters is not quiet: the count runs inside the relay's upkeep
+-- statement, under its timeout (a second or more), which one of millions could pass, and
+-- fail the whole upkeep, cuts and partitions ahead included; so the looks and `stats()`
+-- read that partition instead, and each call looks at its first 100,001 (about 10 ms).
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
@@ -63,6 +72,7 @@ DECLARE
     kept boolean;
     counted bigint;
     too_many boolean;
+    blocked boolean;
     settling boolean := true;
     -- Pending or parked rows, through the claim's two partial indexes; dead or parked ones
     -- through the done index.
@@ -98,8 +108,7 @@ BEGIN
                   AND xmin IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
                 FOR UPDATE SKIP LOCKED);
     -- The transactions first, then the prepared ones: PREPARE lists a transaction as
-    -- prepared before it lets its virtual one go. A partition locked against reads, or
-    -- dropped by hand meanwhile, waits for the next call; the ones before it stay settled.
+    -- prepared before it lets its virtual one go.
     FOR q IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
         CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling AND q.dead IS NOT NULL;
@@ -115,6 +124,7 @@ BEGIN
         kept := false;
         counted := 0;
         too_many := false;
+        blocked := false;
         IF to_regclass(part) IS NOT NULL THEN
             -- A quiet partition passed these once, and only a redrive writes to it since.
             IF p.quiet_at IS NULL THEN
@@ -138,8 +148,11 @@ BEGIN
                     too_many := counted > 100000;
                 END IF;
             EXCEPTION WHEN lock_not_available OR undefined_table THEN
-                waiting := true;
+                blocked := true;
             END;
+            -- A partition locked against reads (so, likely, the ones after it), or dropped
+            -- by hand meanwhile, waits for the next call.
+            EXIT WHEN blocked;
             -- Pending or parked rows keep this one from being quiet, not the ones after
             -- it: each is judged by its own rows.
             IF waiting OR too_many THEN

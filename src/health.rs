@@ -149,9 +149,9 @@ pub struct Partition {
     /// Its rows, as the planner last estimated them.
     pub rows: u64,
     /// Since it settled: closed, every row in it sent, and no producer left that may still
-    /// write into it. `None` while it may hold a backlog or a dead letter: then every
-    /// `stats()` reads it, and the partitions after it, and so does every enqueue's look
-    /// for an aggregate's earlier messages unless only dead letters are left in it.
+    /// write into it. `None` while it may hold a backlog or a dead letter: unless it is
+    /// quiet (only dead letters left), every `stats()` and every enqueue's look for an
+    /// aggregate's earlier messages read it.
     pub settled: Option<Duration>,
     /// For the oldest closed partition not settled: what keeps it from settling. The
     /// upkeep settles partitions oldest first, so it holds back every one after it too.

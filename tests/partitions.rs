@@ -967,7 +967,7 @@ fn migration_14_bounds_the_head_probes_of_tables_partitioned_before_it() {
 /// their ordered index (where the look for an aggregate's pending messages goes). (The
 /// counts are the session's since the server last took them in, so the difference is read
 /// in one transaction, where it takes in none.)
-fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 3] {
+fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 5] {
     let scans = |tx: &mut postgres::Transaction| -> Vec<i64> {
         let rows = tx
             .query(
@@ -977,7 +977,7 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 3
                                     WHERE i.indrelid = to_regclass($1 || n)
                                       AND pg_get_indexdef(i.indexrelid)
                                           LIKE '%(head, aggregate_key, id)%'), 0)::bigint
-                 FROM unnest(ARRAY[0, 1, 2]) AS n ORDER BY n",
+                 FROM unnest(ARRAY[0, 1, 2, 3, 4]) AS n ORDER BY n",
                 &[&format!("{}_p", outbox.table())],
             )
             .expect("scans");
@@ -988,7 +988,7 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 3
     outbox.enqueue(&mut tx, message).unwrap();
     let after = scans(&mut tx);
     tx.commit().unwrap();
-    [0, 1, 2].map(|n| after[n] - before[n])
+    [0, 1, 2, 3, 4].map(|n| after[n] - before[n])
 }
 
 /// Whether partition `n` is quiet: left out of producers' looks (migration 16).
@@ -1024,7 +1024,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
     wait_quiet(&mut client, &outbox, 0);
     assert_eq!(held_back(&mut client, &outbox, 0), Some(HeldBack::Kept(1)));
-    let [into_0, into_1, _] = looks_into(&mut client, &outbox, of("c2", "c"));
+    let [into_0, into_1, ..] = looks_into(&mut client, &outbox, of("c2", "c"));
     // (A look may scan an index once for each value of the head flag.)
     assert!(into_0 == 0 && into_1 > 0, "{into_0} {into_1}");
     // stats() counts the dead letter there (and agrees with stats_exact()).
@@ -1220,41 +1220,51 @@ fn purge_beside_redrive(redrive_first: bool) {
 
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
 /// partition from being quiet, and no longer the ones after it (migration 18): producers'
-/// looks and `stats()` read it and the open one, leaving out the quiet one between (19),
-/// and the held message still goes before its aggregate's next one.
+/// looks and `stats()` read the oldest partition held, and every one from the next held on,
+/// leaving out the quiet ones between (19). Partitions 0 and 2 hold a message for tomorrow,
+/// of aggregates `a` and `c`; 1 and 3 a sent row and a dead letter each; 4 is open.
 #[test]
 fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     let (outbox, mut client) = partitioned("part_scheduled");
-    let tomorrow = message("tomorrow")
-        .aggregate_key("a")
-        .delay(Duration::from_secs(86_400));
-    enqueue(&mut client, &outbox, tomorrow).unwrap();
-    cut(&mut client, &outbox);
-    enqueue(&mut client, &outbox, message("sent")).unwrap();
-    enqueue(&mut client, &outbox, message("doomed").max_attempts(1)).unwrap();
-    cut(&mut client, &outbox);
-    let config = refusing(&outbox, "doomed");
-    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2);
-    wait_quiet(&mut client, &outbox, 1);
-    assert!(!is_quiet(&mut client, &outbox, 0));
-
     let of = |key: &str, aggregate: &str| message(key).aggregate_key(aggregate);
+    let tomorrow =
+        |key: &str, aggregate: &str| of(key, aggregate).delay(Duration::from_secs(86_400));
+    for (n, aggregate) in [(0, "a"), (2, "c")] {
+        let held = tomorrow(&format!("tomorrow-{n}"), aggregate);
+        enqueue(&mut client, &outbox, held).unwrap();
+        cut(&mut client, &outbox);
+        enqueue(&mut client, &outbox, message(&format!("sent-{}", n + 1))).unwrap();
+        let doomed = message(&format!("doomed-{}", n + 1)).max_attempts(1);
+        enqueue(&mut client, &outbox, doomed).unwrap();
+        cut(&mut client, &outbox);
+    }
+    let config = refusing(&outbox, "doomed");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 4);
+    wait_quiet(&mut client, &outbox, 1);
+    wait_quiet(&mut client, &outbox, 3);
+    assert!(!is_quiet(&mut client, &outbox, 0) && !is_quiet(&mut client, &outbox, 2));
+
     let looks = looks_into(&mut client, &outbox, of("b", "b"));
-    assert!(looks[0] > 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
-    enqueue(&mut client, &outbox, of("a2", "a")).unwrap();
-    assert!(!is_head(&mut client, &outbox, "a2"));
-    // stats() reads partitions 0 and 2, and counts partition 1's dead letter.
+    assert!(looks[0] > 0 && looks[1] == 0, "{looks:?}");
+    assert!(looks[2] > 0 && looks[3] > 0 && looks[4] > 0, "{looks:?}");
+    // Each held message still goes before its aggregate's next one.
+    for aggregate in ["a", "c"] {
+        let next = format!("{aggregate}2");
+        enqueue(&mut client, &outbox, of(&next, aggregate)).unwrap();
+        assert!(!is_head(&mut client, &outbox, &next), "{next}");
+    }
+    // stats() counts partition 1's dead letter and reads partition 3's.
     let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (stats.pending, stats.blocked, stats.dead, stats.sent),
-        (3, 1, 1, 1)
+        (5, 2, 2, 2)
     );
     let topics = outbox.topic_stats(&mut client).unwrap();
     let by_topic: Vec<_> = topics
         .iter()
         .map(|t| (t.topic.as_str(), t.pending, t.dead))
         .collect();
-    assert_eq!(by_topic, [("t", 3, 1)]);
+    assert_eq!(by_topic, [("t", 5, 2)]);
 }
 
 /// A partition quiet before migration 18 has its dead letters counted by the migration.
