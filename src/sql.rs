@@ -1817,6 +1817,11 @@ mod tests {
                 0xb97d6e576d3c437e,
                 0x399c5f67a47fa720,
             ),
+            (
+                "0018_counted_dead_letters",
+                0x4d8670edd2347782,
+                0x95fcfb94dfda7905,
+            ),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
