@@ -154,9 +154,10 @@ BEGIN
             -- by hand meanwhile, waits for the next call.
             EXIT WHEN blocked;
             -- Pending or parked rows keep this one from being quiet, not the ones after
-            -- it: each is judged by its own rows.
+            -- it: each is judged by its own rows. (A quiet one found holding them, as a
+            -- row set pending by hand would leave it, is read again from now on.)
             IF waiting OR too_many THEN
-                IF too_many AND p.quiet_at IS NOT NULL THEN
+                IF p.quiet_at IS NOT NULL THEN
                     UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
                 END IF;
                 settling := false;

@@ -1267,6 +1267,27 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     assert_eq!(by_topic, [("t", 5, 2)]);
 }
 
+/// A dead letter set back to pending by hand (or by a redrive of a version older than
+/// migration 16) in the oldest quiet partition: the upkeep finds it there and has the
+/// looks read that partition again.
+#[test]
+fn a_row_set_pending_by_hand_in_a_quiet_partition_brings_it_back_into_the_looks() {
+    let (outbox, mut client) = partitioned("part_by_hand");
+    dead_letters_in_partition_0(&mut client, &outbox, 1);
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'pending', attempts = 0 WHERE key = 'doomed-1'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    upkeep(&mut client, &outbox, false);
+    assert!(!is_quiet(&mut client, &outbox, 0));
+    assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+}
+
 /// A partition quiet before migration 18 has its dead letters counted by the migration.
 #[test]
 fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
