@@ -17,8 +17,9 @@
 -- migration 19 has the looks, and `stats()`, leave them out.
 --
 -- `dead`: the dead letters of a quiet partition not settled, as the upkeep counted them and
--- purges took them off since; 0 once settled; NULL while not quiet, or not counted yet
--- (the upkeep counts a quiet one then). A purge by a version older than this migration
+-- purges took them off since; 0 once settled; -1 while too many to count (not quiet; see
+-- {settle_fn}); NULL while not quiet otherwise, or not counted yet (the upkeep counts a
+-- quiet one then). A purge by a version older than this migration
 -- leaves the count too high; setting it and `quiet_at` to NULL has the partition read
 -- until the upkeep counts it again (README, "Partitioned outboxes").
 --
@@ -47,7 +48,7 @@ BEGIN
         END IF;
         -- Too many to count (see {settle_fn} below): read, not counted.
         UPDATE {partitions}
-        SET dead = CASE WHEN kept <= 100000 THEN kept END,
+        SET dead = CASE WHEN kept <= 100000 THEN kept ELSE -1 END,
             quiet_at = CASE WHEN kept <= 100000 THEN quiet_at END
         WHERE n = p.n;
     END LOOP;
@@ -61,7 +62,8 @@ $do$;
 -- more than 100,000 dead letters is not quiet: the count runs inside the relay's upkeep
 -- statement, under its timeout (a second or more), which one of millions could pass, and
 -- fail the whole upkeep, cuts and partitions ahead included; so the looks and `stats()`
--- read that partition instead, and each call looks at its first 100,001 (about 10 ms).
+-- read that partition instead, and the upkeep, having marked it (-1), does not count it
+-- again until a purge or a redrive changes its dead letters.
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
@@ -112,6 +114,13 @@ BEGIN
     FOR q IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
         CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling AND q.dead IS NOT NULL;
+        -- Found with too many dead letters to count: read by the looks and `stats()`, not
+        -- counted again on every call (one such partition costs about 20 ms, and they all
+        -- run under the upkeep's timeout) until a purge or a redrive changes its letters.
+        IF q.quiet_at IS NULL AND q.dead = -1 THEN
+            settling := false;
+            CONTINUE;
+        END IF;
         -- Locked before its rows are read, and written only under the lock: a redrive
         -- that makes a row of it pending holds this lock until it commits (the partition
         -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
@@ -156,10 +165,12 @@ BEGIN
             -- Pending or parked rows keep this one from being quiet, not the ones after
             -- it: each is judged by its own rows. (A quiet one found holding them, as a
             -- row set pending by hand would leave it, is read again from now on.)
+            IF too_many THEN
+                UPDATE {partitions} SET quiet_at = NULL, dead = -1 WHERE n = p.n;
+            ELSIF waiting AND p.quiet_at IS NOT NULL THEN
+                UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
+            END IF;
             IF waiting OR too_many THEN
-                IF p.quiet_at IS NOT NULL THEN
-                    UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
-                END IF;
                 settling := false;
                 CONTINUE;
             END IF;

@@ -613,8 +613,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
             // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
-            // topic_stats() still reads it for them, and enqueues read from the first
-            // closed partition not quiet, if any.
+            // topic_stats() still reads it for them, and enqueues and stats() read from
+            // the first closed partition not quiet, if any.
             let looked = health.partitions.iter().find(|p| {
                 p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
             });
@@ -633,8 +633,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                         .filter(|p| p.number > partition.number && p.exists)
                         .count(),
                     looked.map_or_else(String::new, |p| format!(
-                        ", and each enqueue with an aggregate key reads partition {} and {} \
-                         partitions after it",
+                        ", and each enqueue with an aggregate key and each stats() reads \
+                         partition {} and {} partitions after it",
                         p.number,
                         after(p.number)
                     ))

@@ -669,16 +669,28 @@ impl Outbox {
             return self.retire(client, age, false);
         }
         let (keys, topic, error, age, states) = filter.params(states);
+        let sql = self.statements();
+        let purge = if self.partitioned(client)? {
+            &sql.purge_partitioned
+        } else {
+            &sql.purge_where
+        };
         let mut total = 0;
         loop {
             let slot: i16 = rand::thread_rng().gen_range(0..16);
-            let n: i64 = client
-                .query_one(
-                    &self.statements().purge_where,
-                    &[&keys, &topic, &error, &age, &states, &slot],
-                )
+            // READ COMMITTED whatever the session's default: relays write the sent counters
+            // and their upkeep the partitions' bookkeeping all the time, and an update of a
+            // row written after a REPEATABLE READ snapshot fails where this one waits and
+            // reads it anew.
+            let mut tx = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::ReadCommitted)
+                .start()?;
+            let n: i64 = tx
+                .query_one(purge, &[&keys, &topic, &error, &age, &states, &slot])
                 .map_err(|e| self.db_error(e))?
                 .get(0);
+            tx.commit()?;
             total += u64::try_from(n).unwrap_or(0);
             if n < PURGE_BATCH {
                 break;

@@ -192,6 +192,25 @@ fn redrive(more: &str) -> String {
     )
 }
 
+/// One batch of a purge, with `more` (statements of the WITH, each after a comma) beside
+/// it: `c` counts what it deleted by partition, sent and not.
+fn purge(more: &str) -> String {
+    format!(
+        "WITH gone AS (
+           DELETE FROM {{table}} WHERE id IN (
+             SELECT t.id FROM {{table}} t WHERE {{filter}}
+             ORDER BY t.status, t.done_at LIMIT {{purge_batch}}
+             FOR UPDATE SKIP LOCKED)
+           RETURNING status, id),
+         c AS (SELECT id >> {{id_bits}} AS part, count(*) FILTER (WHERE status = 'sent') AS sent,
+                      count(*) FILTER (WHERE status <> 'sent') AS dead
+               FROM gone GROUP BY 1),
+         bump AS (UPDATE {{counts}} k SET sent = k.sent - c.sent FROM c
+                  WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0){more}
+         SELECT count(*) FROM gone"
+    )
+}
+
 /// A record as an operator lists it: its attempt is the number of attempts made.
 fn record_columns() -> Result<String, RenderError> {
     render(RECORD_TEMPLATE, &[("attempt", "t.attempts")])
@@ -320,7 +339,10 @@ pub(crate) struct Statements {
     pub(crate) redrive_partitioned: String,
     /// Parked dead letters matching a filter stop holding their aggregates.
     pub(crate) skip_where: String,
+    /// One batch of a purge; returns how many rows it deleted.
     pub(crate) purge_where: String,
+    /// `purge_where` on a partitioned table.
+    pub(crate) purge_partitioned: String,
     pub(crate) topic_stats: String,
     /// How long the oldest due ready row has waited, in seconds (NULL when none is due).
     pub(crate) health_due: String,
@@ -661,33 +683,24 @@ impl Statements {
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
             // counter (slot $6) goes down by the sent rows deleted.
-            purge_where: values.render(
-                "WITH gone AS (
-                   DELETE FROM {table} WHERE id IN (
-                     SELECT t.id FROM {table} t WHERE {filter}
-                     ORDER BY t.status, t.done_at LIMIT {purge_batch}
-                     FOR UPDATE SKIP LOCKED)
-                   RETURNING status, id),
-                 c AS (SELECT id >> {id_bits} AS part, count(*) FILTER (WHERE status = 'sent') AS sent,
-                              count(*) FILTER (WHERE status <> 'sent') AS dead
-                       FROM gone GROUP BY 1),
-                 bump AS (UPDATE {counts} k SET sent = k.sent - c.sent FROM c
-                          WHERE k.part = c.part AND k.slot = $6 AND c.sent > 0),
-                 -- A partitioned table's count of a quiet partition's dead letters
-                 -- (migration 0018). Each closed partition it deletes dead letters from is
-                 -- locked, quiet or not: the upkeep, which locks one before it counts it,
-                 -- counts after this commits, or this waits for its count. (A purge whose
-                 -- snapshot predates a cut is among the transactions the upkeep waits for
-                 -- before that partition is quiet.) Locked in their order, as a redrive
-                 -- locks them.
-                 kept AS (UPDATE {partitions} p SET dead = p.dead - c.dead FROM c
+            purge_where: values.render(&purge(""))?,
+            // On a partitioned table, a quiet partition's count of its dead letters goes
+            // down too (migration 0018). Each closed partition it deletes dead letters from
+            // is locked, quiet or not: the upkeep, which locks one before it counts it,
+            // counts after this commits, or this waits for its count. (A purge whose
+            // snapshot predates a cut is among the transactions the upkeep waits for before
+            // that partition is quiet.) Locked in their order, as a redrive locks them. One
+            // found with too many to count (-1) is counted again.
+            purge_partitioned: values.render(&purge(
+                ",
+                 kept AS (UPDATE {partitions} p
+                          SET dead = CASE WHEN p.dead >= 0 THEN p.dead - c.dead END FROM c
                           WHERE p.n = c.part
                             AND p.n IN (SELECT q.n FROM {partitions} q
                                         WHERE q.closed_at IS NOT NULL
                                           AND q.n IN (SELECT part FROM c WHERE dead > 0)
-                                        ORDER BY q.n FOR UPDATE))
-                 SELECT count(*) FROM gone"
-            )?,
+                                        ORDER BY q.n FOR UPDATE))",
+            ))?,
             // The first entry of the ready index: the oldest row a relay could take as it is.
             health_due: values.render(
                 &format!(
@@ -1819,8 +1832,8 @@ mod tests {
             ),
             (
                 "0018_counted_dead_letters",
-                0xabbaac4e15fd62ec,
-                0x603db0a68c5d4e27,
+                0x21d712eead422e99,
+                0x85d712197d511282,
             ),
         ];
         let fnv = |text: &str| {

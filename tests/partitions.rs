@@ -1047,7 +1047,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     cut(&mut client, &outbox);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(
-        problem.contains("each enqueue with an aggregate key reads partition 1 "),
+        problem.contains("each enqueue with an aggregate key and each stats() reads partition 1 "),
         "{problem}"
     );
     assert_eq!(send_all(&outbox).keys(), vec!["c2".to_owned()]);
@@ -1099,7 +1099,8 @@ fn dead_letters_in_partition_0(client: &mut Client, outbox: &Outbox, dead: usize
 }
 
 /// A partition of more dead letters than the upkeep counts (100,000) is not quiet: the
-/// looks and `stats()` read it rather than the upkeep count it again on every call.
+/// looks and `stats()` read it, and the upkeep, having found it so, does not read it again
+/// until a purge changes its dead letters.
 #[test]
 fn a_partition_of_too_many_dead_letters_is_read_not_counted() {
     let (outbox, mut client) = partitioned("part_many_dead");
@@ -1117,15 +1118,44 @@ fn a_partition_of_too_many_dead_letters_is_read_not_counted() {
             quoted_with(&outbox, "_partitions")
         ))
         .unwrap();
-    upkeep(&mut client, &outbox, false);
+    assert!(upkeep_reads_partition_0(&mut client, &outbox) > 0);
     assert!(!is_quiet(&mut client, &outbox, 0));
-    assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(-1));
+    assert_eq!(upkeep_reads_partition_0(&mut client, &outbox), 0);
     assert_eq!(common::stats(&outbox, &mut client).dead, 100_001);
 
     let all = Rows::Dead.matching(Filter::new());
     assert_eq!(outbox.purge(&mut client, all).unwrap(), 100_001);
     wait_settled(&mut client, &outbox, 0);
     assert_eq!(common::stats(&outbox, &mut client).dead, 0);
+}
+
+/// The scans of partition 0 and its indexes by one upkeep.
+fn upkeep_reads_partition_0(client: &mut Client, outbox: &Outbox) -> i64 {
+    let scans = |tx: &mut postgres::Transaction| -> i64 {
+        tx.query_one(
+            "SELECT pg_stat_get_xact_numscans(to_regclass($1))
+                    + (SELECT coalesce(sum(pg_stat_get_xact_numscans(i.indexrelid)), 0)
+                       FROM pg_index i WHERE i.indrelid = to_regclass($1))::bigint",
+            &[&format!("{}_p0", outbox.table())],
+        )
+        .expect("scans")
+        .get(0)
+    };
+    let mut tx = client.transaction().unwrap();
+    let before = scans(&mut tx);
+    tx.query_one(
+        &format!(
+            "SELECT {}(false), {}()",
+            quoted_with(outbox, "_partition"),
+            quoted_with(outbox, "_settle")
+        ),
+        &[],
+    )
+    .expect("partition upkeep");
+    let after = scans(&mut tx);
+    tx.commit().unwrap();
+    after - before
 }
 
 /// A purge and a redrive of dead letters in the same two quiet partitions both lock the
@@ -1218,6 +1248,53 @@ fn purge_beside_redrive(redrive_first: bool) {
     assert_eq!((stats.pending, stats.dead), (2, 0));
 }
 
+/// A purge from a session whose default is REPEATABLE READ, waiting for a partition's
+/// bookkeeping that another transaction (as the upkeep would) updates, takes its dead
+/// letter off the count that transaction left, where an update under its own snapshot
+/// would fail.
+#[test]
+fn a_purge_in_a_repeatable_read_session_waits_for_the_bookkeeping_and_goes_on() {
+    let (outbox, mut client) = partitioned("part_purge_rr");
+    dead_letters_in_partition_0(&mut client, &outbox, 2);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(2));
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    held.execute(
+        &format!(
+            "UPDATE {} SET dead = dead WHERE n = 0",
+            quoted_with(&outbox, "_partitions")
+        ),
+        &[],
+    )
+    .unwrap();
+    let mut session = common::client();
+    session
+        .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .unwrap();
+    let pid: i32 = session
+        .query_one("SELECT pg_backend_pid()", &[])
+        .unwrap()
+        .get(0);
+    let purging = {
+        let outbox = outbox.clone();
+        let doomed = Rows::Dead.matching(Filter::new().key("doomed-1"));
+        std::thread::spawn(move || outbox.purge(&mut session, doomed))
+    };
+    wait_until("the purge waits for the bookkeeping", || {
+        client
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND pid = $1)",
+                &[&pid],
+            )
+            .unwrap()
+            .get(0)
+    });
+    held.commit().unwrap();
+    assert_eq!(purging.join().unwrap().unwrap(), 1);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(1));
+    assert_eq!(common::stats(&outbox, &mut client).dead, 1);
+}
+
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
 /// partition from being quiet, and no longer the ones after it (migration 18): producers'
 /// looks and `stats()` read the oldest partition held, and every one from the next held on,
@@ -1268,8 +1345,9 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
 }
 
 /// A dead letter set back to pending by hand (or by a redrive of a version older than
-/// migration 16) in the oldest quiet partition: the upkeep finds it there and has the
-/// looks read that partition again.
+/// migration 16) in the oldest quiet partition, as its aggregate's head: the upkeep finds
+/// it there and has the looks read that partition again, so the aggregate's next message
+/// waits behind it.
 #[test]
 fn a_row_set_pending_by_hand_in_a_quiet_partition_brings_it_back_into_the_looks() {
     let (outbox, mut client) = partitioned("part_by_hand");
@@ -1277,7 +1355,9 @@ fn a_row_set_pending_by_hand_in_a_quiet_partition_brings_it_back_into_the_looks(
     client
         .execute(
             &format!(
-                "UPDATE {} SET status = 'pending', attempts = 0 WHERE key = 'doomed-1'",
+                "UPDATE {} SET status = 'pending', attempts = 0, aggregate_key = 'by-hand',
+                               head = true
+                 WHERE key = 'doomed-1'",
                 quoted(&outbox)
             ),
             &[],
@@ -1286,6 +1366,9 @@ fn a_row_set_pending_by_hand_in_a_quiet_partition_brings_it_back_into_the_looks(
     upkeep(&mut client, &outbox, false);
     assert!(!is_quiet(&mut client, &outbox, 0));
     assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+    let next = message("by-hand-next").aggregate_key("by-hand");
+    enqueue(&mut client, &outbox, next).unwrap();
+    assert!(!is_head(&mut client, &outbox, "by-hand-next"));
 }
 
 /// A partition quiet before migration 18 has its dead letters counted by the migration.
