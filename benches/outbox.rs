@@ -1033,7 +1033,8 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// upkeep run once before measuring, as a relay would have done. `kept_` is the
 /// partitioned table again with a dead letter kept in its oldest partition, which keeps
 /// that partition from settling (before migration 18, `stats()` read every partition from
-/// there; before migration 16, each enqueue's look did too). `held_` is the same with a
+/// there, as `topic_stats()` did for dead letters; before migration 16, each enqueue's
+/// look did too). `held_` is the same with a
 /// message scheduled for tomorrow in the oldest partition, which keeps it from being
 /// quiet (before migration 19, each enqueue's look and `stats()` read every partition
 /// from there).
@@ -1127,6 +1128,12 @@ fn partitions(scratch: &Scratch) -> Result<()> {
             std::thread::sleep(Duration::from_millis(50));
         }
         let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
+        partitioned.topic_stats(&mut client)?;
+        let started = Instant::now();
+        for _ in 0..STATS_CALLS {
+            partitioned.topic_stats(&mut client)?;
+        }
+        let topic_stats = started.elapsed() / STATS_CALLS;
         client.batch_execute(&format!(
             "DELETE FROM {t} WHERE status = 'dead'; {}",
             sent.replace("{}", t)
@@ -1134,6 +1141,7 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         upkeep(&mut client, false)?;
         line = line
             .kv("kept_stats_ms", ms(stats))
+            .kv("kept_topic_stats_ms", ms(topic_stats))
             .kv("kept_enqueue_ms", ms(enqueue));
         // A message scheduled for tomorrow in the oldest partition instead.
         client.batch_execute(&format!(

@@ -167,11 +167,6 @@ impl Partition {
     pub fn is_open(&self) -> bool {
         self.opened.is_some() && self.closed.is_none()
     }
-
-    /// Its first id.
-    fn first_id(number: i64) -> i64 {
-        number.saturating_mul(1 << crate::sql::PARTITION_ID_BITS)
-    }
 }
 
 /// What keeps a closed partition from settling (see [`Partition::held_back`]).
@@ -400,8 +395,8 @@ impl Outbox {
             .find(|p| p.closed.is_some() && p.settled.is_none() && p.exists)
         {
             let ids = (
-                Partition::first_id(oldest.number),
-                Partition::first_id(oldest.number + 1),
+                sql::first_id(oldest.number),
+                sql::first_id(oldest.number + 1),
             );
             let row = client
                 .query_opt(&sql.partition_left, &[&ids.0, &ids.1, &oldest.number])
@@ -613,8 +608,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
             // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
-            // topic_stats() still reads it for them, and enqueues and stats() read from
-            // the first closed partition not quiet, if any.
+            // topic_stats() reads it alone for them, and enqueues and stats() read from the
+            // first closed partition not quiet, if any.
             let looked = health.partitions.iter().find(|p| {
                 p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
             });
@@ -625,13 +620,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     after(partition.number)
                 ),
                 (true, looked) => format!(
-                    "each topic_stats() reads the dead letters of it and of the {} partitions \
-                     after it{}",
-                    health
-                        .partitions
-                        .iter()
-                        .filter(|p| p.number > partition.number && p.exists)
-                        .count(),
+                    "each topic_stats() reads it for its dead letters{}",
                     looked.map_or_else(String::new, |p| format!(
                         ", and each enqueue with an aggregate key and each stats() reads \
                          partition {} and {} partitions after it",

@@ -155,6 +155,18 @@ const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
                  f.n + 1) << {id_bits}
  FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
 
+/// How many ranges of ids, besides the backlog's, `topic_stats` reads dead letters in
+/// (`$5` on, two a range): those of the quiet partitions between `BACKLOG_FROM` and the
+/// third bound of `LOOK_BOUNDS` whose dead letters the upkeep counted as some, or has not
+/// counted, a run of neighbours in one range, and the last ones in the last range, with
+/// the partitions between.
+pub(crate) const DEAD_RANGES: usize = 4;
+
+/// The first id of partition `n`.
+pub(crate) fn first_id(n: i64) -> i64 {
+    n.saturating_mul(1 << PARTITION_ID_BITS)
+}
+
 /// Whether row `{id}`'s id is in the ranges `LOOK_BOUNDS` gives, as `$2`, `$3` and `$4`.
 const IN_BACKLOG: &str = "{id} >= $2 AND ({id} < $3 OR {id} >= $4)";
 
@@ -319,8 +331,9 @@ pub(crate) struct Statements {
     pub(crate) stats: String,
     /// The ids `stats` and `topic_stats` read on a partitioned table: from the first of the
     /// oldest partition not settled (migration 0013), whose rows may still be pending,
-    /// parked or dead; and the ranges of `LOOK_BOUNDS`, whose rows may still be pending or
-    /// parked.
+    /// parked or dead; the ranges of `LOOK_BOUNDS`, whose rows may still be pending or
+    /// parked; and the quiet partitions between whose dead letters are counted as some,
+    /// or not counted (migration 0018).
     pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -709,23 +722,29 @@ impl Statements {
                 ),
             )?,
             // Pending rows through their two partial indexes (in the ranges of $2 to $4),
-            // dead ones through the done index (from $1): sent rows, however many, are
-            // never read.
-            topic_stats: values.render(
+            // dead ones through the done index, there and in the ranges of quiet
+            // partitions holding dead letters ($5 on, see `DEAD_RANGES`): sent rows,
+            // however many, are never read.
+            topic_stats: values.render(&format!(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
-                   SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NULL AND {in_backlog}
+                   SELECT topic, count(*) AS pending, 0 AS dead FROM {{table}}
+                   WHERE status = 'pending' AND aggregate_key IS NULL AND {{in_backlog}}
                    GROUP BY topic
                    UNION ALL
-                   SELECT topic, count(*), 0 FROM {table}
-                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND {in_backlog}
+                   SELECT topic, count(*), 0 FROM {{table}}
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND {{in_backlog}}
                    GROUP BY topic
                    UNION ALL
-                   SELECT topic, 0, count(*) FROM {table}
+                   SELECT topic, 0, count(*) FROM {{table}}
                    WHERE status IN ('dead', 'parked') AND id >= $1
+                     AND ({{in_backlog}} OR {})
                    GROUP BY topic
-                 ) per GROUP BY topic ORDER BY topic"
-            )?,
+                 ) per GROUP BY topic ORDER BY topic",
+                (0..DEAD_RANGES)
+                    .map(|i| format!("id >= ${} AND id < ${}", 5 + 2 * i, 6 + 2 * i))
+                    .collect::<Vec<_>>()
+                    .join(" OR ")
+            ))?,
             // Dedupe records by message key ($1), older than $2 microseconds if given.
             purge_inbox_keys: values.render(
                 "DELETE FROM {inbox} WHERE key = ANY($1)
@@ -884,7 +903,14 @@ impl Statements {
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             backlog_from: values.render(&format!(
-                "SELECT ({BACKLOG_FROM}), b.* FROM ({LOOK_BOUNDS}) AS b"
+                "SELECT s.first, b.*,
+                        ARRAY(SELECT q.n FROM {{partitions}} q
+                              WHERE q.quiet_at IS NOT NULL AND q.dead IS DISTINCT FROM 0
+                                AND q.n >= s.first >> {{id_bits}}
+                                AND q.n < b.look_again >> {{id_bits}}
+                              ORDER BY q.n)
+                 FROM ({BACKLOG_FROM}) AS s(first),
+                      ({LOOK_BOUNDS}) AS b(look_from, look_skip, look_again)"
             ))?,
             // From the catalog, which every role may read.
             is_partitioned: values.render(

@@ -3,12 +3,13 @@
 
 use std::time::Duration;
 
+use postgres::types::ToSql;
 use postgres::{Client, IsolationLevel, Row};
 
 use crate::clock::seconds;
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::sql::STATS_COUNTED;
+use crate::sql::{self, DEAD_RANGES, STATS_COUNTED};
 use crate::store::{self, count};
 
 /// A snapshot of an outbox's state, from [`Outbox::stats`] or [`Outbox::stats_exact`].
@@ -99,7 +100,7 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let rows = self.read_backlog(client, &self.statements().stats)?;
+        let rows = self.read_backlog(client, &self.statements().stats, false)?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
             .map_err(Error::Db)
@@ -134,7 +135,7 @@ impl Outbox {
     /// are not read, nor are a partitioned table's settled partitions, nor its quiet ones
     /// but for their dead letters).
     pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
-        let rows = self.read_backlog(client, &self.statements().topic_stats)?;
+        let rows = self.read_backlog(client, &self.statements().topic_stats, true)?;
         Ok(rows
             .iter()
             .map(|row| TopicStats {
@@ -145,18 +146,33 @@ impl Outbox {
             .collect())
     }
 
-    /// Runs `query`, which reads dead letters from the id `$1` on (or counts those before
-    /// `$4`, see `Statements::stats`) and the rest in the ranges `$2` to `$3` and from `$4`
-    /// on: on a partitioned table, the first id of the oldest partition not settled
-    /// (migration 0013), and the ids of the oldest not quiet and of every partition from the
-    /// next not quiet on (migrations 0016 and 0019), so that its plan leaves the others
-    /// out, however many days retention keeps; on a plain one, 0.
+    /// Runs `query`, which counts dead letters before `$4` in the quiet partitions from
+    /// `$1` on (see `Statements::stats`), or, `with_ranges`, reads them in the ranges
+    /// `$5` on (see `DEAD_RANGES`), and reads the rest in the ranges `$2` to `$3` and
+    /// from `$4` on: on a partitioned table, the first id of the oldest partition not
+    /// settled (migration 0013), and the ids of the oldest not quiet and of every
+    /// partition from the next not quiet on (migrations 0016 and 0019), so that its plan
+    /// leaves the others out, however many days retention keeps; on a plain one, 0 (and
+    /// empty ranges).
     /// The bounds and the counts are read in one snapshot: a redrive committed in between
     /// moves the second bound back, before rows the counts would then miss.
-    fn read_backlog(&self, client: &mut Client, query: &str) -> Result<Vec<Row>> {
+    fn read_backlog(
+        &self,
+        client: &mut Client,
+        query: &str,
+        with_ranges: bool,
+    ) -> Result<Vec<Row>> {
+        let params = |bounds: [i64; 4], ranges: [(i64, i64); DEAD_RANGES]| {
+            let mut params = bounds.to_vec();
+            if with_ranges {
+                params.extend(ranges.iter().flat_map(|&(from, to)| [from, to]));
+            }
+            params
+        };
         if !self.partitioned(client)? {
+            let params = params([0; 4], [(0, 0); DEAD_RANGES]);
             return client
-                .query(query, &[&0_i64, &0_i64, &0_i64, &0_i64])
+                .query(query, &as_params(&params))
                 .map_err(|e| self.db_error(e));
         }
         let mut tx = client
@@ -167,13 +183,40 @@ impl Outbox {
         let bounds = tx
             .query_one(&self.statements().backlog_from, &[])
             .map_err(|e| self.db_error(e))?;
+        let quiet_with_dead: Vec<i64> = bounds.get(4);
         let bounds: [i64; 4] = [0, 1, 2, 3].map(|i| bounds.get(i));
+        let params = params(bounds, dead_ranges(&quiet_with_dead));
         let rows = tx
-            .query(query, &[&bounds[0], &bounds[1], &bounds[2], &bounds[3]])
+            .query(query, &as_params(&params))
             .map_err(|e| self.db_error(e))?;
         tx.commit()?;
         Ok(rows)
     }
+}
+
+/// `params` as a statement's parameters.
+fn as_params(params: &[i64]) -> Vec<&(dyn ToSql + Sync)> {
+    params.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
+}
+
+/// The ranges of ids of the partitions `numbers` (ascending), at most `DEAD_RANGES`: a run
+/// of neighbours in one range, and past the last range the rest in it, the partitions
+/// between included (reading more partitions for their dead letters counts no more of
+/// them); the ranges left are empty.
+fn dead_ranges(numbers: &[i64]) -> [(i64, i64); DEAD_RANGES] {
+    let mut runs: Vec<(i64, i64)> = Vec::new();
+    for &n in numbers {
+        let full = runs.len() == DEAD_RANGES;
+        match runs.last_mut() {
+            Some(run) if run.1 == n || full => run.1 = n + 1,
+            _ => runs.push((n, n + 1)),
+        }
+    }
+    let mut ranges = [(0, 0); DEAD_RANGES];
+    for (range, (from, to)) in ranges.iter_mut().zip(runs) {
+        *range = (sql::first_id(from), sql::first_id(to));
+    }
+    ranges
 }
 
 /// What one bounded read of the backlog counted (see `Statements::stats`).
@@ -329,6 +372,25 @@ impl Counted {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dead_ranges_take_runs_of_neighbours_and_the_rest_in_the_last() {
+        let id = sql::first_id;
+        assert_eq!(dead_ranges(&[]), [(0, 0); DEAD_RANGES]);
+        assert_eq!(
+            dead_ranges(&[3, 4, 5, 9]),
+            [(id(3), id(6)), (id(9), id(10)), (0, 0), (0, 0)]
+        );
+        assert_eq!(
+            dead_ranges(&[1, 3, 5, 7, 9, 10, 12]),
+            [
+                (id(1), id(2)),
+                (id(3), id(4)),
+                (id(5), id(6)),
+                (id(7), id(13))
+            ]
+        );
+    }
 
     const LIMIT: u64 = STATS_COUNTED;
 

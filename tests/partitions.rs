@@ -1039,7 +1039,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(
-        problem.contains("each topic_stats() reads the dead letters of it"),
+        problem.contains("each topic_stats() reads it for its dead letters"),
         "{problem}"
     );
     assert!(!problem.contains("each enqueue"), "{problem}");
@@ -1246,6 +1246,47 @@ fn purge_beside_redrive(redrive_first: bool) {
     }
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.dead), (2, 0));
+}
+
+/// `topic_stats()` reads the dead letters of the quiet partitions that hold some, and no
+/// other quiet partition: partitions 0 and 3 hold a dead letter, 1 and 2 sent rows alone,
+/// 4 is open, and partition 2, locked against every read, holds it up in nothing.
+#[test]
+fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
+    let (outbox, mut client) = partitioned("part_topic_dead");
+    for n in 0..4 {
+        if n == 0 || n == 3 {
+            let doomed = message(&format!("doomed-{n}")).max_attempts(1);
+            enqueue(&mut client, &outbox, doomed).unwrap();
+        }
+        enqueue(&mut client, &outbox, message(&format!("fine-{n}"))).unwrap();
+        cut(&mut client, &outbox);
+    }
+    let config = refusing(&outbox, "doomed-");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 6);
+    for n in 0..4 {
+        wait_quiet(&mut client, &outbox, n);
+    }
+    enqueue(&mut client, &outbox, message("later")).unwrap();
+
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    held.batch_execute(&format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        quoted_with(&outbox, "_p2")
+    ))
+    .unwrap();
+    client.batch_execute("SET lock_timeout = '10s'").unwrap();
+    let topics = outbox.topic_stats(&mut client).unwrap();
+    let by_topic: Vec<_> = topics
+        .iter()
+        .map(|t| (t.topic.as_str(), t.pending, t.dead))
+        .collect();
+    assert_eq!(by_topic, [("t", 1, 2)]);
+    held.rollback().unwrap();
+    client.batch_execute("RESET lock_timeout").unwrap();
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.pending, stats.dead), (1, 2));
 }
 
 /// A purge from a session whose default is REPEATABLE READ, waiting for a partition's
