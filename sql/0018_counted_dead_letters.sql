@@ -63,7 +63,8 @@ $do$;
 -- statement, under its timeout (a second or more), which one of millions could pass, and
 -- fail the whole upkeep, cuts and partitions ahead included; so the looks and `stats()`
 -- read that partition instead, and the upkeep, having marked it (-1), does not count it
--- again until a purge or a redrive changes its dead letters.
+-- again until a purge or a redrive changes its dead letters (after deleting some by hand,
+-- set `dead` to NULL), or none is left.
 CREATE OR REPLACE FUNCTION {settle_fn}() RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER AS $fn$
 DECLARE
@@ -114,13 +115,6 @@ BEGIN
     FOR q IN SELECT * FROM {partitions}
              WHERE closed_at IS NOT NULL AND settled_at IS NULL ORDER BY n LOOP
         CONTINUE WHEN q.quiet_at IS NOT NULL AND NOT settling AND q.dead IS NOT NULL;
-        -- Found with too many dead letters to count: read by the looks and `stats()`, not
-        -- counted again on every call (one such partition costs about 20 ms, and they all
-        -- run under the upkeep's timeout) until a purge or a redrive changes its letters.
-        IF q.quiet_at IS NULL AND q.dead = -1 THEN
-            settling := false;
-            CONTINUE;
-        END IF;
         -- Locked before its rows are read, and written only under the lock: a redrive
         -- that makes a row of it pending holds this lock until it commits (the partition
         -- is left to it, SKIP LOCKED), and once the lock is had, the read after it sees
@@ -149,12 +143,20 @@ BEGIN
                 -- an operator changes them (see above). A purge that deletes some locks
                 -- this partition's row as well: one holding it now made this call stop
                 -- above, and one to come waits for this count, then takes its rows off.
+                -- One found with too many to count is not counted again on every call
+                -- (one such partition costs about 20 ms, and they all run under the
+                -- upkeep's timeout), only once a purge or a redrive has cleared its mark,
+                -- or its dead letters are all gone.
                 IF kept AND NOT waiting AND (p.quiet_at IS NULL OR p.dead IS NULL) THEN
-                    EXECUTE format('SELECT count(*) FROM (SELECT FROM %s
-                                                          WHERE status IN (''dead'', ''parked'')
-                                                          LIMIT 100001) AS letters', part)
-                    INTO counted;
-                    too_many := counted > 100000;
+                    IF p.dead = -1 THEN
+                        too_many := true;
+                    ELSE
+                        EXECUTE format('SELECT count(*) FROM (SELECT FROM %s
+                                                              WHERE status IN (''dead'', ''parked'')
+                                                              LIMIT 100001) AS letters', part)
+                        INTO counted;
+                        too_many := counted > 100000;
+                    END IF;
                 END IF;
             EXCEPTION WHEN lock_not_available OR undefined_table THEN
                 blocked := true;
@@ -166,7 +168,9 @@ BEGIN
             -- it: each is judged by its own rows. (A quiet one found holding them, as a
             -- row set pending by hand would leave it, is read again from now on.)
             IF too_many THEN
-                UPDATE {partitions} SET quiet_at = NULL, dead = -1 WHERE n = p.n;
+                IF p.dead IS DISTINCT FROM -1 THEN
+                    UPDATE {partitions} SET quiet_at = NULL, dead = -1 WHERE n = p.n;
+                END IF;
             ELSIF waiting AND p.quiet_at IS NOT NULL THEN
                 UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
             END IF;

@@ -156,10 +156,10 @@ const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
  FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
 
 /// How many ranges of ids, besides the backlog's, `topic_stats` reads dead letters in
-/// (`$5` on, two a range): those of the quiet partitions between `BACKLOG_FROM` and the
+/// (`$5` on, two a range). They cover the quiet partitions between `BACKLOG_FROM` and the
 /// third bound of `LOOK_BOUNDS` whose dead letters the upkeep counted as some, or has not
-/// counted, a run of neighbours in one range, and the last ones in the last range, with
-/// the partitions between.
+/// counted. A run of neighbours takes one range; past the last range, the rest go into it,
+/// with the partitions between.
 pub(crate) const DEAD_RANGES: usize = 4;
 
 /// The first id of partition `n`.
@@ -703,11 +703,12 @@ impl Statements {
             // counts after this commits, or this waits for its count. (A purge whose
             // snapshot predates a cut is among the transactions the upkeep waits for before
             // that partition is quiet.) Locked in their order, as a redrive locks them. One
-            // found with too many to count (-1) is counted again.
+            // found with too many to count (-1), or whose count was too low (dead letters
+            // made by hand), is counted again.
             purge_partitioned: values.render(&purge(
                 ",
                  kept AS (UPDATE {partitions} p
-                          SET dead = CASE WHEN p.dead >= 0 THEN p.dead - c.dead END FROM c
+                          SET dead = CASE WHEN p.dead >= c.dead THEN p.dead - c.dead END FROM c
                           WHERE p.n = c.part
                             AND p.n IN (SELECT q.n FROM {partitions} q
                                         WHERE q.closed_at IS NOT NULL
@@ -1858,8 +1859,8 @@ mod tests {
             ),
             (
                 "0018_counted_dead_letters",
-                0x21d712eead422e99,
-                0x85d712197d511282,
+                0x3db5075a6c8bf9fb,
+                0x33e4e9ba858497b8,
             ),
         ];
         let fnv = |text: &str| {

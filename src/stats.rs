@@ -162,15 +162,17 @@ impl Outbox {
         query: &str,
         with_ranges: bool,
     ) -> Result<Vec<Row>> {
-        let params = |bounds: [i64; 4], ranges: [(i64, i64); DEAD_RANGES]| {
+        // The bounds, and with them the ranges of the partitions `counted`.
+        let params = |bounds: [i64; 4], counted: &[i64]| {
             let mut params = bounds.to_vec();
             if with_ranges {
+                let ranges = dead_ranges(counted);
                 params.extend(ranges.iter().flat_map(|&(from, to)| [from, to]));
             }
             params
         };
         if !self.partitioned(client)? {
-            let params = params([0; 4], [(0, 0); DEAD_RANGES]);
+            let params = params([0; 4], &[]);
             return client
                 .query(query, &as_params(&params))
                 .map_err(|e| self.db_error(e));
@@ -183,9 +185,8 @@ impl Outbox {
         let bounds = tx
             .query_one(&self.statements().backlog_from, &[])
             .map_err(|e| self.db_error(e))?;
-        let quiet_with_dead: Vec<i64> = bounds.get(4);
-        let bounds: [i64; 4] = [0, 1, 2, 3].map(|i| bounds.get(i));
-        let params = params(bounds, dead_ranges(&quiet_with_dead));
+        let counted: Vec<i64> = bounds.get(4);
+        let params = params([0, 1, 2, 3].map(|i| bounds.get(i)), &counted);
         let rows = tx
             .query(query, &as_params(&params))
             .map_err(|e| self.db_error(e))?;
