@@ -1030,12 +1030,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     // stats() counts the dead letter there (and agrees with stats_exact()).
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.dead, stats.pending, stats.sent), (1, 1, 1));
-    let topics = outbox.topic_stats(&mut client).unwrap();
-    let by_topic: Vec<_> = topics
-        .iter()
-        .map(|t| (t.topic.as_str(), t.pending, t.dead))
-        .collect();
-    assert_eq!(by_topic, [("t", 1, 1)]);
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 1, 1)]);
     closed_long_ago(&mut client, &outbox, 0);
     let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
     assert!(
@@ -1207,6 +1202,36 @@ fn upkeep_reads_in_partition_0(client: &mut Client, outbox: &Outbox) -> i64 {
     after - before
 }
 
+/// `topic_stats()` as (topic, pending, dead).
+fn by_topic(client: &mut Client, outbox: &Outbox) -> Vec<(String, u64, u64)> {
+    let topics = outbox.topic_stats(client).expect("topic_stats");
+    topics
+        .into_iter()
+        .map(|t| (t.topic, t.pending, t.dead))
+        .collect()
+}
+
+/// The server process of `client`'s session.
+fn backend_pid(client: &mut Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .expect("pid")
+        .get(0)
+}
+
+/// Waits until the session of server process `pid` waits for a lock.
+fn wait_for_a_lock(client: &mut Client, pid: i32) {
+    wait_until(&format!("process {pid} waits for a lock"), || {
+        client
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND pid = $1)",
+                &[&pid],
+            )
+            .unwrap()
+            .get(0)
+    });
+}
+
 /// A purge and a redrive of dead letters in the same two quiet partitions both lock the
 /// partitions' bookkeeping, in the same order whatever the plan: waiting behind a third
 /// transaction that holds the first, neither holds the second while it waits, so they never
@@ -1263,10 +1288,7 @@ fn purge_beside_redrive(redrive_first: bool) {
         session
             .batch_execute("SET enable_indexscan = off; SET enable_bitmapscan = off")
             .unwrap();
-        let pid: i32 = session
-            .query_one("SELECT pg_backend_pid()", &[])
-            .unwrap()
-            .get(0);
+        let pid = backend_pid(&mut session);
         let (outbox, purge, redrive) = (outbox.clone(), purge.clone(), redrive.clone());
         runs.push(std::thread::spawn(move || {
             if redriving {
@@ -1275,15 +1297,7 @@ fn purge_beside_redrive(redrive_first: bool) {
                 outbox.purge(&mut session, Rows::Dead.matching(purge))
             }
         }));
-        wait_until("it waits for a lock", || {
-            client
-                .query_one(
-                    "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND pid = $1)",
-                    &[&pid],
-                )
-                .unwrap()
-                .get(0)
-        });
+        wait_for_a_lock(&mut client, pid);
     }
     held.commit().unwrap();
     for run in runs {
@@ -1326,12 +1340,7 @@ fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
     ))
     .unwrap();
     client.batch_execute("SET lock_timeout = '10s'").unwrap();
-    let topics = outbox.topic_stats(&mut client).unwrap();
-    let by_topic: Vec<_> = topics
-        .iter()
-        .map(|t| (t.topic.as_str(), t.pending, t.dead))
-        .collect();
-    assert_eq!(by_topic, [("t", 1, 2)]);
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 1, 2)]);
     held.rollback().unwrap();
     client.batch_execute("RESET lock_timeout").unwrap();
     let stats = common::stats(&outbox, &mut client);
@@ -1361,24 +1370,13 @@ fn a_purge_in_a_repeatable_read_session_waits_for_the_bookkeeping_and_goes_on() 
     session
         .batch_execute("SET default_transaction_isolation = 'repeatable read'")
         .unwrap();
-    let pid: i32 = session
-        .query_one("SELECT pg_backend_pid()", &[])
-        .unwrap()
-        .get(0);
+    let pid = backend_pid(&mut session);
     let purging = {
         let outbox = outbox.clone();
         let doomed = Rows::Dead.matching(Filter::new().key("doomed-1"));
         std::thread::spawn(move || outbox.purge(&mut session, doomed))
     };
-    wait_until("the purge waits for the bookkeeping", || {
-        client
-            .query_one(
-                "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND pid = $1)",
-                &[&pid],
-            )
-            .unwrap()
-            .get(0)
-    });
+    wait_for_a_lock(&mut client, pid);
     held.commit().unwrap();
     assert_eq!(purging.join().unwrap().unwrap(), 1);
     assert_eq!(counted_dead(&mut client, &outbox, 0), Some(1));
@@ -1426,12 +1424,7 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
         (stats.pending, stats.blocked, stats.dead, stats.sent),
         (5, 2, 2, 2)
     );
-    let topics = outbox.topic_stats(&mut client).unwrap();
-    let by_topic: Vec<_> = topics
-        .iter()
-        .map(|t| (t.topic.as_str(), t.pending, t.dead))
-        .collect();
-    assert_eq!(by_topic, [("t", 5, 2)]);
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 5, 2)]);
 }
 
 /// A dead letter set back to pending by hand (or by a redrive of a version older than
