@@ -48,11 +48,12 @@
 //!   prefill, before the relay starts). VmHWM is the process's peak so far: the bench resets
 //!   it (`/proc/self/clear_refs`) before the relay starts and runs first in an unfiltered
 //!   run, but for a clean figure run it alone, `cargo bench --bench outbox rss`;
-//! - `partitions count=<n>`: `stats()`, one enqueue and an `enqueue_all` of 100 (ms, means
-//!   of 20, 200 and 20) on a table partitioned by day with that many partitions, every
-//!   closed one holding 1,000 sent rows and the open one 200 pending, against a plain table
-//!   holding the same rows (`plain_stats_ms`, `plain_enqueue_ms`, `plain_enqueue_all_ms`):
-//!   what each partition kept adds;
+//! - `partitions count=<n>`: `stats()`, one enqueue (with the crate's key, and with the
+//!   caller's: `keyed_enqueue_ms`) and an `enqueue_all` of 100 (ms, means of 20, 200, 200
+//!   and 20) on a table partitioned by day with that many partitions, every closed one
+//!   holding 1,000 sent rows and the open one 200 pending, against a plain table holding
+//!   the same rows (`plain_stats_ms`, `plain_enqueue_ms`, `plain_keyed_enqueue_ms`,
+//!   `plain_enqueue_all_ms`): what each partition kept adds;
 //! - `scale tables=plain|partitioned op=relay-cycle|stats|stats-exact|enqueue|enqueue-keyed|purge-day-sent`:
 //!   the mean cost of each operation on a table retaining many rows (`small_ms`, `big_ms`,
 //!   `vs_small`), plain and then partitioned by day; runs only when asked for by exactly that
@@ -1088,6 +1089,15 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         let mut line = Line::new("partitions").kv("count", count);
         for (name, outbox) in [("", &partitioned), ("plain_", &plain)] {
             let (stats, enqueue) = stats_and_enqueue(&mut client, outbox)?;
+            // With a key of the caller's, looked for in every partition.
+            let started = Instant::now();
+            for i in 0..ENQUEUES {
+                let mut tx = client.transaction()?;
+                let keyed = event(i64::from(i)).key(format!("keyed-{count}-{i}"));
+                outbox.enqueue(&mut tx, keyed)?;
+                tx.commit()?;
+            }
+            let keyed = started.elapsed() / ENQUEUES;
             let started = Instant::now();
             for i in 0..BATCHES {
                 let mut tx = client.transaction()?;
@@ -1099,6 +1109,7 @@ fn partitions(scratch: &Scratch) -> Result<()> {
             line = line
                 .kv(&format!("{name}stats_ms"), ms(stats))
                 .kv(&format!("{name}enqueue_ms"), ms(enqueue))
+                .kv(&format!("{name}keyed_enqueue_ms"), ms(keyed))
                 .kv(&format!("{name}enqueue_all_ms"), ms(batch));
             client.batch_execute(&sent.replace("{}", outbox.table()))?;
         }
