@@ -1070,42 +1070,30 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         for outbox in [&partitioned, &plain] {
             prefill(&mut client, outbox, 200)?;
         }
-        // The mean of a `stats()` and of a single enqueue.
+        // The mean of a `stats()` (after one to warm up) and of a single enqueue.
         let stats_and_enqueue = |client: &mut Client, outbox: &Outbox| -> Result<_> {
             outbox.stats(client)?;
-            let started = Instant::now();
-            for _ in 0..STATS_CALLS {
-                outbox.stats(client)?;
-            }
-            let stats = started.elapsed() / STATS_CALLS;
-            let started = Instant::now();
-            for i in 0..ENQUEUES {
-                let mut tx = client.transaction()?;
-                outbox.enqueue(&mut tx, event(i64::from(i)))?;
-                tx.commit()?;
-            }
-            Ok((stats, started.elapsed() / ENQUEUES))
+            let stats = mean_of(STATS_CALLS, |_| outbox.stats(client).map(drop))?;
+            let enqueue = mean_of(ENQUEUES, |i| {
+                enqueued(client, |tx| {
+                    outbox.enqueue(tx, event(i64::from(i))).map(drop)
+                })
+            })?;
+            Ok((stats, enqueue))
         };
         let mut line = Line::new("partitions").kv("count", count);
         for (name, outbox) in [("", &partitioned), ("plain_", &plain)] {
             let (stats, enqueue) = stats_and_enqueue(&mut client, outbox)?;
             // With a key of the caller's, looked for in every partition.
-            let started = Instant::now();
-            for i in 0..ENQUEUES {
-                let mut tx = client.transaction()?;
+            let keyed = mean_of(ENQUEUES, |i| {
                 let keyed = event(i64::from(i)).key(format!("keyed-{count}-{i}"));
-                outbox.enqueue(&mut tx, keyed)?;
-                tx.commit()?;
-            }
-            let keyed = started.elapsed() / ENQUEUES;
-            let started = Instant::now();
-            for i in 0..BATCHES {
-                let mut tx = client.transaction()?;
+                enqueued(&mut client, |tx| outbox.enqueue(tx, keyed).map(drop))
+            })?;
+            let batch = mean_of(BATCHES, |i| {
                 let first = i64::from(ENQUEUES + i * BATCH);
-                outbox.enqueue_all(&mut tx, (first..first + i64::from(BATCH)).map(event))?;
-                tx.commit()?;
-            }
-            let batch = started.elapsed() / BATCHES;
+                let batch = (first..first + i64::from(BATCH)).map(event);
+                enqueued(&mut client, |tx| outbox.enqueue_all(tx, batch).map(drop))
+            })?;
             line = line
                 .kv(&format!("{name}stats_ms"), ms(stats))
                 .kv(&format!("{name}enqueue_ms"), ms(enqueue))
@@ -1140,11 +1128,9 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         }
         let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
         partitioned.topic_stats(&mut client)?;
-        let started = Instant::now();
-        for _ in 0..STATS_CALLS {
-            partitioned.topic_stats(&mut client)?;
-        }
-        let topic_stats = started.elapsed() / STATS_CALLS;
+        let topic_stats = mean_of(STATS_CALLS, |_| {
+            partitioned.topic_stats(&mut client).map(drop)
+        })?;
         client.batch_execute(&format!(
             "DELETE FROM {t} WHERE status = 'dead'; {}",
             sent.replace("{}", t)
@@ -1170,6 +1156,29 @@ fn partitions(scratch: &Scratch) -> Result<()> {
             .kv("held_enqueue_ms", ms(enqueue))
             .print();
     }
+    Ok(())
+}
+
+/// The mean time of `f`, called `times` times with 0, 1, ...
+fn mean_of<E>(times: u32, mut f: impl FnMut(u32) -> std::result::Result<(), E>) -> Result<Duration>
+where
+    E: Into<Box<dyn Error + Send + Sync>>,
+{
+    let started = Instant::now();
+    for i in 0..times {
+        f(i).map_err(Into::into)?;
+    }
+    Ok(started.elapsed() / times)
+}
+
+/// `enqueue` in a transaction of its own, committed.
+fn enqueued(
+    client: &mut Client,
+    enqueue: impl FnOnce(&mut postgres::Transaction<'_>) -> postgres_outbox::Result<()>,
+) -> Result<()> {
+    let mut tx = client.transaction()?;
+    enqueue(&mut tx)?;
+    tx.commit()?;
     Ok(())
 }
 

@@ -19,9 +19,9 @@
 -- `dead`: the dead letters of a quiet partition not settled, as the upkeep counted them and
 -- purges took them off since; 0 once settled; -1 while too many to count (not quiet; see
 -- {settle_fn}); NULL while not quiet otherwise, or not counted yet (the upkeep counts a
--- quiet one then). A purge by a version older than this migration
--- leaves the count too high; setting it and `quiet_at` to NULL has the partition read
--- until the upkeep counts it again (README, "Partitioned outboxes").
+-- quiet one then). A purge by a version older than this migration leaves the count too
+-- high; setting it and `quiet_at` to NULL has the partition read until the upkeep counts
+-- it again (README, "Partitioned outboxes").
 --
 -- The upkeep's lock first, before any lock on the bookkeeping (a retire takes them in that
 -- order): no upkeep marks a partition quiet uncounted while this runs.
@@ -167,14 +167,12 @@ BEGIN
             -- Pending or parked rows keep this one from being quiet, not the ones after
             -- it: each is judged by its own rows. (A quiet one found holding them, as a
             -- row set pending by hand would leave it, is read again from now on.)
-            IF too_many THEN
-                IF p.dead IS DISTINCT FROM -1 THEN
-                    UPDATE {partitions} SET quiet_at = NULL, dead = -1 WHERE n = p.n;
-                END IF;
-            ELSIF waiting AND p.quiet_at IS NOT NULL THEN
-                UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
-            END IF;
             IF waiting OR too_many THEN
+                IF too_many AND p.dead IS DISTINCT FROM -1 THEN
+                    UPDATE {partitions} SET quiet_at = NULL, dead = -1 WHERE n = p.n;
+                ELSIF waiting AND p.quiet_at IS NOT NULL THEN
+                    UPDATE {partitions} SET quiet_at = NULL, dead = NULL WHERE n = p.n;
+                END IF;
                 settling := false;
                 CONTINUE;
             END IF;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::pg_node::PgNode;
 use common::{client, quoted, quoted_with, relay_config, unique_name, wait_until, Role, Sink};
 use postgres::error::SqlState;
-use postgres::{Client, NoTls};
+use postgres::{Client, GenericClient, NoTls};
 use postgres_outbox::{
     Access, Check, Connections, Filter, HeldBack, Message, Outbox, Record, Relay, Rows,
 };
@@ -99,7 +99,7 @@ fn cut(client: &mut Client, outbox: &Outbox) {
 
 /// Runs the relay's partition upkeep once, as its statement does; `cut`: cut the open
 /// partition whatever the clock.
-fn upkeep(client: &mut Client, outbox: &Outbox, cut: bool) -> Option<i32> {
+fn upkeep(client: &mut impl GenericClient, outbox: &Outbox, cut: bool) -> Option<i32> {
     client
         .query_one(
             &format!(
@@ -1188,15 +1188,7 @@ fn upkeep_reads_in_partition_0(client: &mut Client, outbox: &Outbox) -> i64 {
     };
     let mut tx = client.transaction().unwrap();
     let before = read(&mut tx);
-    tx.query_one(
-        &format!(
-            "SELECT {}(false), {}()",
-            quoted_with(outbox, "_partition"),
-            quoted_with(outbox, "_settle")
-        ),
-        &[],
-    )
-    .expect("partition upkeep");
+    upkeep(&mut tx, outbox, false);
     let after = read(&mut tx);
     tx.commit().unwrap();
     after - before
