@@ -615,15 +615,15 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             });
             let reads = match (partition.quiet, looked) {
                 (false, _) => format!(
-                    "each enqueue with an aggregate key and each stats() reads it and {} \
-                     partitions after it",
+                    "each enqueue with an aggregate key reads it and {} partitions after \
+                     it, and each stats() those not made ahead",
                     after(partition.number)
                 ),
                 (true, looked) => format!(
                     "each topic_stats() reads it for its dead letters{}",
                     looked.map_or_else(String::new, |p| format!(
-                        ", and each enqueue with an aggregate key and each stats() reads \
-                         partition {} and {} partitions after it",
+                        ", and each enqueue with an aggregate key reads partition {} and {} \
+                         partitions after it, and each stats() those not made ahead",
                         p.number,
                         after(p.number)
                     ))

@@ -121,6 +121,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0019_looks_past_held_partitions",
         template: include_str!("../sql/0019_looks_past_held_partitions.sql"),
     },
+    Migration {
+        version: 20,
+        name: "0020_ids_drawn",
+        template: include_str!("../sql/0020_ids_drawn.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -155,8 +160,13 @@ const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
                  f.n + 1) << {id_bits}
  FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
 
+/// The last id a row of a partitioned table may have: the end of the partition of the last
+/// id drawn (migration 0020), so that `stats()` and `topic_stats()` leave the partitions
+/// ahead out of their plans.
+const IDS_END: &str = "(({ids_drawn_fn}() + 1) << {id_bits}) - 1";
+
 /// How many ranges of ids, besides the backlog's, `topic_stats` reads dead letters in
-/// (`$5` on, two a range). They cover the quiet partitions between `BACKLOG_FROM` and the
+/// (`$6` on, two a range). They cover the quiet partitions between `BACKLOG_FROM` and the
 /// third bound of `LOOK_BOUNDS` whose dead letters the upkeep counted as some, or has not
 /// counted. A run of neighbours takes one range; past the last range, the rest go into it,
 /// with the partitions between.
@@ -167,8 +177,9 @@ pub(crate) fn first_id(n: i64) -> i64 {
     n.saturating_mul(1 << PARTITION_ID_BITS)
 }
 
-/// Whether row `{id}`'s id is in the ranges `LOOK_BOUNDS` gives, as `$2`, `$3` and `$4`.
-const IN_BACKLOG: &str = "{id} >= $2 AND ({id} < $3 OR {id} >= $4)";
+/// Whether row `{id}`'s id is in the ranges `LOOK_BOUNDS` gives, as `$2`, `$3` and `$4`,
+/// and not past `$5` (`IDS_END`).
+const IN_BACKLOG: &str = "{id} >= $2 AND ({id} < $3 OR {id} >= $4) AND {id} <= $5";
 
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
@@ -325,15 +336,16 @@ pub(crate) struct Statements {
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
     /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): every
-    /// row in the ranges `$2`, `$3` and `$4` give (`backlog_from`, see `IN_BACKLOG`; 0 on a
+    /// row in the ranges `$2` to `$5` give (`backlog_from`, see `IN_BACKLOG`; all ids on a
     /// plain table), so that the partitions out of them are left out of the plan, and the
     /// dead letters counted in the quiet ones from `$1` to `$4`.
     pub(crate) stats: String,
     /// The ids `stats` and `topic_stats` read on a partitioned table: from the first of the
     /// oldest partition not settled (migration 0013), whose rows may still be pending,
     /// parked or dead; the ranges of `LOOK_BOUNDS`, whose rows may still be pending or
-    /// parked; and the quiet partitions between whose dead letters are counted as some,
-    /// or not counted (migration 0018).
+    /// parked; the last id drawn's partition (`IDS_END`), past which no row is; and the
+    /// quiet partitions between whose dead letters are counted as some, or not counted
+    /// (migration 0018).
     pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -588,7 +600,8 @@ impl Statements {
                        ON x.indrelid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
                      JOIN pg_inherits h ON h.inhrelid = x.indexrelid AND h.inhparent = i.oid
                      WHERE p.n >= $2 >> {id_bits}
-                       AND (p.n < $3 >> {id_bits} OR p.n >= $4 >> {id_bits})) l
+                       AND (p.n < $3 >> {id_bits} OR p.n >= $4 >> {id_bits})
+                       AND p.n <= $5 >> {id_bits}) l
                    JOIN pg_class c ON c.oid = l.leaf
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
@@ -722,9 +735,9 @@ impl Statements {
                      FROM {{table}} o WHERE {READY_ROWS}"
                 ),
             )?,
-            // Pending rows through their two partial indexes (in the ranges of $2 to $4),
+            // Pending rows through their two partial indexes (in the ranges of $2 to $5),
             // dead ones through the done index, there and in the ranges of quiet
-            // partitions holding dead letters ($5 on, see `DEAD_RANGES`; all from $1, the
+            // partitions holding dead letters ($6 on, see `DEAD_RANGES`; all from $1, the
             // oldest partition not settled): sent rows, however many, are never read.
             topic_stats: values.render(&format!(
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
@@ -742,7 +755,7 @@ impl Statements {
                    GROUP BY topic
                  ) per GROUP BY topic ORDER BY topic",
                 (0..DEAD_RANGES)
-                    .map(|i| format!("id >= ${} AND id < ${}", 5 + 2 * i, 6 + 2 * i))
+                    .map(|i| format!("id >= ${} AND id < ${}", 6 + 2 * i, 7 + 2 * i))
                     .collect::<Vec<_>>()
                     .join(" OR ")
             ))?,
@@ -904,7 +917,7 @@ impl Statements {
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             backlog_from: values.render(&format!(
-                "SELECT s.first, b.*,
+                "SELECT s.first, b.*, {IDS_END},
                         ARRAY(SELECT q.n FROM {{partitions}} q
                               WHERE q.quiet_at IS NOT NULL AND q.dead IS DISTINCT FROM 0
                                 AND q.n >= s.first >> {{id_bits}}
@@ -1359,6 +1372,7 @@ fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("partition_fn", table.companion("_partition")),
         ("retire_fn", table.companion("_retire")),
         ("settle_fn", table.companion("_settle")),
+        ("ids_drawn_fn", table.companion("_ids_drawn")),
     ]
 }
 
@@ -1529,7 +1543,7 @@ GRANT SELECT ON {waiting}, {partitions} TO {role};
 GRANT SELECT, INSERT, UPDATE ON {counts} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {waiting}, {relays} TO {role};
 GRANT SELECT ON {partitions} TO {role};
-GRANT EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}() TO {role};
+GRANT EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}(), {ids_drawn_fn}() TO {role};
 "
         }
         Access::Dedupe => {
@@ -1760,7 +1774,7 @@ mod tests {
         );
         assert!(relay.contains(
             "GRANT EXECUTE ON FUNCTION \"app\".\"events_partition\"(boolean), \
-             \"app\".\"events_settle\"() TO \"relay\";"
+             \"app\".\"events_settle\"(), \"app\".\"events_ids_drawn\"() TO \"relay\";"
         ));
     }
 
@@ -1790,7 +1804,7 @@ mod tests {
                 .iter()
                 .map(|migration| migration.template.matches(&width).count())
                 .sum::<usize>(),
-            3
+            4
         );
     }
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use postgres::types::ToSql;
+use postgres::types::{ToSql, Type};
 use postgres::{Client, IsolationLevel, Row};
 
 use crate::clock::seconds;
@@ -148,12 +148,13 @@ impl Outbox {
 
     /// Runs `query`, which counts dead letters before `$4` in the quiet partitions from
     /// `$1` on (see `Statements::stats`), or, `with_ranges`, reads them in the ranges
-    /// `$5` on (see `DEAD_RANGES`), and reads the rest in the ranges `$2` to `$3` and
-    /// from `$4` on: on a partitioned table, the first id of the oldest partition not
-    /// settled (migration 0013), and the ids of the oldest not quiet and of every
-    /// partition from the next not quiet on (migrations 0016 and 0019), so that its plan
-    /// leaves the others out, however many days retention keeps; on a plain one, 0 (and
-    /// empty ranges).
+    /// `$6` on (see `DEAD_RANGES`), and reads the rest in the ranges `$2` to `$3` and
+    /// from `$4` to `$5`: on a partitioned table, the first id of the oldest partition not
+    /// settled (migration 0013), the ids of the oldest not quiet and of every partition
+    /// from the next not quiet on (migrations 0016 and 0019), up to the end of the
+    /// partition of the last id drawn (migration 0020), so that its plan leaves the
+    /// others out, however many days retention keeps and partitions it makes ahead; on a
+    /// plain one, every id (and empty ranges).
     /// The bounds and the counts are read in one snapshot: a redrive committed in between
     /// moves the second bound back, before rows the counts would then miss.
     fn read_backlog(
@@ -163,7 +164,7 @@ impl Outbox {
         with_ranges: bool,
     ) -> Result<Vec<Row>> {
         // The bounds, and with them the ranges of the partitions `counted`.
-        let params = |bounds: [i64; 4], counted: &[i64]| {
+        let params = |bounds: [i64; 5], counted: &[i64]| {
             let mut params = bounds.to_vec();
             if with_ranges {
                 let ranges = dead_ranges(counted);
@@ -172,9 +173,9 @@ impl Outbox {
             params
         };
         if !self.partitioned(client)? {
-            let params = params([0; 4], &[]);
+            let params = params([0, 0, 0, 0, i64::MAX], &[]);
             return client
-                .query(query, &as_params(&params))
+                .query_typed(query, &as_params(&params))
                 .map_err(|e| self.db_error(e));
         }
         let mut tx = client
@@ -183,21 +184,24 @@ impl Outbox {
             .read_only(true)
             .start()?;
         let bounds = tx
-            .query_one(&self.statements().backlog_from, &[])
+            .query_typed_one(&self.statements().backlog_from, &[])
             .map_err(|e| self.db_error(e))?;
-        let counted: Vec<i64> = bounds.get(4);
-        let params = params([0, 1, 2, 3].map(|i| bounds.get(i)), &counted);
+        let counted: Vec<i64> = bounds.get(5);
+        let params = params([0, 1, 2, 3, 4].map(|i| bounds.get(i)), &counted);
         let rows = tx
-            .query(query, &as_params(&params))
+            .query_typed(query, &as_params(&params))
             .map_err(|e| self.db_error(e))?;
         tx.commit()?;
         Ok(rows)
     }
 }
 
-/// `params` as a statement's parameters.
-fn as_params(params: &[i64]) -> Vec<&(dyn ToSql + Sync)> {
-    params.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
+/// `params` as a statement's typed parameters: each statement then takes one round trip.
+fn as_params(params: &[i64]) -> Vec<(&(dyn ToSql + Sync), Type)> {
+    params
+        .iter()
+        .map(|p| (p as &(dyn ToSql + Sync), Type::INT8))
+        .collect()
 }
 
 /// The ranges of ids of the partitions `numbers` (ascending), at most `DEAD_RANGES`: a run

@@ -30,6 +30,7 @@ const SUFFIXES: &[&str] = &[
     "_partition",
     "_retire",
     "_settle",
+    "_ids_drawn",
     "_key_taken",
     "_keys_taken",
     "_plain",
