@@ -403,6 +403,9 @@ fn the_sql_script_of_a_name_without_a_schema_keeps_its_partitions() {
     assert_eq!(partitions(&mut client, &outbox), vec![0, 1, 2, 3]);
     let (schema, _) = partition_table(&mut client, &outbox, 3);
     assert_eq!(schema, common::schema());
+    // stats() finds where the sequence stands through its function, bare names and all.
+    enqueue(&mut client, &outbox, message("bare")).unwrap();
+    assert_eq!(common::stats(&outbox, &mut client).pending, 1);
     // Retention too: partition 0, closed and empty, goes.
     let sent = Rows::Sent.matching(Filter::new());
     assert_eq!(outbox.purge(&mut client, sent).unwrap(), 0);
