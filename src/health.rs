@@ -593,8 +593,9 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     if let Some((partition, held_back)) = held {
         let closed = partition.closed.unwrap_or_default();
         if closed > partition.every {
-            // The partitions after `n`, not quiet itself, that a look or stats() reads:
-            // those from the next partition not quiet on (migration 0019).
+            // The partitions after `n`, not quiet itself, that a producer's look reads:
+            // those from the next partition not quiet on (migration 0019). stats() reads
+            // the partitions not quiet alone (migration 0020's statements).
             let after = |n: i64| {
                 let not_quiet = |p: &&Partition| p.closed.is_none() || !p.quiet;
                 let partitions = health.partitions.iter();
@@ -608,22 +609,22 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
             // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
-            // topic_stats() reads it alone for them, and enqueues and stats() read from the
-            // first closed partition not quiet, if any.
+            // topic_stats() reads it alone for them, and enqueues read from the first
+            // closed partition not quiet, if any.
             let looked = health.partitions.iter().find(|p| {
                 p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
             });
             let reads = match (partition.quiet, looked) {
                 (false, _) => format!(
                     "each enqueue with an aggregate key reads it and {} partitions after \
-                     it, and each stats() those not made ahead",
+                     it, and each stats() reads it",
                     after(partition.number)
                 ),
                 (true, looked) => format!(
                     "each topic_stats() reads it for its dead letters{}",
                     looked.map_or_else(String::new, |p| format!(
                         ", and each enqueue with an aggregate key reads partition {} and {} \
-                         partitions after it, and each stats() those not made ahead",
+                         partitions after it",
                         p.number,
                         after(p.number)
                     ))

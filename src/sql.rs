@@ -160,16 +160,19 @@ const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
                  f.n + 1) << {id_bits}
  FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
 
-/// The last id a row of a partitioned table may have: the end of the partition of the last
-/// id drawn (migration 0020), so that `stats()` and `topic_stats()` leave the partitions
-/// ahead out of their plans.
-const IDS_END: &str = "(({ids_drawn_fn}() + 1) << {id_bits}) - 1";
+/// How many ranges of ids `stats` and `topic_stats` read the backlog in (`$2` on, two a
+/// range: its first id and its last). They cover the partitions of
+/// a partitioned table that may hold a pending or parked row (not quiet), or dead letters
+/// not counted (migration 0018), up to the partition of the last id drawn (migration
+/// 0020): the partitions made ahead, and the quiet ones between held ones (after messages
+/// scheduled far ahead, or parked, in old partitions), are left out. A run of neighbours
+/// takes one range; past the last range, the rest go into it, with the partitions between.
+/// On a plain table, the first range is every id, and the others empty.
+pub(crate) const BACKLOG_RANGES: usize = 4;
 
 /// How many ranges of ids, besides the backlog's, `topic_stats` reads dead letters in
-/// (`$6` on, two a range). They cover the quiet partitions between `BACKLOG_FROM` and the
-/// third bound of `LOOK_BOUNDS` whose dead letters the upkeep counted as some, or has not
-/// counted. A run of neighbours takes one range; past the last range, the rest go into it,
-/// with the partitions between.
+/// (after the backlog's, two a range), as `BACKLOG_RANGES` are made: the quiet partitions
+/// whose dead letters the upkeep counted as some, or has not counted.
 pub(crate) const DEAD_RANGES: usize = 4;
 
 /// The first id of partition `n`.
@@ -177,9 +180,47 @@ pub(crate) fn first_id(n: i64) -> i64 {
     n.saturating_mul(1 << PARTITION_ID_BITS)
 }
 
-/// Whether row `{id}`'s id is in the ranges `LOOK_BOUNDS` gives, as `$2`, `$3` and `$4`,
-/// and not past `$5` (`IDS_END`).
-const IN_BACKLOG: &str = "{id} >= $2 AND ({id} < $3 OR {id} >= $4) AND {id} <= $5";
+/// Whether `value` is in one of `count` ranges of ids given as parameters from `$from` on,
+/// two a range (see `BACKLOG_RANGES`), each bound shifted right by `shift` bits first (to
+/// compare a partition's number).
+fn in_ranges(value: &str, from: usize, count: usize, shift: u32) -> String {
+    let bound = |param: usize| match shift {
+        0 => format!("${param}"),
+        bits => format!("(${param} >> {bits})"),
+    };
+    let ranges: Vec<String> = (0..count)
+        .map(|i| {
+            let start = from + 2 * i;
+            format!(
+                "{value} >= {} AND {value} <= {}",
+                bound(start),
+                bound(start + 1)
+            )
+        })
+        .collect();
+    format!("({})", ranges.join(" OR "))
+}
+
+/// `template` for each count of backlog ranges from 1 to `BACKLOG_RANGES`, the one at `k - 1`
+/// reading `k` of them (`$2` to `$2k+1`) where it says `{in_backlog}` (of rows `t`, `o` and
+/// partitions `p`, `q`), and `DEAD_RANGES` ranges after them where it says
+/// `{dead_ranges}`. So a statement holds no more ranges than it reads: each costs every
+/// scan's plan an OR, even one that holds no id.
+fn by_ranges(values: &mut Values<'_>, template: &str) -> Result<Vec<String>, RenderError> {
+    (1..=BACKLOG_RANGES)
+        .map(|k| {
+            let bits = PARTITION_ID_BITS;
+            values.render(
+                &template
+                    .replace("{in_backlog}", &in_ranges("id", 2, k, 0))
+                    .replace("{o_in_backlog}", &in_ranges("o.id", 2, k, 0))
+                    .replace("{p_in_backlog}", &in_ranges("p.n", 2, k, bits))
+                    .replace("{q_in_backlog}", &in_ranges("q.n", 2, k, bits))
+                    .replace("{dead_ranges}", &in_ranges("id", 2 + 2 * k, DEAD_RANGES, 0)),
+            )
+        })
+        .collect()
+}
 
 /// How many partitions are kept ahead of the one new ids fall in.
 pub(crate) const PARTITIONS_AHEAD: i32 = 2;
@@ -336,16 +377,16 @@ pub(crate) struct Statements {
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
     /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): every
-    /// row in the ranges `$2` to `$5` give (`backlog_from`, see `IN_BACKLOG`; all ids on a
+    /// row in the ranges from `$2` on (`backlog_from`, see `BACKLOG_RANGES`; all ids on a
     /// plain table), so that the partitions out of them are left out of the plan, and the
-    /// dead letters counted in the quiet ones from `$1` to `$4`.
-    pub(crate) stats: String,
-    /// The ids `stats` and `topic_stats` read on a partitioned table: from the first of the
+    /// dead letters counted in the quiet ones from `$1` on left out.
+    pub(crate) stats: Vec<String>,
+    /// What `stats` and `topic_stats` read on a partitioned table: the first id of the
     /// oldest partition not settled (migration 0013), whose rows may still be pending,
-    /// parked or dead; the ranges of `LOOK_BOUNDS`, whose rows may still be pending or
-    /// parked; the last id drawn's partition (`IDS_END`), past which no row is; and the
-    /// quiet partitions between whose dead letters are counted as some, or not counted
-    /// (migration 0018).
+    /// parked or dead; the partitions from there that may hold a pending or parked row
+    /// (not quiet), or dead letters not counted, up to the partition of the last id drawn
+    /// (migration 0020), past which no row is; and the quiet ones whose dead letters are
+    /// counted as some, or not counted (migration 0018).
     pub(crate) backlog_from: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -368,7 +409,7 @@ pub(crate) struct Statements {
     pub(crate) purge_where: String,
     /// `purge_where` on a partitioned table.
     pub(crate) purge_partitioned: String,
-    pub(crate) topic_stats: String,
+    pub(crate) topic_stats: Vec<String>,
     /// How long the oldest due ready row has waited, in seconds (NULL when none is due).
     pub(crate) health_due: String,
     pub(crate) purge_inbox_keys: String,
@@ -462,8 +503,6 @@ impl Statements {
             ("schema_text", format!("'{}'", table.schema_prefix())),
             ("name_text", format!("'{}_p'", table.name())),
             ("id_bits", PARTITION_ID_BITS.to_string()),
-            ("in_backlog", render(IN_BACKLOG, &[("id", "id")])?),
-            ("o_in_backlog", render(IN_BACKLOG, &[("id", "o.id")])?),
         ]);
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = Statements {
@@ -503,7 +542,8 @@ impl Statements {
             // much of the ordered index the unmarked rows are. Each read stops one row past
             // STATS_COUNTED, which tells the caller it was cut short; the sizes of the two
             // indexes, as the planner estimates them, stand for what was not read.
-            stats: values.render(
+            stats: by_ranges(
+                &mut values,
                 "WITH d AS MATERIALIZED (
                    SELECT lease_until, created_at, aggregate_key IS NOT NULL AS marked
                    FROM {table}
@@ -599,9 +639,7 @@ impl Statements {
                      JOIN pg_index x
                        ON x.indrelid = to_regclass({schema_text} || quote_ident({name_text} || p.n))
                      JOIN pg_inherits h ON h.inhrelid = x.indexrelid AND h.inhparent = i.oid
-                     WHERE p.n >= $2 >> {id_bits}
-                       AND (p.n < $3 >> {id_bits} OR p.n >= $4 >> {id_bits})
-                       AND p.n <= $5 >> {id_bits}) l
+                     WHERE {p_in_backlog}) l
                    JOIN pg_class c ON c.oid = l.leaf
                    GROUP BY i.name)
                  -- A row per part read (none when nothing was), the rest on each.
@@ -612,12 +650,12 @@ impl Statements {
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
                  -- Dead letters: read where the rest is, counted in the quiet partitions
-                 -- before $4 (migration 0018).
+                 -- from $1 on left out (migration 0018).
                  FROM (SELECT count(*) + (SELECT coalesce(sum(q.dead), 0)::bigint
                                           FROM {partitions} q
                                           WHERE q.quiet_at IS NOT NULL
-                                            AND q.n >= $1::bigint >> {id_bits}
-                                            AND q.n < $4::bigint >> {id_bits}) AS total,
+                                            AND q.n >= $1 >> {id_bits}
+                                            AND NOT {q_in_backlog}) AS total,
                               count(*) FILTER (WHERE status = 'parked'
                                                  AND aggregate_key IS NOT NULL) AS parked
                        FROM {table} WHERE status IN ('dead', 'parked') AND {in_backlog}) AS dead
@@ -735,30 +773,28 @@ impl Statements {
                      FROM {{table}} o WHERE {READY_ROWS}"
                 ),
             )?,
-            // Pending rows through their two partial indexes (in the ranges of $2 to $5),
-            // dead ones through the done index, there and in the ranges of quiet
-            // partitions holding dead letters ($6 on, see `DEAD_RANGES`; all from $1, the
-            // oldest partition not settled): sent rows, however many, are never read.
-            topic_stats: values.render(&format!(
+            // Pending rows through their two partial indexes (in the ranges of
+            // `BACKLOG_RANGES`), dead ones through the done index, there and in the ranges
+            // of quiet partitions holding dead letters (`DEAD_RANGES`, after those; all
+            // from $1, the oldest partition not settled): sent rows, however many, are
+            // never read.
+            topic_stats: by_ranges(
+                &mut values,
                 "SELECT topic, sum(pending)::bigint, sum(dead)::bigint FROM (
-                   SELECT topic, count(*) AS pending, 0 AS dead FROM {{table}}
-                   WHERE status = 'pending' AND aggregate_key IS NULL AND {{in_backlog}}
+                   SELECT topic, count(*) AS pending, 0 AS dead FROM {table}
+                   WHERE status = 'pending' AND aggregate_key IS NULL AND {in_backlog}
                    GROUP BY topic
                    UNION ALL
-                   SELECT topic, count(*), 0 FROM {{table}}
-                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND {{in_backlog}}
+                   SELECT topic, count(*), 0 FROM {table}
+                   WHERE status = 'pending' AND aggregate_key IS NOT NULL AND {in_backlog}
                    GROUP BY topic
                    UNION ALL
-                   SELECT topic, 0, count(*) FROM {{table}}
+                   SELECT topic, 0, count(*) FROM {table}
                    WHERE status IN ('dead', 'parked') AND id >= $1
-                     AND ({{in_backlog}} OR {})
+                     AND ({in_backlog} OR {dead_ranges})
                    GROUP BY topic
                  ) per GROUP BY topic ORDER BY topic",
-                (0..DEAD_RANGES)
-                    .map(|i| format!("id >= ${} AND id < ${}", 6 + 2 * i, 7 + 2 * i))
-                    .collect::<Vec<_>>()
-                    .join(" OR ")
-            ))?,
+            )?,
             // Dedupe records by message key ($1), older than $2 microseconds if given.
             purge_inbox_keys: values.render(
                 "DELETE FROM {inbox} WHERE key = ANY($1)
@@ -917,14 +953,17 @@ impl Statements {
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
             backlog_from: values.render(&format!(
-                "SELECT s.first, b.*, {IDS_END},
+                "SELECT s.first,
+                        ARRAY(SELECT p.n FROM {{partitions}} p
+                              WHERE p.settled_at IS NULL
+                                AND (p.quiet_at IS NULL OR p.dead IS NULL)
+                                AND p.n >= s.first >> {{id_bits}} AND p.n <= d.last
+                              ORDER BY p.n),
                         ARRAY(SELECT q.n FROM {{partitions}} q
                               WHERE q.quiet_at IS NOT NULL AND q.dead IS DISTINCT FROM 0
                                 AND q.n >= s.first >> {{id_bits}}
-                                AND q.n < b.look_again >> {{id_bits}}
                               ORDER BY q.n)
-                 FROM ({BACKLOG_FROM}) AS s(first),
-                      ({LOOK_BOUNDS}) AS b(look_from, look_skip, look_again)"
+                 FROM ({BACKLOG_FROM}) AS s(first), (SELECT {{ids_drawn_fn}}()) AS d(last)"
             ))?,
             // From the catalog, which every role may read.
             is_partitioned: values.render(

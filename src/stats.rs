@@ -9,7 +9,7 @@ use postgres::{Client, IsolationLevel, Row};
 use crate::clock::seconds;
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
-use crate::sql::{self, DEAD_RANGES, STATS_COUNTED};
+use crate::sql::{self, BACKLOG_RANGES, DEAD_RANGES, STATS_COUNTED};
 use crate::store::{self, count};
 
 /// A snapshot of an outbox's state, from [`Outbox::stats`] or [`Outbox::stats_exact`].
@@ -146,34 +146,42 @@ impl Outbox {
             .collect())
     }
 
-    /// Runs `query`, which counts dead letters before `$4` in the quiet partitions from
-    /// `$1` on (see `Statements::stats`), or, `with_ranges`, reads them in the ranges
-    /// `$6` on (see `DEAD_RANGES`), and reads the rest in the ranges `$2` to `$3` and
-    /// from `$4` to `$5`: on a partitioned table, the first id of the oldest partition not
-    /// settled (migration 0013), the ids of the oldest not quiet and of every partition
-    /// from the next not quiet on (migrations 0016 and 0019), up to the end of the
-    /// partition of the last id drawn (migration 0020), so that its plan leaves the
-    /// others out, however many days retention keeps and partitions it makes ahead; on a
-    /// plain one, every id (and empty ranges).
+    /// Runs `query`, which reads the backlog in the ranges of ids from `$2` on (see
+    /// `BACKLOG_RANGES`) and counts the dead letters of the quiet partitions from `$1` on
+    /// left out (see `Statements::stats`), or, `with_ranges`, reads those in the ranges
+    /// after (see `DEAD_RANGES`). On a partitioned table, `$1` is the first id of the
+    /// oldest partition not settled (migration 0013), and the ranges those of the
+    /// partitions that may hold a pending or parked row, up to the partition of the last
+    /// id drawn (migrations 0016, 0018 and 0020): its plan leaves the others out, however
+    /// many days retention keeps, partitions it makes ahead, or quiet ones lie between
+    /// messages held in old partitions. On a plain one, every id.
     /// The bounds and the counts are read in one snapshot: a redrive committed in between
-    /// moves the second bound back, before rows the counts would then miss.
+    /// marks a partition not quiet, before rows the counts would then miss.
     fn read_backlog(
         &self,
         client: &mut Client,
-        query: &str,
+        query: &[String],
         with_ranges: bool,
     ) -> Result<Vec<Row>> {
-        // The bounds, and with them the ranges of the partitions `counted`.
-        let params = |bounds: [i64; 5], counted: &[i64]| {
-            let mut params = bounds.to_vec();
+        // The statement for as many backlog ranges as it reads (at least one), and its
+        // parameters.
+        let statement = |first: i64, backlog: &[(i64, i64)], counted: &[i64]| {
+            let backlog = if backlog.is_empty() {
+                &[EMPTY]
+            } else {
+                backlog
+            };
+            let mut params = vec![first];
+            params.extend(backlog.iter().flat_map(|&(from, to)| [from, to]));
             if with_ranges {
-                let ranges = dead_ranges(counted);
-                params.extend(ranges.iter().flat_map(|&(from, to)| [from, to]));
+                let mut dead = ranges(counted, DEAD_RANGES);
+                dead.resize(DEAD_RANGES, EMPTY);
+                params.extend(dead.iter().flat_map(|&(from, to)| [from, to]));
             }
-            params
+            (&query[backlog.len() - 1], params)
         };
         if !self.partitioned(client)? {
-            let params = params([0, 0, 0, 0, i64::MAX], &[]);
+            let (query, params) = statement(0, &[(0, i64::MAX)], &[]);
             return client
                 .query_typed(query, &as_params(&params))
                 .map_err(|e| self.db_error(e));
@@ -186,8 +194,10 @@ impl Outbox {
         let bounds = tx
             .query_typed_one(&self.statements().backlog_from, &[])
             .map_err(|e| self.db_error(e))?;
-        let counted: Vec<i64> = bounds.get(5);
-        let params = params([0, 1, 2, 3, 4].map(|i| bounds.get(i)), &counted);
+        let backlog: Vec<i64> = bounds.get(1);
+        let counted: Vec<i64> = bounds.get(2);
+        let backlog = ranges(&backlog, BACKLOG_RANGES);
+        let (query, params) = statement(bounds.get(0), &backlog, &counted);
         let rows = tx
             .query_typed(query, &as_params(&params))
             .map_err(|e| self.db_error(e))?;
@@ -204,24 +214,25 @@ fn as_params(params: &[i64]) -> Vec<(&(dyn ToSql + Sync), Type)> {
         .collect()
 }
 
-/// The ranges of ids of the partitions `numbers` (ascending), at most `DEAD_RANGES`: a run
-/// of neighbours in one range, and past the last range the rest in it, the partitions
-/// between included (reading more partitions for their dead letters counts no more of
-/// them); the ranges left are empty.
-fn dead_ranges(numbers: &[i64]) -> [(i64, i64); DEAD_RANGES] {
+/// A range of ids that holds none.
+const EMPTY: (i64, i64) = (0, -1);
+
+/// The ranges of ids of the partitions `numbers` (ascending), at most `most`, each as its
+/// first id and its last: a run of neighbours in one range, and past the last range the
+/// rest in it, the partitions between included (the statements read those whole, and count
+/// nothing in them twice).
+fn ranges(numbers: &[i64], most: usize) -> Vec<(i64, i64)> {
     let mut runs: Vec<(i64, i64)> = Vec::new();
     for &n in numbers {
-        let full = runs.len() == DEAD_RANGES;
+        let full = runs.len() == most;
         match runs.last_mut() {
-            Some(run) if run.1 == n || full => run.1 = n + 1,
-            _ => runs.push((n, n + 1)),
+            Some(run) if run.1 + 1 == n || full => run.1 = n,
+            _ => runs.push((n, n)),
         }
     }
-    let mut ranges = [(0, 0); DEAD_RANGES];
-    for (range, (from, to)) in ranges.iter_mut().zip(runs) {
-        *range = (sql::first_id(from), sql::first_id(to));
-    }
-    ranges
+    runs.into_iter()
+        .map(|(first, last)| (sql::first_id(first), sql::first_id(last + 1) - 1))
+        .collect()
 }
 
 /// What one bounded read of the backlog counted (see `Statements::stats`).
@@ -379,22 +390,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dead_ranges_take_runs_of_neighbours_and_the_rest_in_the_last() {
-        let id = sql::first_id;
-        assert_eq!(dead_ranges(&[]), [(0, 0); DEAD_RANGES]);
+    fn ranges_take_runs_of_neighbours_and_the_rest_in_the_last() {
+        // From partition `first` to the end of partition `last`.
+        let span = |first: i64, last: i64| (sql::first_id(first), sql::first_id(last + 1) - 1);
+        assert_eq!(ranges(&[], 4), []);
+        assert_eq!(ranges(&[3, 4, 5, 9], 4), [span(3, 5), span(9, 9)]);
         assert_eq!(
-            dead_ranges(&[3, 4, 5, 9]),
-            [(id(3), id(6)), (id(9), id(10)), (0, 0), (0, 0)]
+            ranges(&[1, 3, 5, 7, 9, 10, 12], 4),
+            [span(1, 1), span(3, 3), span(5, 5), span(7, 12)]
         );
-        assert_eq!(
-            dead_ranges(&[1, 3, 5, 7, 9, 10, 12]),
-            [
-                (id(1), id(2)),
-                (id(3), id(4)),
-                (id(5), id(6)),
-                (id(7), id(13))
-            ]
-        );
+        assert_eq!(ranges(&[0, 2], 1), [(0, sql::first_id(3) - 1)]);
     }
 
     const LIMIT: u64 = STATS_COUNTED;

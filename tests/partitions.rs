@@ -1155,6 +1155,39 @@ fn a_purge_of_more_dead_letters_than_counted_has_them_counted_again() {
     assert_eq!(common::stats(&outbox, &mut client).dead, 0);
 }
 
+/// Until the upkeep counts it again, a quiet partition whose count a purge cleared is read
+/// by `stats()`, whose dead letters then stay exact: here two made by hand beside the one
+/// counted, and two of the three purged.
+#[test]
+fn a_quiet_partition_whose_count_a_purge_cleared_is_read_until_counted_again() {
+    let (outbox, mut client) = partitioned("part_recount");
+    enqueue(&mut client, &outbox, message("doomed-1").max_attempts(1)).unwrap();
+    for key in ["fine-1", "fine-2"] {
+        enqueue(&mut client, &outbox, message(key)).unwrap();
+    }
+    cut(&mut client, &outbox);
+    let config = refusing(&outbox, "doomed-");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 3);
+    wait_quiet(&mut client, &outbox, 0);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(1));
+    let by_hand = format!(
+        "UPDATE {} SET status = 'dead' WHERE key LIKE 'fine-%'",
+        quoted(&outbox)
+    );
+    client.execute(&by_hand, &[]).unwrap();
+    let two = Rows::Dead.matching(Filter::new().keys(["doomed-1", "fine-1"]));
+    assert_eq!(outbox.purge(&mut client, two).unwrap(), 2);
+    assert_eq!(counted_dead(&mut client, &outbox, 0), None);
+    assert!(is_quiet(&mut client, &outbox, 0));
+    assert_eq!(common::stats(&outbox, &mut client).dead, 1);
+    wait_until("partition 0 counted again", || {
+        upkeep(&mut client, &outbox, false);
+        counted_dead(&mut client, &outbox, 0).is_some()
+    });
+    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(1));
+    assert_eq!(common::stats(&outbox, &mut client).dead, 1);
+}
+
 /// Makes 100,001 dead letters in partition 0 (more than the upkeep counts), as relays would
 /// have left them, with the count cleared (as after a purge by an older version), and runs
 /// the upkeep, which counts them and marks the partition (not quiet, -1).
@@ -1432,9 +1465,10 @@ fn a_purge_in_a_repeatable_read_session_waits_for_the_bookkeeping_and_goes_on() 
 
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
 /// partition from being quiet, and no longer the ones after it (migration 18): producers'
-/// looks and `stats()` read the oldest partition held, and every one from the next held on,
-/// leaving out the quiet ones between (19). Partitions 0 and 2 hold a message for tomorrow,
-/// of aggregates `a` and `c`; 1 and 3 a sent row and a dead letter each; 4 is open.
+/// looks read the oldest partition held, and every one from the next held on, leaving out
+/// the quiet ones between (19); `stats()` reads the partitions held alone, and the open one.
+/// Partitions 0 and 2 hold a message for tomorrow, of aggregates `a` and `c`; 1 and 3 a
+/// sent row and a dead letter each; 4 is open.
 #[test]
 fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     let (outbox, mut client) = partitioned("part_scheduled");
@@ -1465,13 +1499,52 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
         enqueue(&mut client, &outbox, of(&next, aggregate)).unwrap();
         assert!(!is_head(&mut client, &outbox, &next), "{next}");
     }
-    // stats() counts partition 1's dead letter and reads partition 3's.
+    // stats() counts the dead letters of partitions 1 and 3, and agrees with stats_exact().
     let stats = common::stats(&outbox, &mut client);
     assert_eq!(
         (stats.pending, stats.blocked, stats.dead, stats.sent),
         (5, 2, 2, 2)
     );
     assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 5, 2)]);
+    // It reads no quiet partition: 1 and 3 are locked against reads meanwhile.
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    for n in [1, 3] {
+        let partition = quoted_with(&outbox, &format!("_p{n}"));
+        held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
+            .unwrap();
+    }
+    client.batch_execute("SET lock_timeout = '10s'").unwrap();
+    let stats = outbox.stats(&mut client).unwrap();
+    client.batch_execute("RESET lock_timeout").unwrap();
+    held.rollback().unwrap();
+    assert_eq!((stats.pending, stats.dead, stats.exact), (5, 2, true));
+}
+
+/// Messages held in more old partitions than `stats()` reads in ranges (four): past the
+/// fourth, it reads every partition in one, the quiet ones between with their dead letters,
+/// which it then counts once. Partitions 0, 2, 4, 6 and 8 hold a message for tomorrow; 1,
+/// 3, 5, 7 and 9 a sent row and a dead letter each; 10 is open.
+#[test]
+fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
+    let (outbox, mut client) = partitioned("part_held_runs");
+    for n in [0, 2, 4, 6, 8] {
+        let tomorrow = message(&format!("tomorrow-{n}")).delay(Duration::from_secs(86_400));
+        enqueue(&mut client, &outbox, tomorrow).unwrap();
+        cut(&mut client, &outbox);
+        enqueue(&mut client, &outbox, message(&format!("sent-{}", n + 1))).unwrap();
+        let doomed = message(&format!("doomed-{}", n + 1)).max_attempts(1);
+        enqueue(&mut client, &outbox, doomed).unwrap();
+        cut(&mut client, &outbox);
+    }
+    let config = refusing(&outbox, "doomed");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 10);
+    for n in [1, 3, 5, 7, 9] {
+        wait_quiet(&mut client, &outbox, n);
+    }
+    let stats = common::stats(&outbox, &mut client);
+    assert_eq!((stats.pending, stats.dead, stats.sent), (5, 5, 5));
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 5, 5)]);
 }
 
 /// A dead letter set back to pending by hand (or by a redrive of a version older than
