@@ -1038,7 +1038,8 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// look did too). `held_` is the same with a
 /// message scheduled for tomorrow in the oldest partition, which keeps it from being
 /// quiet (before migration 19, each enqueue's look and `stats()` read every partition
-/// from there).
+/// from there); `held_twice_` with a second one in the middle partition (each enqueue's
+/// look reads every partition from there, and `stats()` did before 6fc6f7d).
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;
@@ -1150,11 +1151,30 @@ fn partitions(scratch: &Scratch) -> Result<()> {
         ))?;
         upkeep(&mut client, false)?;
         let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
+        line = line
+            .kv("held_stats_ms", ms(stats))
+            .kv("held_enqueue_ms", ms(enqueue));
+        // And a second one, in the middle partition, past quiet ones (partition n's ids
+        // start at n << 40).
+        if count > 3 {
+            client.batch_execute(&format!(
+                "UPDATE {t} SET status = 'pending', done_at = NULL,
+                                available_at = now() + interval '1 day'
+                 WHERE id = (SELECT min(id) FROM {t}
+                             WHERE id >= (SELECT min(n) + {middle} FROM {t}_partitions) << 40);
+                 UPDATE {t}_partitions SET settled_at = NULL, quiet_at = NULL
+                 WHERE n = (SELECT min(n) + {middle} FROM {t}_partitions)",
+                middle = count / 2
+            ))?;
+            upkeep(&mut client, false)?;
+            let (stats, enqueue) = stats_and_enqueue(&mut client, &partitioned)?;
+            line = line
+                .kv("held_twice_stats_ms", ms(stats))
+                .kv("held_twice_enqueue_ms", ms(enqueue));
+        }
         client.batch_execute(&sent.replace("{}", t))?;
         upkeep(&mut client, false)?;
-        line.kv("held_stats_ms", ms(stats))
-            .kv("held_enqueue_ms", ms(enqueue))
-            .print();
+        line.print();
     }
     Ok(())
 }
