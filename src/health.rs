@@ -595,7 +595,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
         if closed > partition.every {
             // The partitions after `n`, not quiet itself, that a producer's look reads:
             // those from the next partition not quiet on (migration 0019). stats() reads
-            // the partitions not quiet alone (migration 0020's statements).
+            // the partitions not quiet alone (`BACKLOG_RANGES`).
             let after = |n: i64| {
                 let not_quiet = |p: &&Partition| p.closed.is_none() || !p.quiet;
                 let partitions = health.partitions.iter();

@@ -160,14 +160,14 @@ const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
                  f.n + 1) << {id_bits}
  FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
 
-/// How many ranges of ids `stats` and `topic_stats` read the backlog in (`$2` on, two a
-/// range: its first id and its last). They cover the partitions of
-/// a partitioned table that may hold a pending or parked row (not quiet), or dead letters
-/// not counted (migration 0018), up to the partition of the last id drawn (migration
-/// 0020): the partitions made ahead, and the quiet ones between held ones (after messages
+/// How many ranges of ids `stats` and `topic_stats` read the backlog in, at most (`$2` on,
+/// two a range: its first id and its last). They cover the partitions of a partitioned
+/// table that may hold a pending or parked row (not quiet), or dead letters not counted
+/// (migration 0018), up to the partition of the last id drawn (migration 0020), and that
+/// one: the partitions made ahead, and the quiet ones between held ones (after messages
 /// scheduled far ahead, or parked, in old partitions), are left out. A run of neighbours
 /// takes one range; past the last range, the rest go into it, with the partitions between.
-/// On a plain table, the first range is every id, and the others empty.
+/// On a plain table, one range: every id.
 pub(crate) const BACKLOG_RANGES: usize = 4;
 
 /// How many ranges of ids, besides the backlog's, `topic_stats` reads dead letters in
@@ -202,9 +202,9 @@ fn in_ranges(value: &str, from: usize, count: usize, shift: u32) -> String {
 }
 
 /// `template` for each count of backlog ranges from 1 to `BACKLOG_RANGES`, the one at `k - 1`
-/// reading `k` of them (`$2` to `$2k+1`) where it says `{in_backlog}` (of rows `t`, `o` and
-/// partitions `p`, `q`), and `DEAD_RANGES` ranges after them where it says
-/// `{dead_ranges}`. So a statement holds no more ranges than it reads: each costs every
+/// reading `k` of them (`$2` to `$2k+1`) where it says `{in_backlog}` (of the rows' ids;
+/// `{o_in_backlog}` of rows `o`, `{p_in_backlog}` and `{q_in_backlog}` of partitions `p`
+/// and `q`), and `DEAD_RANGES` ranges after them where it says `{dead_ranges}`. So a statement holds no more ranges than it reads: each costs every
 /// scan's plan an OR, even one that holds no id.
 fn by_ranges(values: &mut Values<'_>, template: &str) -> Result<Vec<String>, RenderError> {
     (1..=BACKLOG_RANGES)
@@ -377,7 +377,7 @@ pub(crate) struct Statements {
     pub(crate) dedupe: String,
     /// Counts by state from at most `STATS_COUNTED` rows of each part of the backlog, and
     /// the estimated sizes of the ready and ordered indexes (see `Outbox::stats`): every
-    /// row in the ranges from `$2` on (`backlog_from`, see `BACKLOG_RANGES`; all ids on a
+    /// row in the ranges from `$2` on (`backlog_bounds`, see `BACKLOG_RANGES`; all ids on a
     /// plain table), so that the partitions out of them are left out of the plan, and the
     /// dead letters counted in the quiet ones from `$1` on left out.
     pub(crate) stats: Vec<String>,
@@ -385,9 +385,10 @@ pub(crate) struct Statements {
     /// oldest partition not settled (migration 0013), whose rows may still be pending,
     /// parked or dead; the partitions from there that may hold a pending or parked row
     /// (not quiet), or dead letters not counted, up to the partition of the last id drawn
-    /// (migration 0020), past which no row is; and the quiet ones whose dead letters are
-    /// counted as some, or not counted (migration 0018).
-    pub(crate) backlog_from: String,
+    /// (migration 0020), past which no row is, and that one unless its bookkeeping says it
+    /// is quiet (were its row lost, the rows written there would be missed); and the quiet
+    /// ones whose dead letters are counted as some, or not counted (migration 0018).
+    pub(crate) backlog_bounds: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
     /// Rows matching a filter ($1..$5, see `FILTER`), oldest first, at most $6.
@@ -952,13 +953,18 @@ impl Statements {
             retire_partition: values.render(
                 "SELECT {retire_fn}(now() - $1::bigint * interval '1 microsecond', $2)"
             )?,
-            backlog_from: values.render(&format!(
+            backlog_bounds: values.render(&format!(
                 "SELECT s.first,
                         ARRAY(SELECT p.n FROM {{partitions}} p
                               WHERE p.settled_at IS NULL
                                 AND (p.quiet_at IS NULL OR p.dead IS NULL)
-                                AND p.n >= s.first >> {{id_bits}} AND p.n <= d.last
-                              ORDER BY p.n),
+                                AND p.n >= s.first >> {{id_bits}} AND p.n < d.last
+                              UNION
+                              SELECT d.last WHERE NOT EXISTS (
+                                SELECT FROM {{partitions}} q
+                                WHERE q.n = d.last AND q.quiet_at IS NOT NULL
+                                  AND q.dead IS NOT NULL)
+                              ORDER BY 1),
                         ARRAY(SELECT q.n FROM {{partitions}} q
                               WHERE q.quiet_at IS NOT NULL AND q.dead IS DISTINCT FROM 0
                                 AND q.n >= s.first >> {{id_bits}}

@@ -192,7 +192,7 @@ impl Outbox {
             .read_only(true)
             .start()?;
         let bounds = tx
-            .query_typed_one(&self.statements().backlog_from, &[])
+            .query_typed_one(&self.statements().backlog_bounds, &[])
             .map_err(|e| self.db_error(e))?;
         let backlog: Vec<i64> = bounds.get(1);
         let counted: Vec<i64> = bounds.get(2);

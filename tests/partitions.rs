@@ -1379,7 +1379,7 @@ fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
 /// (migration 20): the partitions made ahead are left out of their plans, here locked
 /// against reads. They go by the sequence, not the bookkeeping: moved into partition 1 by
 /// hand, as a cut moves it before its bookkeeping commits, the row drawn there is counted.
-/// So does a role of a relay's rights.
+/// So does a role of a relay's rights, with PUBLIC's EXECUTE on the function revoked.
 #[test]
 fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
     let (outbox, mut client) = partitioned("part_ids_drawn");
@@ -1421,10 +1421,36 @@ fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
     assert_eq!(with_locked(&mut client, &[2]), (2, true, topics(2)));
     assert_eq!(common::stats(&outbox, &mut client).pending, 2);
 
+    // PUBLIC may call the function; a relay's role is granted it by name too.
+    client
+        .batch_execute(&format!(
+            "REVOKE EXECUTE ON FUNCTION {}() FROM PUBLIC",
+            quoted_with(&outbox, "_ids_drawn")
+        ))
+        .unwrap();
     let role = Role::new(&mut client);
     role.grant(&mut client, &outbox, Access::Relay);
     let mut as_role = role.client();
     assert_eq!(with_locked(&mut as_role, &[2]), (2, true, topics(2)));
+}
+
+/// The partition ids are drawn in is read whatever its bookkeeping says: here its row
+/// deleted by hand.
+#[test]
+fn stats_read_the_partition_ids_are_drawn_in_without_its_bookkeeping() {
+    let (outbox, mut client) = partitioned("part_no_row");
+    enqueue(&mut client, &outbox, message("open")).unwrap();
+    client
+        .execute(
+            &format!(
+                "DELETE FROM {} WHERE n = 0",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[],
+        )
+        .unwrap();
+    assert_eq!(common::stats(&outbox, &mut client).pending, 1);
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 1, 0)]);
 }
 
 /// A purge from a session whose default is REPEATABLE READ, waiting for a partition's
@@ -1521,10 +1547,11 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     assert_eq!((stats.pending, stats.dead, stats.exact), (5, 2, true));
 }
 
-/// Messages held in more old partitions than `stats()` reads in ranges (four): past the
-/// fourth, it reads every partition in one, the quiet ones between with their dead letters,
-/// which it then counts once. Partitions 0, 2, 4, 6 and 8 hold a message for tomorrow; 1,
-/// 3, 5, 7 and 9 a sent row and a dead letter each; 10 is open.
+/// Messages held in more old partitions than `stats()` reads in ranges (four): it reads
+/// the first three alone, and from the fourth on every partition in one range, the quiet
+/// ones between with their dead letters, which it then counts once (read, not counted).
+/// Partitions 0, 2, 4, 6 and 8 hold a message for tomorrow; 1, 3, 5, 7 and 9 a sent row
+/// and a dead letter each; 10 is open, with a message.
 #[test]
 fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
     let (outbox, mut client) = partitioned("part_held_runs");
@@ -1542,9 +1569,33 @@ fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
     for n in [1, 3, 5, 7, 9] {
         wait_quiet(&mut client, &outbox, n);
     }
+    enqueue(&mut client, &outbox, message("open")).unwrap();
     let stats = common::stats(&outbox, &mut client);
-    assert_eq!((stats.pending, stats.dead, stats.sent), (5, 5, 5));
-    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 5, 5)]);
+    assert_eq!((stats.pending, stats.dead, stats.sent), (6, 5, 5));
+    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 6, 5)]);
+
+    // Counts no reader of 7 and 9 could take for theirs, and 1, 3 and 5 locked against reads.
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET dead = 100 WHERE n IN (7, 9)",
+                quoted_with(&outbox, "_partitions")
+            ),
+            &[],
+        )
+        .unwrap();
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    for n in [1, 3, 5] {
+        let partition = quoted_with(&outbox, &format!("_p{n}"));
+        held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
+            .unwrap();
+    }
+    client.batch_execute("SET lock_timeout = '10s'").unwrap();
+    let stats = outbox.stats(&mut client).unwrap();
+    client.batch_execute("RESET lock_timeout").unwrap();
+    held.rollback().unwrap();
+    assert_eq!((stats.pending, stats.dead, stats.exact), (6, 5, true));
 }
 
 /// A dead letter set back to pending by hand (or by a redrive of a version older than
