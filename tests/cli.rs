@@ -85,7 +85,10 @@ fn grants_prints_what_a_side_needs_and_refuses_a_bad_role() {
         )),
         "{relay}"
     );
-    assert!(relay.contains("_settle\"() TO \"relay_role\";"), "{relay}");
+    assert!(
+        relay.contains("_ids_drawn\"() TO \"relay_role\";"),
+        "{relay}"
+    );
     let error = fails(&outbox, &["grants", "relay", ""], 1);
     assert!(error.contains("invalid role"), "{error}");
     fails(&outbox, &["grants", "owner", "relay_role"], 2);
