@@ -1239,6 +1239,28 @@ fn by_topic(client: &mut Client, outbox: &Outbox) -> Vec<(String, u64, u64)> {
         .collect()
 }
 
+/// What `read` returns while partitions `numbers` are locked against reads by another
+/// session: a statement of `read` that touches one of them fails after 10 s.
+fn with_partitions_locked<T>(
+    client: &mut Client,
+    outbox: &Outbox,
+    numbers: &[i64],
+    read: impl FnOnce(&mut Client) -> T,
+) -> T {
+    let mut holder = common::client();
+    let mut held = holder.transaction().unwrap();
+    for n in numbers {
+        let partition = quoted_with(outbox, &format!("_p{n}"));
+        held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
+            .unwrap();
+    }
+    client.batch_execute("SET lock_timeout = '10s'").unwrap();
+    let read = read(client);
+    client.batch_execute("RESET lock_timeout").unwrap();
+    held.rollback().unwrap();
+    read
+}
+
 /// The server process of `client`'s session.
 fn backend_pid(client: &mut Client) -> i32 {
     client
@@ -1360,17 +1382,10 @@ fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
     }
     enqueue(&mut client, &outbox, message("later")).unwrap();
 
-    let mut holder = common::client();
-    let mut held = holder.transaction().unwrap();
-    held.batch_execute(&format!(
-        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
-        quoted_with(&outbox, "_p2")
-    ))
-    .unwrap();
-    client.batch_execute("SET lock_timeout = '10s'").unwrap();
-    assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 1, 2)]);
-    held.rollback().unwrap();
-    client.batch_execute("RESET lock_timeout").unwrap();
+    let topics = with_partitions_locked(&mut client, &outbox, &[2], |client| {
+        by_topic(client, &outbox)
+    });
+    assert_eq!(topics, [("t".to_owned(), 1, 2)]);
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.dead), (1, 2));
 }
@@ -1392,18 +1407,7 @@ fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
     let topics = |pending: u64| vec![("t".to_owned(), pending, 0)];
     // Each of `ahead` locked against reads while `stats()` and `topic_stats()` run.
     let with_locked = |client: &mut Client, ahead: &[i64]| {
-        let mut holder = common::client();
-        let mut held = holder.transaction().unwrap();
-        for n in ahead {
-            let partition = quoted_with(&outbox, &format!("_p{n}"));
-            held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
-                .unwrap();
-        }
-        client.batch_execute("SET lock_timeout = '10s'").unwrap();
-        let seen = counted(client);
-        client.batch_execute("RESET lock_timeout").unwrap();
-        held.rollback().unwrap();
-        seen
+        with_partitions_locked(client, &outbox, ahead, counted)
     };
     assert_eq!(with_locked(&mut client, &[1, 2]), (1, true, topics(1)));
 
@@ -1533,17 +1537,9 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     );
     assert_eq!(by_topic(&mut client, &outbox), [("t".to_owned(), 5, 2)]);
     // It reads no quiet partition: 1 and 3 are locked against reads meanwhile.
-    let mut holder = common::client();
-    let mut held = holder.transaction().unwrap();
-    for n in [1, 3] {
-        let partition = quoted_with(&outbox, &format!("_p{n}"));
-        held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
-            .unwrap();
-    }
-    client.batch_execute("SET lock_timeout = '10s'").unwrap();
-    let stats = outbox.stats(&mut client).unwrap();
-    client.batch_execute("RESET lock_timeout").unwrap();
-    held.rollback().unwrap();
+    let stats = with_partitions_locked(&mut client, &outbox, &[1, 3], |client| {
+        outbox.stats(client).unwrap()
+    });
     assert_eq!((stats.pending, stats.dead, stats.exact), (5, 2, true));
 }
 
@@ -1584,17 +1580,9 @@ fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
             &[],
         )
         .unwrap();
-    let mut holder = common::client();
-    let mut held = holder.transaction().unwrap();
-    for n in [1, 3, 5] {
-        let partition = quoted_with(&outbox, &format!("_p{n}"));
-        held.batch_execute(&format!("LOCK TABLE {partition} IN ACCESS EXCLUSIVE MODE"))
-            .unwrap();
-    }
-    client.batch_execute("SET lock_timeout = '10s'").unwrap();
-    let stats = outbox.stats(&mut client).unwrap();
-    client.batch_execute("RESET lock_timeout").unwrap();
-    held.rollback().unwrap();
+    let stats = with_partitions_locked(&mut client, &outbox, &[1, 3, 5], |client| {
+        outbox.stats(client).unwrap()
+    });
     assert_eq!((stats.pending, stats.dead, stats.exact), (6, 5, true));
 }
 
