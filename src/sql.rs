@@ -204,8 +204,9 @@ fn in_ranges(value: &str, from: usize, count: usize, shift: u32) -> String {
 /// `template` for each count of backlog ranges from 1 to `BACKLOG_RANGES`, the one at `k - 1`
 /// reading `k` of them (`$2` to `$2k+1`) where it says `{in_backlog}` (of the rows' ids;
 /// `{o_in_backlog}` of rows `o`, `{p_in_backlog}` and `{q_in_backlog}` of partitions `p`
-/// and `q`), and `DEAD_RANGES` ranges after them where it says `{dead_ranges}`. So a statement holds no more ranges than it reads: each costs every
-/// scan's plan an OR, even one that holds no id.
+/// and `q`), and `DEAD_RANGES` ranges after them where it says `{dead_ranges}`. So a
+/// statement holds no more ranges than it reads: each costs every scan's plan an OR, even
+/// one that holds no id.
 fn by_ranges(values: &mut Values<'_>, template: &str) -> Result<Vec<String>, RenderError> {
     (1..=BACKLOG_RANGES)
         .map(|k| {

@@ -1405,11 +1405,10 @@ fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
         (stats.pending, stats.exact, by_topic(client, &outbox))
     };
     let topics = |pending: u64| vec![("t".to_owned(), pending, 0)];
-    // Each of `ahead` locked against reads while `stats()` and `topic_stats()` run.
-    let with_locked = |client: &mut Client, ahead: &[i64]| {
-        with_partitions_locked(client, &outbox, ahead, counted)
-    };
-    assert_eq!(with_locked(&mut client, &[1, 2]), (1, true, topics(1)));
+    assert_eq!(
+        with_partitions_locked(&mut client, &outbox, &[1, 2], counted),
+        (1, true, topics(1))
+    );
 
     client
         .execute(
@@ -1422,7 +1421,10 @@ fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
         partition_of(&mut client, &outbox, "drawn-past"),
         format!("{}_p1", outbox.table())
     );
-    assert_eq!(with_locked(&mut client, &[2]), (2, true, topics(2)));
+    assert_eq!(
+        with_partitions_locked(&mut client, &outbox, &[2], counted),
+        (2, true, topics(2))
+    );
     assert_eq!(common::stats(&outbox, &mut client).pending, 2);
 
     // PUBLIC may call the function; a relay's role is granted it by name too.
@@ -1435,7 +1437,10 @@ fn stats_leave_out_the_partitions_past_the_last_id_drawn() {
     let role = Role::new(&mut client);
     role.grant(&mut client, &outbox, Access::Relay);
     let mut as_role = role.client();
-    assert_eq!(with_locked(&mut as_role, &[2]), (2, true, topics(2)));
+    assert_eq!(
+        with_partitions_locked(&mut as_role, &outbox, &[2], counted),
+        (2, true, topics(2))
+    );
 }
 
 /// The partition ids are drawn in is read whatever its bookkeeping says: here its row
@@ -1493,6 +1498,32 @@ fn a_purge_in_a_repeatable_read_session_waits_for_the_bookkeeping_and_goes_on() 
     assert_eq!(common::stats(&outbox, &mut client).dead, 1);
 }
 
+/// Each of `held`, scheduled for tomorrow, in a partition of its own (0, 2, 4, ...), and
+/// after each a sent row (`sent-<n>`) and a dead letter (`doomed-<n>`) in the next (1, 3,
+/// 5, ...), cut after each partition; sends what can be sent, and waits until the
+/// partitions of dead letters are quiet.
+fn held_between_dead_letters<const N: usize>(
+    client: &mut Client,
+    outbox: &Outbox,
+    held: [Message; N],
+) {
+    for (i, message_held) in held.into_iter().enumerate() {
+        let tomorrow = message_held.delay(Duration::from_secs(86_400));
+        enqueue(client, outbox, tomorrow).unwrap();
+        cut(client, outbox);
+        let n = 2 * i + 1;
+        enqueue(client, outbox, message(&format!("sent-{n}"))).unwrap();
+        let doomed = message(&format!("doomed-{n}")).max_attempts(1);
+        enqueue(client, outbox, doomed).unwrap();
+        cut(client, outbox);
+    }
+    let config = refusing(outbox, "doomed");
+    assert_eq!(Relay::run_until_idle(&config).unwrap(), 2 * N);
+    for i in 0..N {
+        wait_quiet(client, outbox, 2 * i as i64 + 1);
+    }
+}
+
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
 /// partition from being quiet, and no longer the ones after it (migration 18): producers'
 /// looks read the oldest partition held, and every one from the next held on, leaving out
@@ -1503,21 +1534,11 @@ fn a_purge_in_a_repeatable_read_session_waits_for_the_bookkeeping_and_goes_on() 
 fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
     let (outbox, mut client) = partitioned("part_scheduled");
     let of = |key: &str, aggregate: &str| message(key).aggregate_key(aggregate);
-    let tomorrow =
-        |key: &str, aggregate: &str| of(key, aggregate).delay(Duration::from_secs(86_400));
-    for (n, aggregate) in [(0, "a"), (2, "c")] {
-        let held = tomorrow(&format!("tomorrow-{n}"), aggregate);
-        enqueue(&mut client, &outbox, held).unwrap();
-        cut(&mut client, &outbox);
-        enqueue(&mut client, &outbox, message(&format!("sent-{}", n + 1))).unwrap();
-        let doomed = message(&format!("doomed-{}", n + 1)).max_attempts(1);
-        enqueue(&mut client, &outbox, doomed).unwrap();
-        cut(&mut client, &outbox);
-    }
-    let config = refusing(&outbox, "doomed");
-    assert_eq!(Relay::run_until_idle(&config).unwrap(), 4);
-    wait_quiet(&mut client, &outbox, 1);
-    wait_quiet(&mut client, &outbox, 3);
+    held_between_dead_letters(
+        &mut client,
+        &outbox,
+        [of("tomorrow-0", "a"), of("tomorrow-2", "c")],
+    );
     assert!(!is_quiet(&mut client, &outbox, 0) && !is_quiet(&mut client, &outbox, 2));
 
     let looks = looks_into(&mut client, &outbox, of("b", "b"));
@@ -1551,20 +1572,8 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
 #[test]
 fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
     let (outbox, mut client) = partitioned("part_held_runs");
-    for n in [0, 2, 4, 6, 8] {
-        let tomorrow = message(&format!("tomorrow-{n}")).delay(Duration::from_secs(86_400));
-        enqueue(&mut client, &outbox, tomorrow).unwrap();
-        cut(&mut client, &outbox);
-        enqueue(&mut client, &outbox, message(&format!("sent-{}", n + 1))).unwrap();
-        let doomed = message(&format!("doomed-{}", n + 1)).max_attempts(1);
-        enqueue(&mut client, &outbox, doomed).unwrap();
-        cut(&mut client, &outbox);
-    }
-    let config = refusing(&outbox, "doomed");
-    assert_eq!(Relay::run_until_idle(&config).unwrap(), 10);
-    for n in [1, 3, 5, 7, 9] {
-        wait_quiet(&mut client, &outbox, n);
-    }
+    let held = [0, 2, 4, 6, 8].map(|n| message(&format!("tomorrow-{n}")));
+    held_between_dead_letters(&mut client, &outbox, held);
     enqueue(&mut client, &outbox, message("open")).unwrap();
     let stats = common::stats(&outbox, &mut client);
     assert_eq!((stats.pending, stats.dead, stats.sent), (6, 5, 5));
