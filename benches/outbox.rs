@@ -1039,7 +1039,8 @@ const PARTITION_COUNTS: [usize; 5] = [3, 14, 30, 60, 120];
 /// message scheduled for tomorrow in the oldest partition, which keeps it from being
 /// quiet (before migration 19, each enqueue's look and `stats()` read every partition
 /// from there); `held_twice_` with a second one in the middle partition (each enqueue's
-/// look reads every partition from there, and `stats()` did before 6fc6f7d).
+/// look read every partition from there before migration 21, and `stats()` before
+/// 6fc6f7d).
 fn partitions(scratch: &Scratch) -> Result<()> {
     const STATS_CALLS: u32 = 20;
     const ENQUEUES: u32 = 200;

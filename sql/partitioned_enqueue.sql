@@ -1,16 +1,17 @@
 -- The enqueue functions of a partitioned outbox, made with the table after
 -- sql/partitioned.sql. A migration that changes them changes this file and makes them
--- again on tables partitioned before it, as migrations 0014 and 0017 do. Each is restated
--- whole.
+-- again on tables partitioned before it, as migrations 0014, 0017, 0019 and 0021 do. Each
+-- is restated whole.
 --
 -- A message with an aggregate key is a head when no earlier message of its aggregate is
--- pending or parked. That look reads only the partitions that may hold such a message:
--- the first not quiet (migration 0016: a quiet partition holds sent and dead rows only,
--- and nothing may write to it again but a redrive, which marks it not quiet first), and
--- every one from the next not quiet on (migration 0019: a message held in an old
--- partition, scheduled far ahead or parked, no longer brings every partition after it
--- back into the look), so its cost follows the backlog, not the partitions kept. The
--- bounds are variables, so the look leaves the quiet partitions out when it starts. As a
+-- pending or parked. That look reads only the partitions that may hold such a message,
+-- those not quiet (migration 0016: a quiet partition holds sent and dead rows only, and
+-- nothing may write to it again but a redrive, which marks it not quiet first): the
+-- first three alone and every one from the fourth on (migration 0021; 0019 read the
+-- first alone and every one from the second on). So messages held in old partitions,
+-- scheduled far ahead or parked, bring no partition after them back into the look, up to
+-- three of them, and the look's cost follows the backlog, not the partitions kept. The
+-- partitions are a variable, so the look leaves the quiet ones out when it starts. As a
 -- subquery of the same statement it gave back half of what it saves, from a function of
 -- its own a fifth to a third (BENCHMARKS.md, "What each kept partition costs").
 
@@ -19,23 +20,20 @@
 CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 DECLARE
-    look_from bigint;
-    look_skip bigint;
-    look_again bigint;
+    look bigint[];
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k WHERE k IS NOT NULL);
     END IF;
-    SELECT * INTO look_from, look_skip, look_again FROM ({look_bounds}) AS b;
-    -- A probe per aggregate: with every key in one condition, a range of the primary key
-    -- from the bound looks cheaper to the planner, and reads every row after it.
+    look := {look_partitions};
+    -- A probe per aggregate: with every key in one condition, ranges of the primary key
+    -- look cheaper to the planner, and it reads every row in them.
     RETURN ARRAY(SELECT k
                  FROM (SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k) AS keys,
                       LATERAL (SELECT 1 FROM {table} o
                                WHERE o.head IN (false, true) AND o.aggregate_key = keys.k
                                  AND o.status IN ('pending', 'parked')
-                                 AND o.id >= look_from
-                                 AND (o.id < look_skip OR o.id >= look_again)
+                                 AND {in_look}
                                LIMIT 1) AS found);
 END
 $fn$;
@@ -50,9 +48,7 @@ DECLARE
     held text;
     lock_key bigint;
     new_id bigint;
-    look_from bigint;
-    look_skip bigint;
-    look_again bigint;
+    look bigint[];
 BEGIN
     -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
     -- this one cost five times what the lock does.
@@ -78,7 +74,7 @@ BEGIN
     END IF;
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
-        SELECT * INTO look_from, look_skip, look_again FROM ({look_bounds}) AS b;
+        look := {look_partitions};
     END IF;
     IF p_key_generated THEN
         INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
@@ -92,8 +88,7 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= look_from
-                                  AND (o.id < look_skip OR o.id >= look_again)));
+                                  AND {in_look}));
     -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
     -- one's snapshot as a serialization failure: a duplicate all the same, and in a block of
     -- its own it leaves the caller's transaction usable (see migration 0005).
@@ -134,8 +129,7 @@ BEGIN
                                 WHERE o.head IN (false, true)
                                   AND o.aggregate_key = p_aggregate_key
                                   AND o.status IN ('pending', 'parked')
-                                  AND o.id >= look_from
-                                  AND (o.id < look_skip OR o.id >= look_again)))
+                                  AND {in_look}))
         ON CONFLICT DO NOTHING
         RETURNING id INTO new_id;
         IF new_id IS NULL THEN

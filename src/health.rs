@@ -593,18 +593,20 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     if let Some((partition, held_back)) = held {
         let closed = partition.closed.unwrap_or_default();
         if closed > partition.every {
-            // The partitions after `n`, not quiet itself, that a producer's look reads:
-            // those from the next partition not quiet on (migration 0019). stats() reads
-            // the partitions not quiet alone (`BACKLOG_RANGES`).
+            // The partitions after `n`, the first not quiet, that a producer's look reads:
+            // the next ones not quiet alone, and every one from the one after them on
+            // (`LOOK_RANGES`). stats() reads the partitions not quiet alone
+            // (`BACKLOG_RANGES`).
             let after = |n: i64| {
                 let not_quiet = |p: &&Partition| p.closed.is_none() || !p.quiet;
                 let partitions = health.partitions.iter();
-                let next = partitions.filter(|p| p.number > n).find(not_quiet);
-                next.map_or(0, |next| {
+                let mut later = partitions.filter(|p| p.number > n).filter(not_quiet);
+                let alone = later.by_ref().take(sql::LOOK_RANGES - 2);
+                let alone = alone.filter(|p| p.exists).count();
+                later.next().map_or(alone, |rest| {
                     let partitions = health.partitions.iter();
-                    partitions
-                        .filter(|p| p.number >= next.number && p.exists)
-                        .count()
+                    let rest = partitions.filter(|p| p.number >= rest.number && p.exists);
+                    alone + rest.count()
                 })
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";

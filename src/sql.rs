@@ -126,6 +126,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0020_ids_drawn",
         template: include_str!("../sql/0020_ids_drawn.sql"),
     },
+    Migration {
+        version: 21,
+        name: "0021_looks_in_ranges",
+        template: include_str!("../sql/0021_looks_in_ranges.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -134,8 +139,8 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
 
 /// The enqueue functions of a partitioned table. A migration that changes them changes this
-/// file, and makes them again on a table partitioned before it, as migrations 14, 17 and 19
-/// do.
+/// file, and makes them again on a table partitioned before it, as migrations 14, 17, 19 and
+/// 21 do.
 const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
 
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
@@ -148,17 +153,39 @@ pub(crate) const PARTITION_ID_BITS: u32 = 40;
 const BACKLOG_FROM: &str =
     "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE settled_at IS NULL";
 
-/// The ids that may belong to a pending or parked row of a partitioned table, where an
-/// enqueue's look for its aggregate's pending messages goes: from the first of the oldest
-/// partition not quiet (migration 0016) to the end of it (the second value), and from the
-/// first of the next partition not quiet on (the third; migrations 0018 and 0019). Quiet
-/// partitions hold sent and dead rows only, and a redrive marks a partition not quiet
-/// before a row of it is pending again. The quiet ones between the two ranges (after a
-/// message scheduled far ahead, or parked, in an old partition) are left out.
-const LOOK_BOUNDS: &str = "SELECT f.n << {id_bits}, (f.n + 1) << {id_bits},
-        coalesce((SELECT min(a.n) FROM {partitions} a WHERE a.quiet_at IS NULL AND a.n > f.n),
-                 f.n + 1) << {id_bits}
- FROM (SELECT coalesce(min(n), 0) AS n FROM {partitions} WHERE quiet_at IS NULL) AS f";
+/// How many ranges of partitions an enqueue's look for its aggregate's pending messages
+/// reads on a partitioned table, at most: the partitions that may hold a pending or parked
+/// row (not quiet, migration 0016), the first `LOOK_RANGES - 1` of them each alone and
+/// every one from the next on. Quiet partitions hold sent and dead rows only, and a redrive
+/// marks a partition not quiet before a row of it is pending again, so the quiet ones
+/// between (after messages scheduled far ahead, or parked, in old partitions) are left out
+/// (migrations 0019 and 0021). Each range is an OR in the look's plan: four cost the common
+/// case (one run of partitions, the open one and those made ahead) nothing measurable
+/// against two (BENCHMARKS.md).
+pub(crate) const LOOK_RANGES: usize = 4;
+
+/// The partitions an enqueue's look reads (see `LOOK_RANGES`), which the enqueue functions
+/// hold as `look`. With none (the bookkeeping emptied by hand), partition 0: the look reads
+/// every partition.
+const LOOK_PARTITIONS: &str =
+    "coalesce(nullif(ARRAY(SELECT n FROM {partitions} WHERE quiet_at IS NULL
+                                 ORDER BY n LIMIT {look_ranges}), ARRAY[]::bigint[]),
+             ARRAY[0::bigint])";
+
+/// Whether row `o` is in one of the partitions of `look` (see `LOOK_RANGES`): in one of the
+/// first partitions alone, or in the last or any after it. With `look` NULL (an enqueue
+/// that does not look), in none, so the plan holds no partition.
+fn in_look() -> String {
+    let bits = PARTITION_ID_BITS;
+    let alone = (1..LOOK_RANGES)
+        .map(|i| format!("o.id >= look[{i}] << {bits} AND o.id < (look[{i}] + 1) << {bits}"));
+    let from_last = std::iter::once(format!("o.id >= look[cardinality(look)] << {bits}"));
+    let arms: Vec<String> = alone.chain(from_last).collect();
+    format!(
+        "({})",
+        arms.join("\n                                      OR ")
+    )
+}
 
 /// How many ranges of ids `stats` and `topic_stats` read the backlog in, at most (`$2` on,
 /// two a range: its first id and its last). They cover the partitions of a partitioned
@@ -1511,7 +1538,7 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
     Ok(rendered)
 }
 
-/// `PARTITIONED_ENQUEUE` for `table`, as migrations 14, 17 and 19 apply it.
+/// `PARTITIONED_ENQUEUE` for `table`, as migrations 14, 17, 19 and 21 apply it.
 fn render_partitioned_enqueue(table: &TableName) -> Result<String, RenderError> {
     render(
         PARTITIONED_ENQUEUE,
@@ -1543,15 +1570,16 @@ fn partitioned_enqueue_vars(table: &TableName) -> Result<Vec<(&'static str, Stri
         ("lock_seed", bigint(table.aggregate_lock_seed())),
         ("name", table.name().to_owned()),
         (
-            "look_bounds",
+            "look_partitions",
             render(
-                LOOK_BOUNDS,
+                LOOK_PARTITIONS,
                 &[
                     ("partitions", &partitions),
-                    ("id_bits", &PARTITION_ID_BITS.to_string()),
+                    ("look_ranges", &LOOK_RANGES.to_string()),
                 ],
             )?,
         ),
+        ("in_look", in_look()),
         ("id_bits", PARTITION_ID_BITS.to_string()),
     ]);
     Ok(vars)
@@ -1905,8 +1933,9 @@ mod tests {
                 0x7ec26394fb2c3563,
                 0x83f01a123bfc516c,
             ),
-            // 0014, 0017 and 0019 render the current sql/partitioned_enqueue.sql, on purpose: a
-            // table partitioned before them gets the enqueue functions a new one would have.
+            // 0014, 0017, 0019 and 0021 render the current sql/partitioned_enqueue.sql, on
+            // purpose: a table partitioned before them gets the enqueue functions a new one
+            // would have.
             (
                 "0015_upkeep_without_ownership",
                 0x3a8b10e28bb7de05,
@@ -1922,6 +1951,7 @@ mod tests {
                 0x1a23aab3877e04db,
                 0xfa4e242d32f24a76,
             ),
+            ("0020_ids_drawn", 0x71b4d8477558c75d, 0x5c9c9a580a7d8d75),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
