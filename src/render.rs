@@ -60,12 +60,7 @@ pub(crate) struct Values<'a> {
 
 impl<'a> Values<'a> {
     pub(crate) fn new(vars: &[(&'a str, &'a str)]) -> Result<Values<'a>, RenderError> {
-        for (i, (name, _)) in vars.iter().enumerate() {
-            let placeholder_name = !name.is_empty() && name_len(name.as_bytes()) == name.len();
-            if !placeholder_name || vars[..i].iter().any(|(n, _)| n == name) {
-                return Err(RenderError::BadName((*name).to_owned()));
-            }
-        }
+        check_names(vars, &[])?;
         Ok(Values {
             vars: vars.to_vec(),
             used: vec![false; vars.len()],
@@ -74,17 +69,36 @@ impl<'a> Values<'a> {
 
     /// The template with every placeholder replaced by its value.
     pub(crate) fn render(&mut self, template: &str) -> Result<String, RenderError> {
+        self.render_with(template, &[])
+    }
+
+    /// As [`Values::render`], with values of its own besides the shared ones: `own`, for
+    /// one of several renderings of the same template (as `sql::by_ranges` makes, one for
+    /// each count of ranges). They need not all be used, and none may share a name with a
+    /// shared value.
+    pub(crate) fn render_with(
+        &mut self,
+        template: &str,
+        own: &[(&str, &str)],
+    ) -> Result<String, RenderError> {
+        check_names(own, &self.vars)?;
         let mut out = String::with_capacity(template.len() + template.len() / 4);
         let mut rest = template;
         while let Some((open, name)) = next_placeholder(rest) {
-            let i = self
-                .vars
-                .iter()
-                .position(|(n, _)| *n == name)
-                .ok_or_else(|| RenderError::Missing(name.to_owned()))?;
-            self.used[i] = true;
+            let value = match own.iter().find(|(n, _)| *n == name) {
+                Some((_, value)) => value,
+                None => {
+                    let i = self
+                        .vars
+                        .iter()
+                        .position(|(n, _)| *n == name)
+                        .ok_or_else(|| RenderError::Missing(name.to_owned()))?;
+                    self.used[i] = true;
+                    self.vars[i].1
+                }
+            };
             out.push_str(&rest[..open]);
-            out.push_str(self.vars[i].1);
+            out.push_str(value);
             rest = &rest[open + name.len() + 2..];
         }
         out.push_str(rest);
@@ -98,6 +112,18 @@ impl<'a> Values<'a> {
             None => Ok(()),
         }
     }
+}
+
+/// Fails on a name of `vars` no placeholder can have, or given twice, there or in `shared`.
+fn check_names(vars: &[(&str, &str)], shared: &[(&str, &str)]) -> Result<(), RenderError> {
+    for (i, (name, _)) in vars.iter().enumerate() {
+        let placeholder_name = !name.is_empty() && name_len(name.as_bytes()) == name.len();
+        let twice = vars[..i].iter().chain(shared).any(|(n, _)| n == name);
+        if !placeholder_name || twice {
+            return Err(RenderError::BadName((*name).to_owned()));
+        }
+    }
+    Ok(())
 }
 
 /// The placeholders `text` holds, in order: what a rendered text must no longer have.
@@ -203,6 +229,41 @@ mod tests {
         values.render("{a}").unwrap();
         values.render("{b}").unwrap();
         values.finish().unwrap();
+    }
+
+    #[test]
+    fn values_of_one_rendering_go_beside_the_shared_ones() {
+        let mut values = Values::new(&[("table", "t"), ("unused", "u")]).unwrap();
+        let template = "SELECT {table} WHERE {range}";
+        for range in ["a", "b"] {
+            let text = values
+                .render_with(template, &[("range", range), ("other", "o")])
+                .unwrap();
+            assert_eq!(text, format!("SELECT t WHERE {range}"));
+        }
+        // Own values are not scanned again, and are for that rendering alone.
+        let text = values.render_with("{r}", &[("r", "{table}")]).unwrap();
+        assert_eq!(text, "{table}");
+        assert_eq!(
+            values.render("{range}").unwrap_err(),
+            RenderError::Missing("range".into())
+        );
+        // None may take a shared value's name, nor be given twice.
+        for own in [
+            &[("table", "x")][..],
+            &[("r", "1"), ("r", "2")],
+            &[("1r", "1")],
+        ] {
+            assert!(
+                matches!(values.render_with("{r}", own), Err(RenderError::BadName(_))),
+                "{own:?}"
+            );
+        }
+        // Shared values still have to be used by some template; own ones need not be.
+        assert_eq!(
+            values.finish().unwrap_err(),
+            RenderError::Unused("unused".into())
+        );
     }
 
     #[test]

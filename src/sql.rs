@@ -238,14 +238,14 @@ fn by_ranges(values: &mut Values<'_>, template: &str) -> Result<Vec<String>, Ren
     (1..=BACKLOG_RANGES)
         .map(|k| {
             let bits = PARTITION_ID_BITS;
-            values.render(
-                &template
-                    .replace("{in_backlog}", &in_ranges("id", 2, k, 0))
-                    .replace("{o_in_backlog}", &in_ranges("o.id", 2, k, 0))
-                    .replace("{p_in_backlog}", &in_ranges("p.n", 2, k, bits))
-                    .replace("{q_in_backlog}", &in_ranges("q.n", 2, k, bits))
-                    .replace("{dead_ranges}", &in_ranges("id", 2 + 2 * k, DEAD_RANGES, 0)),
-            )
+            let ranges = [
+                ("in_backlog", in_ranges("id", 2, k, 0)),
+                ("o_in_backlog", in_ranges("o.id", 2, k, 0)),
+                ("p_in_backlog", in_ranges("p.n", 2, k, bits)),
+                ("q_in_backlog", in_ranges("q.n", 2, k, bits)),
+                ("dead_ranges", in_ranges("id", 2 + 2 * k, DEAD_RANGES, 0)),
+            ];
+            values.render_with(template, &borrowed(&ranges))
         })
         .collect()
 }
