@@ -1627,6 +1627,16 @@ fn an_enqueue_looks_into_three_held_partitions_alone_and_every_one_from_the_four
         let next = enqueue(&mut client, &outbox, of(&format!("a{n}"))).unwrap();
         assert!(!is_head(&mut client, &outbox, &next), "a{n}");
     }
+
+    // The doctor counts the partitions after the oldest one held that each look reads: 2
+    // and 4 alone, and 6 to 12 (10 is open, 11 and 12 made ahead).
+    assert_eq!(partitions(&mut client, &outbox).last(), Some(&12));
+    closed_long_ago(&mut client, &outbox, 0);
+    let problem = partitions_finding(&mut client, &outbox).expect("a partitions finding");
+    assert!(
+        problem.contains("reads it and 9 partitions after it"),
+        "{problem}"
+    );
 }
 
 /// A dead letter set back to pending by hand (or by a redrive of a version older than
