@@ -2,12 +2,4 @@
 -- now, whose look for an aggregate's pending messages starts at the first partition not
 -- quiet (migration 16), where it started at the first not settled: a dead letter kept no
 -- longer brings back the cost of every partition after it. A plain table keeps its own.
-DO $looks_from_quiet_partitions$
-BEGIN
-    IF EXISTS (SELECT 1 FROM {partitions}) THEN
-        EXECUTE $partitioned_enqueue$
-{partitioned_enqueue}
-$partitioned_enqueue$;
-    END IF;
-END
-$looks_from_quiet_partitions$;
+{partitioned_enqueue_again}

@@ -4,12 +4,4 @@
 -- 18 has the upkeep mark them quiet past a partition still holding a message): a message
 -- scheduled far ahead, or parked, in an old partition no longer costs every enqueue a look
 -- into each partition after it. A plain table keeps its own.
-DO $looks_past_held_partitions$
-BEGIN
-    IF EXISTS (SELECT 1 FROM {partitions}) THEN
-        EXECUTE $partitioned_enqueue$
-{partitioned_enqueue}
-$partitioned_enqueue$;
-    END IF;
-END
-$looks_past_held_partitions$;
+{partitioned_enqueue_again}

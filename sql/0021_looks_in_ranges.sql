@@ -4,12 +4,4 @@
 -- the second on: messages held in two or three old partitions (scheduled far ahead, or
 -- parked) no longer cost every enqueue a look into each partition after the second. A
 -- plain table keeps its own.
-DO $looks_in_ranges$
-BEGIN
-    IF EXISTS (SELECT 1 FROM {partitions}) THEN
-        EXECUTE $partitioned_enqueue$
-{partitioned_enqueue}
-$partitioned_enqueue$;
-    END IF;
-END
-$looks_in_ranges$;
+{partitioned_enqueue_again}

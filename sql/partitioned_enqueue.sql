@@ -1,7 +1,7 @@
 -- The enqueue functions of a partitioned outbox, made with the table after
 -- sql/partitioned.sql. A migration that changes them changes this file and makes them
--- again on tables partitioned before it, as migrations 0014, 0017, 0019 and 0021 do. Each
--- is restated whole.
+-- again on tables partitioned before it through sql/partitioned_enqueue_again.sql, as
+-- migrations 0014, 0017, 0019 and 0021 do. Each is restated whole.
 --
 -- A message with an aggregate key is a head when no earlier message of its aggregate is
 -- pending or parked. That look reads only the partitions that may hold such a message,

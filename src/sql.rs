@@ -143,6 +143,10 @@ const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
 /// 21 do.
 const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql");
 
+/// `PARTITIONED_ENQUEUE` made again on a partitioned table, and nothing done on a plain
+/// one: what migrations 14, 17, 19 and 21 run.
+const PARTITIONED_ENQUEUE_AGAIN: &str = include_str!("../sql/partitioned_enqueue_again.sql");
+
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
 /// `n << PARTITION_ID_BITS` (migration 0012, whose functions spell out the width).
 pub(crate) const PARTITION_ID_BITS: u32 = 40;
@@ -1490,7 +1494,16 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
         ("schema_prefix", table.schema_prefix()),
         ("name", table.name().to_owned()),
-        ("partitioned_enqueue", render_partitioned_enqueue(table)?),
+        (
+            "partitioned_enqueue_again",
+            render(
+                PARTITIONED_ENQUEUE_AGAIN,
+                &[
+                    ("partitions", &table.companion("_partitions")),
+                    ("partitioned_enqueue", &render_partitioned_enqueue(table)?),
+                ],
+            )?,
+        ),
     ]);
     let mut values = Values::new(&borrowed(&vars))?;
     let rendered = MIGRATIONS
@@ -1933,9 +1946,9 @@ mod tests {
                 0x7ec26394fb2c3563,
                 0x83f01a123bfc516c,
             ),
-            // 0014, 0017, 0019 and 0021 render the current sql/partitioned_enqueue.sql, on
-            // purpose: a table partitioned before them gets the enqueue functions a new one
-            // would have.
+            // 0014, 0017, 0019 and 0021 render the current sql/partitioned_enqueue.sql (through
+            // sql/partitioned_enqueue_again.sql), on purpose: a table partitioned before them
+            // gets the enqueue functions a new one would have.
             (
                 "0015_upkeep_without_ownership",
                 0x3a8b10e28bb7de05,
