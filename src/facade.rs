@@ -15,8 +15,10 @@
 //! | `outbox_cycle_seconds` | histogram | `table`, `stage` | a worker cycle's `claim`, `publish` (confirms included) and `record` |
 //! | `outbox_pending`, `outbox_due`, `outbox_blocked`, `outbox_in_flight`, `outbox_dead`, `outbox_parked` | gauge | `table` | from [`OutboxMetrics::record_stats`] |
 //! | `outbox_oldest_pending_age_seconds`, `outbox_oldest_blocked_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_stats`], 0 when none |
-//! | `outbox_dead_tuples`, `outbox_live_tuples` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
+//! | `outbox_dead_tuples`, `outbox_live_tuples`, `outbox_changed_since_analyze`, `outbox_autovacuum` (1 or 0), `outbox_heap_bytes`, `outbox_total_bytes` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
+//! | `outbox_since_vacuum_seconds`, `outbox_since_analyze_seconds`, `outbox_unused_heap_bytes` | gauge | `table`, `relation` | from [`OutboxMetrics::record_health`]; not set while never vacuumed, never analyzed, or (the estimate of the heap's bytes holding no live row) never measured |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
+//! | `outbox_oldest_slot_xmin_age` | gauge | `table` | from [`OutboxMetrics::record_health`]: the age, in transactions, of the oldest xmin a replication slot holds, 0 when none |
 //! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_relays_upkeep_failing`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
 //! | `outbox_partitions`, `outbox_partitions_ahead`, `outbox_partitions_unsettled` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, those ready ahead of the open one, and the closed ones not settled (not set for a plain table) |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |
@@ -79,9 +81,10 @@ impl OutboxMetrics {
     }
 
     /// Sets the gauges from a [`Health`] diagnosis (see [`Outbox::health`]): dead and
-    /// live tuples per relation, the ages of the oldest transaction, prepared transaction
-    /// and due row (0 when none), the WAL the slots nothing reads from keep, the relays
-    /// reporting and how many of them cannot publish, and the number of findings.
+    /// live tuples per relation with their vacuum, analyze and sizes, the ages of the oldest
+    /// transaction, prepared transaction and due row (0 when none), the oldest xmin a slot
+    /// holds and the WAL the slots nothing reads from keep, the relays reporting and how
+    /// many of them cannot publish, and the number of findings.
     pub fn record_health(&self, health: &Health) {
         let table = self.table.clone();
         for (relation, figures) in [
@@ -91,6 +94,23 @@ impl OutboxMetrics {
             let labels = [("table", table.clone()), ("relation", relation.to_owned())];
             gauge!("outbox_dead_tuples", &labels).set(figures.dead_tuples as f64);
             gauge!("outbox_live_tuples", &labels).set(figures.live_tuples as f64);
+            gauge!("outbox_changed_since_analyze", &labels)
+                .set(figures.changed_since_analyze as f64);
+            gauge!("outbox_autovacuum", &labels).set(f64::from(u8::from(figures.autovacuum)));
+            gauge!("outbox_heap_bytes", &labels).set(figures.heap_bytes as f64);
+            gauge!("outbox_total_bytes", &labels).set(figures.total_bytes as f64);
+            let since = [
+                ("outbox_since_vacuum_seconds", figures.since_vacuum),
+                ("outbox_since_analyze_seconds", figures.since_analyze),
+            ];
+            for (name, age) in since {
+                if let Some(age) = age {
+                    gauge!(name, &labels).set(age.as_secs_f64());
+                }
+            }
+            if let Some(unused) = figures.unused_heap_bytes {
+                gauge!("outbox_unused_heap_bytes", &labels).set(unused as f64);
+            }
         }
         let ages = [
             (
@@ -107,6 +127,9 @@ impl OutboxMetrics {
             let secs = age.map_or(0.0, |a| a.as_secs_f64());
             gauge!(name, "table" => table.clone()).set(secs);
         }
+        let slot_xmin_age = health.slots.iter().filter_map(|s| s.xmin_age).max();
+        gauge!("outbox_oldest_slot_xmin_age", "table" => table.clone())
+            .set(slot_xmin_age.unwrap_or(0) as f64);
         let idle_slots_wal: u64 = health
             .slots
             .iter()
@@ -380,7 +403,12 @@ pub(crate) mod tests {
                 live_tuples: 10,
                 dead_tuples: 20_000,
                 since_vacuum: None,
-                since_analyze: None,
+                since_analyze: Some(Duration::from_secs(30)),
+                changed_since_analyze: 25_000,
+                autovacuum: false,
+                heap_bytes: 8192,
+                total_bytes: 24_576,
+                unused_heap_bytes: Some(4096),
             },
             inbox_table: TableHealth::default(),
             oldest_transaction: Some(Holder {
@@ -441,6 +469,25 @@ pub(crate) mod tests {
         for expected in [
             gauge("outbox_dead_tuples", &["relation=outbox", table], 20_000.0),
             gauge("outbox_dead_tuples", &["relation=inbox", table], 0.0),
+            gauge(
+                "outbox_changed_since_analyze",
+                &["relation=outbox", table],
+                25_000.0,
+            ),
+            gauge("outbox_autovacuum", &["relation=outbox", table], 0.0),
+            gauge("outbox_heap_bytes", &["relation=outbox", table], 8192.0),
+            gauge("outbox_total_bytes", &["relation=outbox", table], 24_576.0),
+            gauge(
+                "outbox_since_analyze_seconds",
+                &["relation=outbox", table],
+                30.0,
+            ),
+            gauge(
+                "outbox_unused_heap_bytes",
+                &["relation=outbox", table],
+                4096.0,
+            ),
+            gauge("outbox_oldest_slot_xmin_age", &[table], 0.0),
             gauge("outbox_oldest_transaction_age_seconds", &[table], 400.0),
             gauge(
                 "outbox_oldest_prepared_transaction_age_seconds",
@@ -458,6 +505,10 @@ pub(crate) mod tests {
         ] {
             assert!(seen.contains(&expected), "{expected:?} not in {seen:?}");
         }
+        // Never vacuumed: no age to give.
+        assert!(!seen.iter().any(|(_, name, labels, _)| {
+            name == "outbox_since_vacuum_seconds" && labels.iter().any(|l| l == "relation=outbox")
+        }));
     }
 
     #[test]

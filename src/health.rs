@@ -1,5 +1,5 @@
-//! An outbox that diagnoses its own table: dead tuples and vacuum, what holds back the xmin
-//! horizon (an open transaction, a prepared one, a replication slot), rows left due, and
+//! An outbox that diagnoses its own table: dead tuples, vacuum, analyze and bloat, what holds
+//! back the xmin horizon (an open transaction, a prepared one, a replication slot), rows left due, and
 //! relays whose publisher is down.
 //!
 //! A queue table is written to and deleted from all day, so it lives on vacuum: anything
@@ -31,6 +31,10 @@ pub struct HealthThresholds {
     prepared_age: Duration,
     slot_wal_bytes: u64,
     due_age: Duration,
+    vacuum_age: Duration,
+    analyze_age: Duration,
+    bloat_bytes: u64,
+    bloat_ratio: f64,
 }
 
 impl Default for HealthThresholds {
@@ -42,13 +46,18 @@ impl Default for HealthThresholds {
             prepared_age: Duration::from_secs(60),
             slot_wal_bytes: 1 << 30,
             due_age: Duration::from_secs(60),
+            vacuum_age: Duration::from_secs(86_400),
+            analyze_age: Duration::from_secs(86_400),
+            bloat_bytes: 1 << 30,
+            bloat_ratio: 0.5,
         }
     }
 }
 
 impl HealthThresholds {
     /// A table has too many dead tuples past `count` of them and `ratio` of its live ones
-    /// (default 10,000 and 0.2).
+    /// (default 10,000 and 0.2). The same two figures of rows changed since its last analyze
+    /// make its statistics worth a look (see [`analyze_age`](Self::analyze_age)).
     pub fn dead_tuples(mut self, count: u64, ratio: f64) -> Self {
         self.dead_tuples = count;
         self.dead_ratio = ratio;
@@ -72,6 +81,30 @@ impl HealthThresholds {
     /// (default 1 GiB), or at once when it holds an xmin.
     pub fn slot_wal_bytes(mut self, bytes: u64) -> Self {
         self.slot_wal_bytes = bytes;
+        self
+    }
+
+    /// Past [`dead_tuples`](Self::dead_tuples)' count of dead tuples, a table vacuum has not
+    /// visited for this long is a problem (default a day); at once when autovacuum is off
+    /// for it.
+    pub fn vacuum_age(mut self, age: Duration) -> Self {
+        self.vacuum_age = age;
+        self
+    }
+
+    /// Past [`dead_tuples`](Self::dead_tuples)' figures of rows changed since, a table
+    /// not analyzed for this long has stale statistics (default a day); at once when it was
+    /// never analyzed and autovacuum is off for it.
+    pub fn analyze_age(mut self, age: Duration) -> Self {
+        self.analyze_age = age;
+        self
+    }
+
+    /// A table's heap is bloated once `bytes` of it, and `ratio` of it, hold no live row
+    /// (default 1 GiB and 0.5): space vacuum keeps for new rows but does not give back.
+    pub fn bloat(mut self, bytes: u64, ratio: f64) -> Self {
+        self.bloat_bytes = bytes;
+        self.bloat_ratio = ratio;
         self
     }
 
@@ -129,6 +162,19 @@ pub struct TableHealth {
     pub since_vacuum: Option<Duration>,
     /// Since the last analyze, manual or auto; `None` if never.
     pub since_analyze: Option<Duration>,
+    /// Rows inserted, updated or deleted since the last analyze.
+    pub changed_since_analyze: u64,
+    /// Whether autovacuum visits it: the server's `autovacuum` is on, and
+    /// `autovacuum_enabled` is not off for it (or for any of its partitions).
+    pub autovacuum: bool,
+    /// The size of its rows' file (the heap, without indexes or TOAST), in bytes.
+    pub heap_bytes: u64,
+    /// Its size with its indexes and TOAST, in bytes.
+    pub total_bytes: u64,
+    /// An estimate of the heap's bytes that hold no live row (dead row versions, and the
+    /// space vacuum freed but keeps): the heap less its live rows at the width the last
+    /// analyze measured. `None` until an analyze has measured it.
+    pub unused_heap_bytes: Option<u64>,
 }
 
 /// A partition of a partitioned outbox (see `OutboxBuilder::partition_interval`).
@@ -223,6 +269,15 @@ pub struct Slot {
 pub enum Check {
     /// Dead tuples in the outbox or inbox table.
     DeadTuples,
+    /// Dead tuples that vacuum does not visit: autovacuum is off for the table, or has not
+    /// come for long.
+    Vacuum,
+    /// Statistics the planner chooses plans on, stale: many rows changed since the last
+    /// analyze, long ago or never.
+    Analyze,
+    /// Space in the heap holding no live row, kept by the table for new rows but not given
+    /// back.
+    Bloat,
     /// A long open transaction.
     Transaction,
     /// An old prepared transaction.
@@ -242,11 +297,14 @@ pub enum Check {
 }
 
 impl Check {
-    /// A short name: `dead_tuples`, `transaction`, `prepared_transaction`,
+    /// A short name: `dead_tuples`, `vacuum`, `analyze`, `bloat`, `transaction`, `prepared_transaction`,
     /// `replication_slot`, `due`, `publisher`, `relays`, `partitions`.
     pub fn name(self) -> &'static str {
         match self {
             Check::DeadTuples => "dead_tuples",
+            Check::Vacuum => "vacuum",
+            Check::Analyze => "analyze",
+            Check::Bloat => "bloat",
             Check::Transaction => "transaction",
             Check::PreparedTransaction => "prepared_transaction",
             Check::ReplicationSlot => "replication_slot",
@@ -305,8 +363,8 @@ impl Outbox {
         self.health_with(client, &HealthThresholds::default())
     }
 
-    /// Diagnoses the outbox: dead tuples and the last vacuum and analyze of its tables, the
-    /// oldest transaction and prepared transaction holding back the xmin horizon, the
+    /// Diagnoses the outbox: dead tuples, the last vacuum and analyze (and whether autovacuum
+    /// visits), and the space holding no live row of its tables, the oldest transaction and prepared transaction holding back the xmin horizon, the
     /// replication slots, how long the oldest ready row has been due, and what the relays
     /// report (a publisher down; reports that stopped coming). Every figure past
     /// `thresholds` is a [`Finding`] with its remedy. Its cost does not grow with the table:
@@ -339,6 +397,13 @@ impl Outbox {
                 dead_tuples: count(&row, 2),
                 since_vacuum: seconds(row.get(3)),
                 since_analyze: seconds(row.get(4)),
+                changed_since_analyze: count(&row, 5),
+                autovacuum: row.get(6),
+                heap_bytes: count(&row, 7),
+                total_bytes: count(&row, 8),
+                unused_heap_bytes: row
+                    .get::<_, Option<i64>>(9)
+                    .map(|bytes| u64::try_from(bytes).unwrap_or(0)),
             });
         let outbox_table = tables.next().unwrap_or_default();
         let inbox_table = tables.next().unwrap_or_default();
@@ -453,6 +518,93 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                      xmin horizon (an old transaction, a prepared transaction, a slot)"
                 ),
             );
+        }
+        // A table never vacuumed, with autovacuum on, is one autovacuum has yet to reach.
+        let unvisited = table
+            .since_vacuum
+            .is_some_and(|age| age >= limits.vacuum_age);
+        if dead > limits.dead_tuples && (!table.autovacuum || unvisited) {
+            let last = table
+                .since_vacuum
+                .map_or("never vacuumed".to_owned(), |age| {
+                    format!("last vacuumed {} ago", whole(age))
+                });
+            let (why, remedy) = if table.autovacuum {
+                (
+                    "autovacuum has not come",
+                    format!(
+                        "run VACUUM (ANALYZE) {name}, then see why autovacuum does not: its \
+                         workers busy on larger tables (autovacuum_max_workers), or held back by \
+                         its cost limit (autovacuum_vacuum_cost_limit)"
+                    ),
+                )
+            } else {
+                (
+                    "autovacuum is off for it",
+                    format!(
+                        "turn autovacuum on (autovacuum = on in the server's configuration, and \
+                         ALTER TABLE ... RESET (autovacuum_enabled) for {name} or its \
+                         partitions), or run VACUUM (ANALYZE) {name} on a schedule"
+                    ),
+                )
+            };
+            finding(
+                Check::Vacuum,
+                format!("{name} holds {dead} dead tuples and {why} ({last})"),
+                remedy,
+            );
+        }
+        let changed = table.changed_since_analyze;
+        let stale = match table.since_analyze {
+            Some(age) => age >= limits.analyze_age,
+            None => !table.autovacuum,
+        };
+        if changed > limits.dead_tuples
+            && changed as f64 > limits.dead_ratio * table.live_tuples as f64
+            && stale
+        {
+            let last = table
+                .since_analyze
+                .map_or("never analyzed".to_owned(), |age| {
+                    format!("last analyzed {} ago", whole(age))
+                });
+            finding(
+                Check::Analyze,
+                format!(
+                    "{name} has {changed} rows changed since its statistics were taken ({last}): \
+                     its statements are planned on figures that no longer hold"
+                ),
+                format!(
+                    "run ANALYZE {name}; {}",
+                    if table.autovacuum {
+                        "autovacuum analyzes it once enough rows change, unless its workers are \
+                         busy elsewhere (autovacuum_max_workers)"
+                    } else {
+                        "autovacuum, which would analyze it, is off for it"
+                    }
+                ),
+            );
+        }
+        if let Some(unused) = table.unused_heap_bytes {
+            if unused >= limits.bloat_bytes
+                && unused as f64 >= limits.bloat_ratio * table.heap_bytes as f64
+            {
+                finding(
+                    Check::Bloat,
+                    format!(
+                        "{name} takes {} MiB for its rows, about {} MiB of it holding none (an \
+                         estimate from its statistics): space vacuum keeps for new rows but does \
+                         not give back",
+                        table.heap_bytes >> 20,
+                        unused >> 20
+                    ),
+                    format!(
+                        "once nothing holds the xmin horizon, rewrite it: pg_repack, or VACUUM \
+                         FULL {name} (which locks it for as long as it runs); a partitioned \
+                         outbox gives the space back as retention drops its partitions"
+                    ),
+                );
+            }
         }
     }
     if let Some(tx) = &health.oldest_transaction {

@@ -331,20 +331,36 @@ const FILTER: &str = "t.status = ANY($5::text[])
      AND ($3::text IS NULL OR strpos(t.last_error, $3) > 0)
      AND ($4::bigint IS NULL OR t.done_at < now() - $4 * interval '1 microsecond')";
 
-/// Live and dead tuples, ages of the last vacuum and analyze (manual or auto) of the
-/// relations named in `$1` and `$2`.
+/// Live and dead tuples, ages of the last vacuum and analyze (manual or auto), rows changed
+/// since the last analyze, whether autovacuum may visit, and sizes of the relations named in
+/// `$1` and `$2`: the heap, the whole (indexes and TOAST with it), and the heap's bytes that
+/// hold no live row, estimated as the heap less its live rows at the width the planner's
+/// statistics give them (a row's header and line pointer with it, aligned); NULL where no
+/// analyze has measured the width.
 /// A partitioned table's figures are its partitions', summed; its last vacuum and analyze
-/// the most recent of any.
+/// the most recent of any; autovacuum off for it when off for any partition.
 pub(crate) const HEALTH_TABLES: &str =
     "SELECT coalesce(v.rel::text, v.name), coalesce(sum(s.n_live_tup), 0)::bigint,
             coalesce(sum(s.n_dead_tup), 0)::bigint,
             extract(epoch FROM now() - max(greatest(s.last_vacuum, s.last_autovacuum)))::float8,
-            extract(epoch FROM now() - max(greatest(s.last_analyze, s.last_autoanalyze)))::float8
+            extract(epoch FROM now() - max(greatest(s.last_analyze, s.last_autoanalyze)))::float8,
+            coalesce(sum(s.n_mod_since_analyze), 0)::bigint,
+            current_setting('autovacuum')::boolean AND NOT coalesce(bool_or(o.off), false),
+            coalesce(sum(pg_relation_size(l.leaf)), 0)::bigint,
+            coalesce(sum(pg_total_relation_size(l.leaf)), 0)::bigint,
+            sum(greatest(pg_relation_size(l.leaf) - s.n_live_tup * w.bytes, 0))::bigint
      FROM (VALUES (1, $1, to_regclass($1)), (2, $2, to_regclass($2))) AS v(n, name, rel)
      LEFT JOIN LATERAL (SELECT v.rel AS leaf
                         UNION ALL
                         SELECT relid FROM pg_partition_tree(v.rel) WHERE isleaf) l ON true
      LEFT JOIN pg_stat_user_tables s ON s.relid = l.leaf
+     LEFT JOIN LATERAL (SELECT NOT option_value::boolean AS off
+                        FROM pg_class c, pg_options_to_table(c.reloptions)
+                        WHERE c.oid = l.leaf AND option_name = 'autovacuum_enabled') o ON true
+     LEFT JOIN LATERAL (SELECT (ceil((sum(st.avg_width) + 24) / 8.0) * 8 + 4)::bigint AS bytes
+                        FROM pg_stats st
+                        WHERE st.schemaname = s.schemaname AND st.tablename = s.relname
+                          AND NOT st.inherited) w ON true
      GROUP BY v.n, v.rel, v.name
      ORDER BY v.n";
 

@@ -166,22 +166,143 @@ fn dead_tuples_are_found_once_the_statistics_show_them() {
         found
     });
     let health = health.unwrap();
-    assert_eq!(checks(&health), [Check::DeadTuples]);
-    let problem = &health.findings[0].problem;
-    assert!(
-        problem.starts_with(&format!("{} holds 500 dead tuples", outbox.table())),
-        "{problem}"
+    assert!(!health.outbox_table.autovacuum);
+    // With autovacuum off, nothing but a hand will vacuum or analyze the table: each its
+    // own finding, the 1,000 rows inserted and deleted changes to analyze.
+    assert_eq!(
+        checks(&health),
+        [Check::DeadTuples, Check::Vacuum, Check::Analyze]
     );
-    assert!(health.findings[0]
-        .remedy
-        .starts_with("run VACUUM (ANALYZE)"));
+    let [dead, vacuum, analyze] = &health.findings[..] else {
+        unreachable!()
+    };
+    let table = outbox.table();
+    assert!(
+        dead.problem
+            .starts_with(&format!("{table} holds 500 dead tuples")),
+        "{dead}"
+    );
+    assert!(dead.remedy.starts_with("run VACUUM (ANALYZE)"));
+    assert_eq!(
+        vacuum.problem,
+        format!("{table} holds 500 dead tuples and autovacuum is off for it (never vacuumed)")
+    );
+    assert!(vacuum.remedy.starts_with("turn autovacuum on"), "{vacuum}");
+    assert!(
+        analyze.problem.starts_with(&format!(
+            "{table} has 1000 rows changed since its statistics were taken (never analyzed)"
+        )),
+        "{analyze}"
+    );
+    assert!(analyze.remedy.starts_with(&format!("run ANALYZE {table}")));
     // The default thresholds ask for 10,000.
     assert!(outbox.health(&mut client).unwrap().is_healthy());
-    client.batch_execute(&format!("VACUUM {t}")).unwrap();
+    client
+        .batch_execute(&format!("VACUUM ANALYZE {t}"))
+        .unwrap();
+    wait_until("the statistics see the vacuum and the analyze", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        now.outbox_table.dead_tuples == 0
+            && now.outbox_table.since_vacuum.is_some()
+            && now.outbox_table.changed_since_analyze == 0
+    });
+    let health = outbox.health_with(&mut client, &limits).unwrap();
+    assert!(health.is_healthy(), "{:?}", health.findings);
+}
+
+#[test]
+fn a_heap_left_empty_and_statistics_long_untaken_are_found() {
+    let (outbox, mut client) = common::outbox("emptied");
+    let t = quoted(&outbox);
+    let rows_in = if common::partitioned() {
+        common::quoted_with(&outbox, "_p0")
+    } else {
+        t.clone()
+    };
+    // 5,000 rows of 1,000 bytes, all but the last deleted: vacuum frees their space for new
+    // rows, but cannot give the file back past the last one.
+    client
+        .batch_execute(&format!(
+            "ALTER TABLE {rows_in} SET (autovacuum_enabled = false);
+             INSERT INTO {t} (key, topic, payload, status)
+             SELECT 'b-' || i, 't', convert_to(repeat('x', 1000), 'UTF8'), 'sent'
+             FROM generate_series(1, 5000) AS i;
+             DELETE FROM {t} WHERE key LIKE 'b-%' AND key <> 'b-5000';"
+        ))
+        .unwrap();
+    let limits = HealthThresholds::default()
+        .dead_tuples(100, 0.0)
+        .bloat(1 << 20, 0.5);
+    // The delete's figures reach the statistics after its transaction, maybe after a
+    // vacuum started at once: they would count its dead tuples again.
+    wait_until("the statistics count the dead tuples", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        now.outbox_table.dead_tuples >= 4999
+    });
+    client
+        .batch_execute(&format!("VACUUM ANALYZE {t}"))
+        .unwrap();
+    let mut health = None;
     wait_until("the statistics see the vacuum", || {
         let now = outbox.health_with(&mut client, &limits).unwrap();
-        now.outbox_table.dead_tuples == 0 && now.outbox_table.since_vacuum.is_some()
+        let seen = now.outbox_table.live_tuples == 1 && now.outbox_table.dead_tuples == 0;
+        health = Some(now);
+        seen
     });
+    let health = health.unwrap();
+    let figures = &health.outbox_table;
+    assert!(figures.heap_bytes >= 5 << 20, "{figures:?}");
+    assert!(figures.total_bytes > figures.heap_bytes, "{figures:?}");
+    let unused = figures.unused_heap_bytes.expect("analyzed");
+    assert!(
+        unused > figures.heap_bytes - 8192 * 2 && unused < figures.heap_bytes,
+        "{figures:?}"
+    );
+    assert_eq!(checks(&health), [Check::Bloat]);
+    let bloat = &health.findings[0];
+    let table = outbox.table();
+    assert!(
+        bloat.problem.starts_with(&format!(
+            "{table} takes {} MiB for its rows, about {} MiB of it holding none",
+            figures.heap_bytes >> 20,
+            unused >> 20
+        )),
+        "{bloat}"
+    );
+    assert!(bloat.remedy.contains("pg_repack"), "{bloat}");
+    // 1 GiB by default.
+    assert!(outbox.health(&mut client).unwrap().is_healthy());
+
+    // Rows changed since an analyze longer ago than the threshold.
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {t} (key, topic, payload, status)
+             SELECT 'c-' || i, 't', 'p', 'sent' FROM generate_series(1, 200) AS i"
+        ))
+        .unwrap();
+    let limits = limits.bloat(u64::MAX, 1.0).analyze_age(Duration::ZERO);
+    let mut health = None;
+    wait_until("the statistics count the rows changed", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        let seen = now.outbox_table.changed_since_analyze >= 200;
+        health = Some(now);
+        seen
+    });
+    let health = health.unwrap();
+    assert_eq!(checks(&health), [Check::Analyze]);
+    let analyze = &health.findings[0].problem;
+    assert!(
+        analyze.starts_with(&format!(
+            "{table} has 200 rows changed since its statistics were taken (last analyzed "
+        )),
+        "{analyze}"
+    );
+    // A day by default.
+    let limits = limits.analyze_age(Duration::from_secs(86_400));
+    assert!(outbox
+        .health_with(&mut client, &limits)
+        .unwrap()
+        .is_healthy());
 }
 
 #[test]

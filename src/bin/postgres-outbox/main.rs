@@ -696,6 +696,11 @@ fn doctor(
                 "dead_tuples": t.dead_tuples,
                 "since_vacuum_secs": secs(t.since_vacuum),
                 "since_analyze_secs": secs(t.since_analyze),
+                "changed_since_analyze": t.changed_since_analyze,
+                "autovacuum": t.autovacuum,
+                "heap_bytes": t.heap_bytes,
+                "total_bytes": t.total_bytes,
+                "unused_heap_bytes": t.unused_heap_bytes,
             })).collect::<Vec<_>>(),
             "oldest_transaction": holder(&health.oldest_transaction),
             "oldest_prepared": holder(&health.oldest_prepared),
@@ -739,12 +744,25 @@ fn doctor(
     }
     for t in tables {
         println!(
-            "{}: {} live, {} dead tuples; vacuumed {} ago, analyzed {} ago",
+            "{}: {} live, {} dead tuples, {} rows changed since analyzed; vacuumed {} ago, \
+             analyzed {} ago{}; {} MiB with indexes, its rows {} MiB{}",
             t.table,
             t.live_tuples,
             t.dead_tuples,
+            t.changed_since_analyze,
             human(t.since_vacuum),
-            human(t.since_analyze)
+            human(t.since_analyze),
+            if t.autovacuum {
+                ""
+            } else {
+                " (autovacuum off)"
+            },
+            t.total_bytes >> 20,
+            t.heap_bytes >> 20,
+            t.unused_heap_bytes.map_or(String::new(), |unused| format!(
+                " (about {} MiB holding none)",
+                unused >> 20
+            ))
         );
     }
     let holders = [
