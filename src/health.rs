@@ -1,6 +1,6 @@
 //! An outbox that diagnoses its own table: dead tuples, vacuum, analyze and bloat, what holds
-//! back the xmin horizon (an open transaction, a prepared one, a replication slot), rows left due, and
-//! relays whose publisher is down.
+//! back the xmin horizon (an open transaction, a prepared one, a replication slot), rows left
+//! due, and relays whose publisher is down.
 //!
 //! A queue table is written to and deleted from all day, so it lives on vacuum: anything
 //! that keeps vacuum from removing dead row versions makes every claim read more of them.
@@ -30,6 +30,7 @@ pub struct HealthThresholds {
     transaction_age: Duration,
     prepared_age: Duration,
     slot_wal_bytes: u64,
+    slot_xmin_age: i64,
     due_age: Duration,
     vacuum_age: Duration,
     analyze_age: Duration,
@@ -45,6 +46,7 @@ impl Default for HealthThresholds {
             transaction_age: Duration::from_secs(300),
             prepared_age: Duration::from_secs(60),
             slot_wal_bytes: 1 << 30,
+            slot_xmin_age: 1_000_000,
             due_age: Duration::from_secs(60),
             vacuum_age: Duration::from_secs(86_400),
             analyze_age: Duration::from_secs(86_400),
@@ -81,6 +83,14 @@ impl HealthThresholds {
     /// (default 1 GiB), or at once when it holds an xmin.
     pub fn slot_wal_bytes(mut self, bytes: u64) -> Self {
         self.slot_wal_bytes = bytes;
+        self
+    }
+
+    /// A replication slot read from is a problem once the xmin it holds is this many
+    /// transactions old (default 1,000,000): its consumer holds vacuum back, a standby
+    /// with `hot_standby_feedback` running a long query, say.
+    pub fn slot_xmin_age(mut self, transactions: i64) -> Self {
+        self.slot_xmin_age = transactions;
         self
     }
 
@@ -259,6 +269,8 @@ pub struct Slot {
     pub wal_bytes: u64,
     /// Whether something reads from it now.
     pub active: bool,
+    /// The pid of the process reading from it (a walsender), while one does.
+    pub active_pid: Option<u32>,
     /// `physical` or `logical`.
     pub kind: String,
 }
@@ -282,7 +294,7 @@ pub enum Check {
     Transaction,
     /// An old prepared transaction.
     PreparedTransaction,
-    /// A replication slot nothing reads from.
+    /// A replication slot nothing reads from, or one whose reader holds an old xmin.
     ReplicationSlot,
     /// Rows due and not claimed.
     Due,
@@ -429,6 +441,9 @@ impl Outbox {
                 wal_bytes: count(&row, 2),
                 kind: row.get(3),
                 active: row.get(4),
+                active_pid: row
+                    .get::<_, Option<i32>>(5)
+                    .and_then(|pid| u32::try_from(pid).ok()),
             })
             .collect();
         let oldest_due_age = seconds(
@@ -645,21 +660,39 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             );
         }
     }
-    for slot in health.slots.iter().filter(|slot| !slot.active) {
-        if slot.xmin_age.is_some() || slot.wal_bytes >= limits.slot_wal_bytes {
+    for slot in &health.slots {
+        let name = &slot.name;
+        if !slot.active && (slot.xmin_age.is_some() || slot.wal_bytes >= limits.slot_wal_bytes) {
             let xmin = slot.xmin_age.map_or(String::new(), |age| {
                 format!(", holds an xmin {age} transactions old")
             });
             finding(
                 Check::ReplicationSlot,
                 format!(
-                    "replication slot {} ({}, inactive) keeps {} bytes of WAL{xmin}",
-                    slot.name, slot.kind, slot.wal_bytes
+                    "replication slot {name} ({}, inactive) keeps {} bytes of WAL{xmin}",
+                    slot.kind, slot.wal_bytes
                 ),
                 format!(
-                    "start its consumer again, or drop it: SELECT pg_drop_replication_slot('{}')",
-                    slot.name
+                    "start its consumer again, or drop it: SELECT pg_drop_replication_slot('{name}')"
                 ),
+            );
+        }
+        let old = slot.xmin_age.filter(|&age| age >= limits.slot_xmin_age);
+        if let (true, Some(age)) = (slot.active, old) {
+            let reader = slot
+                .active_pid
+                .map_or(String::new(), |pid| format!(", read by pid {pid}"));
+            finding(
+                Check::ReplicationSlot,
+                format!(
+                    "replication slot {name} ({}{reader}) holds an xmin {age} transactions old: \
+                     vacuum keeps every row version since",
+                    slot.kind
+                ),
+                "its reader holds it back: a standby with hot_standby_feedback running a long \
+                 query (end it there, or bound it with max_standby_streaming_delay), or a \
+                 logical consumer that has fallen behind"
+                    .to_owned(),
             );
         }
     }

@@ -383,13 +383,14 @@ pub(crate) const HEALTH_PREPARED: &str =
      FROM pg_prepared_xacts ORDER BY prepared LIMIT 1";
 
 /// Every replication slot, with the xmin it holds (in transactions), the WAL it keeps (in
-/// bytes) and whether something reads from it, the oldest horizon first.
+/// bytes), whether something reads from it and the pid of what does, the oldest horizon
+/// first.
 pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
             greatest(age(xmin), age(catalog_xmin))::bigint,
             coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()
                                           ELSE pg_current_wal_lsn() END,
                                      restart_lsn), 0)::bigint,
-            slot_type, active
+            slot_type, active, active_pid
      FROM pg_replication_slots
      ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC NULLS LAST, restart_lsn";
 

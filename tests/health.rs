@@ -139,6 +139,76 @@ fn a_prepared_transaction_and_a_replication_slot_are_found_by_name() {
 }
 
 #[test]
+fn a_standby_holding_an_xmin_through_its_slot_is_found_with_the_pid_reading_it() {
+    let primary = PgNode::start();
+    let (outbox, mut client) = migrated(&primary, "fed");
+    client
+        .batch_execute("SELECT pg_create_physical_replication_slot('fed_standby', true)")
+        .unwrap();
+    let standby = PgNode::standby_of(&primary);
+    let mut setup = standby.client();
+    for setting in [
+        "primary_slot_name = 'fed_standby'",
+        "hot_standby_feedback = on",
+        "wal_receiver_status_interval = 1",
+    ] {
+        setup
+            .batch_execute(&format!("ALTER SYSTEM SET {setting}"))
+            .unwrap();
+    }
+    setup.batch_execute("SELECT pg_reload_conf()").unwrap();
+    // A query on the standby keeps its snapshot; its feedback holds the slot's xmin there
+    // while the primary goes on.
+    let mut reader = standby.client();
+    reader
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class;")
+        .unwrap();
+    let limits = HealthThresholds::default().slot_xmin_age(20);
+    let mut health = None;
+    wait_until("the slot holds an xmin 20 transactions old", || {
+        client
+            .batch_execute("SELECT txid_current()")
+            .expect("burn a transaction id");
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        let held = now
+            .slots
+            .iter()
+            .any(|s| s.xmin_age.is_some_and(|a| a >= 20));
+        health = Some(now);
+        held
+    });
+    let health = health.unwrap();
+    let walsender: i32 = client
+        .query_one("SELECT pid FROM pg_stat_replication", &[])
+        .unwrap()
+        .get(0);
+    let slot = &health.slots[0];
+    assert!(slot.active, "{slot:?}");
+    assert_eq!(slot.active_pid, Some(walsender as u32));
+    assert_eq!(checks(&health), [Check::ReplicationSlot]);
+    let finding = &health.findings[0];
+    assert!(
+        finding.problem.starts_with(&format!(
+            "replication slot fed_standby (physical, read by pid {walsender}) holds an xmin"
+        )),
+        "{finding}"
+    );
+    assert!(finding.remedy.contains("hot_standby_feedback"), "{finding}");
+    // A million transactions by default.
+    assert!(outbox.health(&mut client).unwrap().is_healthy());
+    reader.batch_execute("COMMIT").unwrap();
+    wait_until("the standby lets the slot's xmin go", || {
+        client
+            .batch_execute("SELECT txid_current()")
+            .expect("burn a transaction id");
+        outbox
+            .health_with(&mut client, &limits)
+            .unwrap()
+            .is_healthy()
+    });
+}
+
+#[test]
 fn dead_tuples_are_found_once_the_statistics_show_them() {
     let (outbox, mut client) = common::outbox("bloated");
     let t = quoted(&outbox);

@@ -706,7 +706,7 @@ fn doctor(
             "oldest_prepared": holder(&health.oldest_prepared),
             "slots": health.slots.iter().map(|s| json!({
                 "name": s.name, "kind": s.kind, "xmin_age": s.xmin_age,
-                "wal_bytes": s.wal_bytes, "active": s.active,
+                "wal_bytes": s.wal_bytes, "active": s.active, "active_pid": s.active_pid,
             })).collect::<Vec<_>>(),
             "oldest_due_age_secs": secs(health.oldest_due_age),
             "relays": health.relays.iter().map(|r| json!({
@@ -775,9 +775,16 @@ fn doctor(
         }
     }
     for s in &health.slots {
-        let state = if s.active { "active" } else { "inactive" };
+        let state = match (s.active, s.active_pid) {
+            (true, Some(pid)) => format!("read by pid {pid}"),
+            (true, None) => "active".to_owned(),
+            (false, _) => "inactive".to_owned(),
+        };
+        let xmin = s.xmin_age.map_or(String::new(), |age| {
+            format!(", an xmin {age} transactions old")
+        });
         println!(
-            "replication slot {} ({}, {state}): {} bytes of WAL",
+            "replication slot {} ({}, {state}): {} bytes of WAL{xmin}",
             s.name, s.kind, s.wal_bytes
         );
     }
