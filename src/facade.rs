@@ -448,6 +448,8 @@ pub(crate) mod tests {
                 publisher,
                 published: 0,
                 upkeep_error: (publisher == PublisherState::Up).then(|| "denied".into()),
+                since_claim: Some(Duration::from_secs(1)),
+                poll_interval: Some(Duration::from_secs(2)),
             })
             .collect(),
             findings: vec![Finding {

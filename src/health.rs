@@ -697,8 +697,30 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
         }
     }
     if let Some(age) = health.oldest_due_age {
-        if age >= limits.due_age {
-            finding(
+        // The relay that claimed last, if any claims at all.
+        let claiming = health
+            .relays
+            .iter()
+            .filter(|r| r.is_claiming())
+            .min_by_key(|r| r.since_claim);
+        match claiming {
+            _ if age < limits.due_age => {}
+            Some(relay) => finding(
+                Check::Due,
+                format!(
+                    "{} has had a row due for {} though its relays claim (pid {}, {} ago): \
+                     they do not keep up",
+                    outbox.table(),
+                    whole(age),
+                    relay.pid,
+                    whole(relay.since_claim.unwrap_or_default())
+                ),
+                "give the relays more workers (concurrency) or run more of them, and see \
+                 where their cycles go (Metrics::cycle): a publisher that takes long, or \
+                 claims that do"
+                    .to_owned(),
+            ),
+            None => finding(
                 Check::Due,
                 format!(
                     "{} has had a row due for {} that no relay claimed",
@@ -708,7 +730,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 "check that a relay runs against this table and reaches the database (its log, \
                  Relay::is_listening); a relay that keeps up claims within its poll interval"
                     .to_owned(),
-            );
+            ),
         }
     }
     for relay in health.relays.iter().filter(|r| r.is_reporting()) {

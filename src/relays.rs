@@ -63,12 +63,27 @@ pub struct RelayReport {
     /// it, say; see the README's "Roles and grants"): the server's SQLSTATE in brackets,
     /// then the error's text; none once one works.
     pub upkeep_error: Option<String>,
+    /// How long ago its workers last had a claim answered, taking rows or not, as of its
+    /// last report (a claim since is not counted); `None` before its first claim, or from a
+    /// relay older than migration 22. An idle relay claims once per poll interval.
+    pub since_claim: Option<Duration>,
+    /// Its poll interval; `None` from a relay older than migration 22.
+    pub poll_interval: Option<Duration>,
 }
 
 impl RelayReport {
     /// It reported within the last minute (relays report every five seconds): it runs.
     pub fn is_reporting(&self) -> bool {
         self.last_seen < GONE_AFTER
+    }
+
+    /// It reports, and claimed within its poll interval and two reports' time (a report
+    /// gives its last claim as of when it was written).
+    pub fn is_claiming(&self) -> bool {
+        match (self.since_claim, self.poll_interval) {
+            (Some(since), Some(poll)) => self.is_reporting() && since <= poll + 2 * REPORT_EVERY,
+            _ => false,
+        }
     }
 }
 
@@ -96,6 +111,8 @@ impl Outbox {
                     },
                     published: count(row, 7),
                     upkeep_error: row.get(8),
+                    since_claim: seconds(row.get(9)),
+                    poll_interval: seconds(row.get(10)),
                 }
             })
             .collect())

@@ -131,6 +131,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0021_looks_in_ranges",
         template: include_str!("../sql/0021_looks_in_ranges.sql"),
     },
+    Migration {
+        version: 22,
+        name: "0022_relay_claims",
+        template: include_str!("../sql/0022_relay_claims.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -990,12 +995,14 @@ impl Statements {
                 "WITH gone AS (DELETE FROM {relays} WHERE seen_at < now() - interval '1 day')
                  INSERT INTO {relays}
                    (relay, client_addr, pid, started_at, publisher, down_since, published,
-                    upkeep_error)
-                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6, $7)
+                    upkeep_error, claimed_at, poll_interval)
+                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6, $7, $8,
+                         $9::bigint * interval '1 microsecond')
                  ON CONFLICT (relay) DO UPDATE SET
                    seen_at = now(), publisher = excluded.publisher,
                    down_since = excluded.down_since, published = excluded.published,
-                   upkeep_error = excluded.upkeep_error"
+                   upkeep_error = excluded.upkeep_error, claimed_at = excluded.claimed_at,
+                   poll_interval = excluded.poll_interval"
             )?,
             forget_relay: values.render("DELETE FROM {relays} WHERE relay = $1")?,
             maintain_partitions: values.render("SELECT {partition_fn}(false), {settle_fn}()")?,
@@ -1061,12 +1068,15 @@ impl Statements {
                 "UPDATE {partitions} SET every = $1::bigint * interval '1 microsecond'
                  WHERE closed_at IS NULL AND every <> $1::bigint * interval '1 microsecond'"
             )?,
-            // The error column by name through the row's JSON, so that reports are read
-            // from a table not yet migrated to version 15 too.
+            // Columns added since by name through the row's JSON, so that reports are read
+            // from a table not yet migrated to version 15 (the error) or 22 (the claims) too.
             relays: values.render(
                 "SELECT relay, client_addr, pid, started_at,
                         extract(epoch FROM now() - seen_at)::float8, publisher, down_since,
-                        published, to_jsonb(r) ->> 'upkeep_error'
+                        published, to_jsonb(r) ->> 'upkeep_error',
+                        extract(epoch FROM now()
+                                - (to_jsonb(r) ->> 'claimed_at')::timestamptz)::float8,
+                        extract(epoch FROM (to_jsonb(r) ->> 'poll_interval')::interval)::float8
                  FROM {relays} r ORDER BY started_at, relay"
             )?,
             probe: values.render("SELECT 1 FROM {table} LIMIT 0")?,

@@ -457,6 +457,61 @@ fn a_relay_reports_itself_and_a_publisher_that_is_down_is_found() {
 }
 
 #[test]
+fn a_row_due_while_the_relays_claim_is_found_as_relays_that_do_not_keep_up() {
+    let (outbox, mut client) = common::outbox("behind");
+    let mut tx = client.transaction().unwrap();
+    for i in 0..100 {
+        outbox
+            .enqueue(&mut tx, Message::new("t", "p").key(format!("m{i}")))
+            .unwrap();
+    }
+    tx.commit().unwrap();
+    let limits = HealthThresholds::default().due_age(Duration::from_millis(300));
+    let problem = |client: &mut Client| {
+        let health = outbox.health_with(client, &limits).unwrap();
+        let due = health.findings.iter().find(|f| f.check == Check::Due);
+        due.map(|f| f.problem.clone())
+    };
+    wait_until("the rows have been due past the threshold", || {
+        problem(&mut client).is_some()
+    });
+    let alone = problem(&mut client).unwrap();
+    assert!(alone.ends_with("that no relay claimed"), "{alone}");
+
+    // One worker publishing a row every 100 ms: it claims all the while, and a row waits
+    // for seconds.
+    let publish = |_: &Record| {
+        std::thread::sleep(Duration::from_millis(100));
+        Ok(())
+    };
+    let config = common::relay_config(&outbox, publish)
+        .concurrency(1)
+        .batch_size(1)
+        .poll_interval(Duration::from_millis(250));
+    let relay = Relay::spawn(config).unwrap();
+    wait_until("the relay reports a claim", || {
+        let reports = outbox.relays(&mut client).unwrap();
+        matches!(reports.as_slice(), [r] if r.since_claim.is_some())
+    });
+    let report = outbox.relays(&mut client).unwrap().remove(0);
+    assert_eq!(report.poll_interval, Some(Duration::from_millis(250)));
+    assert!(report.is_claiming(), "{report:?}");
+    let behind = problem(&mut client).expect("rows wait past the threshold");
+    assert!(
+        behind.contains(&format!(
+            "though its relays claim (pid {}, ",
+            std::process::id()
+        )),
+        "{behind}"
+    );
+    assert!(behind.ends_with("they do not keep up"), "{behind}");
+    relay.shutdown(Duration::from_secs(10)).unwrap();
+    // Its report gone, nothing claims.
+    let alone = problem(&mut client).expect("rows still due");
+    assert!(alone.ends_with("that no relay claimed"), "{alone}");
+}
+
+#[test]
 fn reports_that_stopped_coming_are_found() {
     let (outbox, mut client) = common::outbox("gone");
     // What a relay killed by SIGKILL leaves behind: its last report, growing old. (Aged by

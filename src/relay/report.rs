@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use postgres::error::SqlState;
 
@@ -20,6 +20,10 @@ pub(crate) struct Report {
     /// The relay's id, the same as its row's in `<table>_waiting`.
     relay: String,
     started: SystemTime,
+    poll_interval: Duration,
+    /// When a worker's claim last came back, in microseconds since the Unix epoch; 0 before
+    /// the first.
+    claimed: AtomicU64,
     /// When the report was last written, and the publisher's state it gave.
     last: Mutex<Option<(Instant, &'static str)>>,
     /// Workers running: the last to stop deletes the row.
@@ -31,15 +35,26 @@ pub(crate) struct Report {
 }
 
 impl Report {
-    pub(crate) fn new(relay: String) -> Report {
+    pub(crate) fn new(relay: String, poll_interval: Duration) -> Report {
         Report {
             relay,
             started: SystemTime::now(),
+            poll_interval,
+            claimed: AtomicU64::new(0),
             last: Mutex::new(None),
             workers: AtomicUsize::new(0),
             failing: AtomicBool::new(false),
             maintaining_fails: AtomicBool::new(false),
         }
+    }
+
+    /// A worker's claim came back, taking rows or not.
+    pub(crate) fn claimed(&self) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let micros = u64::try_from(now.as_micros()).unwrap_or(u64::MAX);
+        self.claimed.fetch_max(micros, Ordering::SeqCst);
     }
 
     pub(crate) fn worker_started(&self) {
@@ -87,6 +102,11 @@ impl Report {
         // First, so that the report says how it went.
         let upkeep_error = self.maintain_partitions(worker, sql);
         let published = i64::try_from(published.load(Ordering::SeqCst)).unwrap_or(i64::MAX);
+        let claimed_at = match self.claimed.load(Ordering::SeqCst) {
+            0 => None,
+            micros => Some(UNIX_EPOCH + Duration::from_micros(micros)),
+        };
+        let poll_interval = i64::try_from(self.poll_interval.as_micros()).unwrap_or(i64::MAX);
         let row: Vec<Param> = vec![
             Box::new(self.relay.clone()),
             Box::new(i32::try_from(std::process::id()).unwrap_or(i32::MAX)),
@@ -95,6 +115,8 @@ impl Report {
             Box::new(down_since),
             Box::new(published),
             Box::new(upkeep_error),
+            Box::new(claimed_at),
+            Box::new(poll_interval),
         ];
         match worker.execute(&sql.report_relay, row) {
             Ok(()) => {

@@ -51,6 +51,7 @@ impl Shared {
         let (wake_tx, wake) = bounded::<Wake>(config.concurrency);
         // One id names the relay in `<table>_waiting` and `<table>_relays`.
         let relay = uuid::Uuid::new_v4().to_string();
+        let report = Report::new(relay.clone(), config.poll_interval);
         Shared {
             config,
             stop: StopSignal::new(),
@@ -63,7 +64,7 @@ impl Shared {
             released: AtomicU64::new(0),
             holding: AtomicU64::new(0),
             health: Health::new(),
-            report: Report::new(relay),
+            report,
         }
     }
 
@@ -128,6 +129,10 @@ impl Control for Shared {
 
     fn more_due(&self) {
         self.wake_one();
+    }
+
+    fn claimed(&self) {
+        self.report.claimed();
     }
 
     fn access(&self) -> Access {

@@ -49,6 +49,8 @@ pub(crate) trait Control {
     fn released(&self, _n: usize) {}
     /// A claim came back full: more may be due, so another idle worker should look too.
     fn more_due(&self) {}
+    /// A claim came back, taking rows or not.
+    fn claimed(&self) {}
     /// Whether to claim now, and whether to probe a destination that is down.
     fn access(&self) -> Access {
         Access::Go
@@ -272,6 +274,7 @@ impl<'a> Worker<'a> {
             }
         };
         self.db_failures = 0;
+        control.claimed();
         let n = claimed.len();
         if n == 0 {
             if probe {

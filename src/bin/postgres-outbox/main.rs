@@ -714,6 +714,8 @@ fn doctor(
                 "started_at": time(r.started_at), "last_seen_secs": r.last_seen.as_secs_f64(),
                 "publisher": r.publisher.name(), "published": r.published,
                 "upkeep_error": r.upkeep_error,
+                "since_claim_secs": secs(r.since_claim),
+                "poll_interval_secs": secs(r.poll_interval),
                 "publisher_down_since": match r.publisher {
                     postgres_outbox::PublisherState::Down { since } => Value::from(time(since)),
                     _ => Value::Null,
@@ -791,7 +793,8 @@ fn doctor(
     println!("oldest due row: {}", human(health.oldest_due_age));
     for r in &health.relays {
         println!(
-            "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago",
+            "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago, last claimed \
+             {} ago",
             r.relay,
             r.pid,
             r.client_addr
@@ -799,7 +802,8 @@ fn doctor(
                 .map_or(String::new(), |a| format!(" at {a}")),
             r.publisher.name(),
             r.published,
-            human(Some(r.last_seen))
+            human(Some(r.last_seen)),
+            human(r.since_claim)
         );
         if let Some(error) = &r.upkeep_error {
             println!("  its upkeep of the partitions fails: {error}");
