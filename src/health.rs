@@ -271,7 +271,9 @@ pub struct Slot {
     pub active: bool,
     /// The pid of the process reading from it (a walsender), while one does.
     pub active_pid: Option<u32>,
-    /// `physical` or `logical`.
+    /// `physical` or `logical`; or `feedback`: no slot, but a standby whose
+    /// `hot_standby_feedback` holds an xmin on its walsender (`name` is the standby's
+    /// `application_name`).
     pub kind: String,
 }
 
@@ -679,15 +681,19 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
         }
         let old = slot.xmin_age.filter(|&age| age >= limits.slot_xmin_age);
         if let (true, Some(age)) = (slot.active, old) {
-            let reader = slot
-                .active_pid
-                .map_or(String::new(), |pid| format!(", read by pid {pid}"));
+            let pid = slot.active_pid.unwrap_or_default();
+            let holder = if slot.kind == "feedback" {
+                format!(
+                    "standby {name} (its walsender pid {pid}, hot_standby_feedback without a slot)"
+                )
+            } else {
+                format!("replication slot {name} ({}, read by pid {pid})", slot.kind)
+            };
             finding(
                 Check::ReplicationSlot,
                 format!(
-                    "replication slot {name} ({}{reader}) holds an xmin {age} transactions old: \
-                     vacuum keeps every row version since",
-                    slot.kind
+                    "{holder} holds an xmin {age} transactions old: vacuum keeps every row \
+                     version since"
                 ),
                 "its reader holds it back: a standby with hot_standby_feedback running a long \
                  query (end it there, or bound it with max_standby_streaming_delay), or a \

@@ -371,14 +371,15 @@ pub(crate) const HEALTH_TABLES: &str =
 
 /// The oldest open transaction that holds back the xmin horizon of this database (a
 /// backend with a snapshot or a transaction id: vacuum keeps every row version it may
-/// see), other than the caller's. No query text: it may carry a payload.
+/// see), other than the caller's. No query text: it may carry a payload. (A standby's
+/// walsender holds an xmin with no transaction open: see [`HEALTH_SLOTS`].)
 pub(crate) const HEALTH_TRANSACTION: &str =
     "SELECT pid::text, extract(epoch FROM now() - xact_start)::float8,
             coalesce(nullif(application_name, ''), backend_type) || ', ' || coalesce(state, '?')
      FROM pg_stat_activity
      WHERE pid <> pg_backend_pid() AND xact_start IS NOT NULL
        AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
-       AND (datname = current_database() OR backend_type = 'walsender')
+       AND datname = current_database()
      ORDER BY xact_start LIMIT 1";
 
 /// The oldest prepared transaction: it holds the xmin horizon until committed or rolled
@@ -388,16 +389,23 @@ pub(crate) const HEALTH_PREPARED: &str =
      FROM pg_prepared_xacts ORDER BY prepared LIMIT 1";
 
 /// Every replication slot, with the xmin it holds (in transactions), the WAL it keeps (in
-/// bytes), whether something reads from it and the pid of what does, the oldest horizon
-/// first.
-pub(crate) const HEALTH_SLOTS: &str = "SELECT slot_name::text,
-            greatest(age(xmin), age(catalog_xmin))::bigint,
-            coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn()
-                                          ELSE pg_current_wal_lsn() END,
-                                     restart_lsn), 0)::bigint,
-            slot_type, active, active_pid
-     FROM pg_replication_slots
-     ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC NULLS LAST, restart_lsn";
+/// bytes), whether something reads from it and the pid of what does; then every standby
+/// that holds an xmin by `hot_standby_feedback` without a slot (on its walsender), named
+/// by its `application_name`, of kind `feedback`; the oldest horizon first.
+pub(crate) const HEALTH_SLOTS: &str = "SELECT name, xmin_age, wal_bytes, kind, active, pid
+     FROM (SELECT slot_name::text AS name,
+                  greatest(age(xmin), age(catalog_xmin))::bigint AS xmin_age,
+                  coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery()
+                                                THEN pg_last_wal_receive_lsn()
+                                                ELSE pg_current_wal_lsn() END,
+                                           restart_lsn), 0)::bigint AS wal_bytes,
+                  slot_type AS kind, active, active_pid AS pid, restart_lsn
+           FROM pg_replication_slots
+           UNION ALL
+           SELECT application_name, age(backend_xmin)::bigint, 0, 'feedback', true, pid, NULL
+           FROM pg_stat_replication
+           WHERE backend_xmin IS NOT NULL) AS holders
+     ORDER BY xmin_age DESC NULLS LAST, restart_lsn";
 
 /// How many rows of each part of the backlog `stats` reads: past that, it estimates. Reading
 /// 2,000 of each, the whole statement takes about 3 ms on the reference machine (`scale` bench).

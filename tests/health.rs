@@ -139,7 +139,7 @@ fn a_prepared_transaction_and_a_replication_slot_are_found_by_name() {
 }
 
 #[test]
-fn a_standby_holding_an_xmin_through_its_slot_is_found_with_the_pid_reading_it() {
+fn a_standby_holding_an_xmin_is_found_with_its_walsender_with_a_slot_or_without() {
     let primary = PgNode::start();
     let (outbox, mut client) = migrated(&primary, "fed");
     client
@@ -147,53 +147,76 @@ fn a_standby_holding_an_xmin_through_its_slot_is_found_with_the_pid_reading_it()
         .unwrap();
     let standby = PgNode::standby_of(&primary);
     let mut setup = standby.client();
-    for setting in [
-        "primary_slot_name = 'fed_standby'",
-        "hot_standby_feedback = on",
-        "wal_receiver_status_interval = 1",
-    ] {
+    let set = |setup: &mut Client, setting: &str| {
         setup
             .batch_execute(&format!("ALTER SYSTEM SET {setting}"))
             .unwrap();
-    }
-    setup.batch_execute("SELECT pg_reload_conf()").unwrap();
-    // A query on the standby keeps its snapshot; its feedback holds the slot's xmin there
+        setup.batch_execute("SELECT pg_reload_conf()").unwrap();
+    };
+    set(&mut setup, "wal_receiver_status_interval = 1");
+    set(&mut setup, "hot_standby_feedback = on");
+    // A query on the standby keeps its snapshot; its feedback holds an xmin on the primary
     // while the primary goes on.
     let mut reader = standby.client();
     reader
         .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class;")
         .unwrap();
     let limits = HealthThresholds::default().slot_xmin_age(20);
-    let mut health = None;
-    wait_until("the slot holds an xmin 20 transactions old", || {
-        client
-            .batch_execute("SELECT txid_current()")
-            .expect("burn a transaction id");
-        let now = outbox.health_with(&mut client, &limits).unwrap();
-        let held = now
-            .slots
-            .iter()
-            .any(|s| s.xmin_age.is_some_and(|a| a >= 20));
-        health = Some(now);
-        held
-    });
-    let health = health.unwrap();
-    let walsender: i32 = client
-        .query_one("SELECT pid FROM pg_stat_replication", &[])
-        .unwrap()
-        .get(0);
-    let slot = &health.slots[0];
-    assert!(slot.active, "{slot:?}");
-    assert_eq!(slot.active_pid, Some(walsender as u32));
-    assert_eq!(checks(&health), [Check::ReplicationSlot]);
-    let finding = &health.findings[0];
+    let held = |client: &mut Client, kind: &str| {
+        let mut health = None;
+        wait_until(
+            &format!("the {kind} holds an xmin 20 transactions old"),
+            || {
+                client
+                    .batch_execute("SELECT txid_current()")
+                    .expect("burn a transaction id");
+                let now = outbox.health_with(client, &limits).unwrap();
+                // One walsender: the one before a switch to the slot has gone.
+                let held = match &now.slots[..] {
+                    [one, rest @ ..] => {
+                        one.kind == kind
+                            && one.active
+                            && one.xmin_age.is_some_and(|a| a >= 20)
+                            && rest.iter().all(|s| !s.active)
+                    }
+                    [] => false,
+                };
+                health = Some(now);
+                held
+            },
+        );
+        let health = health.unwrap();
+        let walsender: i32 = client
+            .query_one("SELECT pid FROM pg_stat_replication", &[])
+            .unwrap()
+            .get(0);
+        let slot = &health.slots[0];
+        assert_eq!(slot.kind, kind);
+        assert_eq!(slot.active_pid, Some(walsender as u32));
+        assert_eq!(checks(&health), [Check::ReplicationSlot]);
+        let finding = health.findings[0].clone();
+        assert!(finding.remedy.contains("hot_standby_feedback"), "{finding}");
+        (walsender, finding.problem)
+    };
+
+    // Without a slot: on the standby's walsender, with no transaction open there.
+    let (walsender, problem) = held(&mut client, "feedback");
     assert!(
-        finding.problem.starts_with(&format!(
+        problem.starts_with(&format!(
+            "standby walreceiver (its walsender pid {walsender}, hot_standby_feedback without \
+             a slot) holds an xmin"
+        )),
+        "{problem}"
+    );
+    // Through its slot.
+    set(&mut setup, "primary_slot_name = 'fed_standby'");
+    let (walsender, problem) = held(&mut client, "physical");
+    assert!(
+        problem.starts_with(&format!(
             "replication slot fed_standby (physical, read by pid {walsender}) holds an xmin"
         )),
-        "{finding}"
+        "{problem}"
     );
-    assert!(finding.remedy.contains("hot_standby_feedback"), "{finding}");
     // A million transactions by default.
     assert!(outbox.health(&mut client).unwrap().is_healthy());
     reader.batch_execute("COMMIT").unwrap();
