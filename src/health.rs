@@ -118,8 +118,8 @@ impl HealthThresholds {
         self
     }
 
-    /// A row due this long and still not claimed means no relay claims (default 1 minute;
-    /// keep it above the relays' poll interval).
+    /// A row due this long and still not claimed means no relay claims, or the relays that
+    /// do fall behind (default 1 minute; keep it above the relays' poll interval).
     pub fn due_age(mut self, age: Duration) -> Self {
         self.due_age = age;
         self
@@ -311,8 +311,9 @@ pub enum Check {
 }
 
 impl Check {
-    /// A short name: `dead_tuples`, `vacuum`, `analyze`, `bloat`, `transaction`, `prepared_transaction`,
-    /// `replication_slot`, `due`, `publisher`, `relays`, `partitions`.
+    /// A short name: `dead_tuples`, `vacuum`, `analyze`, `bloat`, `transaction`,
+    /// `prepared_transaction`, `replication_slot`, `due`, `publisher`, `relays`,
+    /// `partitions`.
     pub fn name(self) -> &'static str {
         match self {
             Check::DeadTuples => "dead_tuples",
