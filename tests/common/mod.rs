@@ -157,6 +157,19 @@ fn drop_run_schemas() {
             .map(|r| r.get(0))
             .collect();
         for name in std::iter::once(schema.clone()).chain(extra) {
+            // Partitioned tables first, each in a transaction of its own: one drop of
+            // every partition of a run's tables at once would need more locks than the
+            // server's lock table holds.
+            let partitioned = client.query(
+                "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c
+                 JOIN pg_namespace n ON n.oid = c.relnamespace
+                 WHERE n.nspname = $1 AND c.relkind = 'p'",
+                &[&name],
+            )?;
+            for table in partitioned {
+                let table: String = table.get(0);
+                client.batch_execute(&format!("DROP TABLE IF EXISTS {table} CASCADE"))?;
+            }
             client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))?;
         }
         Ok(())
@@ -314,7 +327,8 @@ pub fn unique_name(prefix: &str) -> String {
 
 /// Set to `partitioned` to run a suite on partitioned tables: every outbox `outbox` and
 /// `builder` make is then partitioned (`OutboxBuilder::partition_interval`), by the longest
-/// interval, so that no cut by the clock comes in the middle of a test.
+/// interval, so that no cut by the clock comes in the middle of a test; [`CUTS_VAR`] makes
+/// cuts of its own in the tables `outbox` makes.
 pub const TABLES_VAR: &str = "OUTBOX_TEST_TABLES";
 
 /// Whether this run's outboxes are partitioned (see [`TABLES_VAR`]).
@@ -349,7 +363,58 @@ pub fn outbox(prefix: &str) -> (Outbox, Client) {
         .expect("valid table name");
     let mut client = client();
     outbox.migrate(&mut client).expect("migrate");
+    if partitioned() && std::env::var(CUTS_VAR).is_ok_and(|v| v == "1") {
+        cut_often(&outbox);
+    }
     (outbox, client)
+}
+
+/// Set to `1` beside `OUTBOX_TEST_TABLES=partitioned` to cut the open partition of every
+/// outbox `outbox` makes, whatever the clock: every 400 ms, up to [`CUTS`] times a table,
+/// so that the suites run across partitions (producers drawing ids on both sides of a cut,
+/// relays claiming, fencing and parking rows in older partitions).
+pub const CUTS_VAR: &str = "OUTBOX_TEST_CUTS";
+
+/// Cuts of each table in a run with [`CUTS_VAR`].
+const CUTS: u32 = 5;
+
+/// Registers `outbox` with this process's cutter, started on first use.
+fn cut_often(outbox: &Outbox) {
+    static TABLES: OnceLock<Mutex<Vec<(String, u32)>>> = OnceLock::new();
+    let mut started = false;
+    let tables = TABLES.get_or_init(|| {
+        started = true;
+        Mutex::new(Vec::new())
+    });
+    let partition_fn = quoted_with(outbox, "_partition");
+    tables
+        .lock()
+        .expect("cutter's tables")
+        .push((partition_fn, 0));
+    if !started {
+        return;
+    }
+    std::thread::spawn(move || {
+        let mut client = client();
+        loop {
+            std::thread::sleep(Duration::from_millis(400));
+            // Out of the lock while cutting: a test registering meanwhile need not wait.
+            let round = std::mem::take(&mut *tables.lock().expect("cutter's tables"));
+            let kept: Vec<_> = round
+                .into_iter()
+                .filter_map(|(partition_fn, cuts)| {
+                    let cut = format!("SELECT {partition_fn}(true); SELECT {partition_fn}(false)");
+                    // Gone with its test's schema, or cut often enough.
+                    let go_on = client.batch_execute(&cut).is_ok() && cuts + 1 < CUTS;
+                    go_on.then_some((partition_fn, cuts + 1))
+                })
+                .collect();
+            tables.lock().expect("cutter's tables").extend(kept);
+            if client.is_closed() {
+                client = self::client();
+            }
+        }
+    });
 }
 
 /// Polls `condition` until it holds, failing the test after a generous deadline.
