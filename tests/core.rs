@@ -193,6 +193,43 @@ fn exists(client: &mut Client, relation: &str) -> bool {
 
 // ---- produce ----
 
+/// A run with `OUTBOX_TEST_CUTS` must cut, or the suites it runs cross no partition.
+#[test]
+fn a_run_that_cuts_partitions_cuts_them() -> TestResult {
+    if !common::cuts() {
+        return Ok(());
+    }
+    let (outbox, mut client) = common::outbox("cut");
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new("t", "before"))?;
+    tx.commit()?;
+    wait_until("the open partition is cut twice", || {
+        let health = outbox.health(&mut client).expect("health");
+        health
+            .partitions
+            .iter()
+            .filter(|p| p.closed.is_some())
+            .count()
+            >= 2
+    });
+    let mut tx = client.transaction()?;
+    outbox.enqueue(&mut tx, Message::new("t", "after"))?;
+    tx.commit()?;
+    let ids: Vec<i64> = client
+        .query(
+            &format!("SELECT id FROM {} ORDER BY id", quoted(&outbox)),
+            &[],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let [before, after] = ids[..] else {
+        panic!("two rows: {ids:?}")
+    };
+    assert!(after >> 40 >= (before >> 40) + 2, "{ids:?}");
+    Ok(())
+}
+
 #[test]
 fn rolled_back_enqueues_leave_nothing() -> TestResult {
     let (outbox, mut client) = common::outbox("rollback");

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use std::convert::Infallible;
 use std::sync::{Arc, Condvar, Mutex};
 
+use postgres::error::SqlState;
 use postgres::{Client, NoTls};
 use postgres_outbox::{
     publisher_fn, Access, Connections, Metrics, Outbox, OutboxBuilder, PublishError, Record,
@@ -363,7 +364,7 @@ pub fn outbox(prefix: &str) -> (Outbox, Client) {
         .expect("valid table name");
     let mut client = client();
     outbox.migrate(&mut client).expect("migrate");
-    if partitioned() && std::env::var(CUTS_VAR).is_ok_and(|v| v == "1") {
+    if cuts() {
         cut_often(&outbox);
     }
     (outbox, client)
@@ -374,6 +375,11 @@ pub fn outbox(prefix: &str) -> (Outbox, Client) {
 /// so that the suites run across partitions (producers drawing ids on both sides of a cut,
 /// relays claiming, fencing and parking rows in older partitions).
 pub const CUTS_VAR: &str = "OUTBOX_TEST_CUTS";
+
+/// Whether this run cuts its tables' partitions (see [`CUTS_VAR`]).
+pub fn cuts() -> bool {
+    partitioned() && std::env::var(CUTS_VAR).is_ok_and(|v| v == "1")
+}
 
 /// Cuts of each table in a run with [`CUTS_VAR`].
 const CUTS: u32 = 5;
@@ -404,9 +410,23 @@ fn cut_often(outbox: &Outbox) {
                 .into_iter()
                 .filter_map(|(partition_fn, cuts)| {
                     let cut = format!("SELECT {partition_fn}(true); SELECT {partition_fn}(false)");
-                    // Gone with its test's schema, or cut often enough.
-                    let go_on = client.batch_execute(&cut).is_ok() && cuts + 1 < CUTS;
-                    go_on.then_some((partition_fn, cuts + 1))
+                    let done = match client.batch_execute(&cut) {
+                        Ok(()) => cuts + 1 >= CUTS,
+                        // Gone with its test's table or schema.
+                        Err(e)
+                            if e.code().is_some_and(|code| {
+                                [SqlState::UNDEFINED_FUNCTION, SqlState::INVALID_SCHEMA_NAME]
+                                    .contains(code)
+                            }) =>
+                        {
+                            true
+                        }
+                        Err(e) => {
+                            eprintln!("the cutter could not cut {partition_fn}: {e}");
+                            false
+                        }
+                    };
+                    (!done).then_some((partition_fn, cuts + 1))
                 })
                 .collect();
             tables.lock().expect("cutter's tables").extend(kept);
