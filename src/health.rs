@@ -94,9 +94,9 @@ impl HealthThresholds {
         self
     }
 
-    /// Past [`dead_tuples`](Self::dead_tuples)' count of dead tuples, a table vacuum has not
-    /// visited for this long is a problem (default a day); at once when autovacuum is off
-    /// for it.
+    /// Past [`dead_tuples`](Self::dead_tuples)' figures of dead tuples, a table vacuum has
+    /// not visited for this long is a problem (default a day), and one never vacuumed, if
+    /// autovacuum is off for it.
     pub fn vacuum_age(mut self, age: Duration) -> Self {
         self.vacuum_age = age;
         self
@@ -177,13 +177,16 @@ pub struct TableHealth {
     /// Whether autovacuum visits it: the server's `autovacuum` is on, and
     /// `autovacuum_enabled` is not off for it (or for any of its partitions).
     pub autovacuum: bool,
-    /// The size of its rows' file (the heap, without indexes or TOAST), in bytes.
+    /// The size of its rows' file (the heap, without indexes or TOAST), in bytes, as the
+    /// last vacuum or analyze found it (the catalog's figure: reading the file's size would
+    /// wait behind a `VACUUM FULL` or a partition's drop); 0 before the first.
     pub heap_bytes: u64,
-    /// Its size with its indexes and TOAST, in bytes.
+    /// Its size with its indexes and TOAST, in bytes, as the last vacuum or analyze found
+    /// it.
     pub total_bytes: u64,
     /// An estimate of the heap's bytes that hold no live row (dead row versions, and the
-    /// space vacuum freed but keeps): the heap less its live rows at the width the last
-    /// analyze measured. `None` until an analyze has measured it.
+    /// space vacuum freed but keeps): the heap less its rows at the width the last analyze
+    /// measured. `None` until an analyze has measured it.
     pub unused_heap_bytes: Option<u64>,
 }
 
@@ -379,11 +382,12 @@ impl Outbox {
     }
 
     /// Diagnoses the outbox: dead tuples, the last vacuum and analyze (and whether autovacuum
-    /// visits), and the space holding no live row of its tables, the oldest transaction and prepared transaction holding back the xmin horizon, the
-    /// replication slots, how long the oldest ready row has been due, and what the relays
-    /// report (a publisher down; reports that stopped coming). Every figure past
-    /// `thresholds` is a [`Finding`] with its remedy. Its cost does not grow with the table:
-    /// catalog rows and one index entry.
+    /// visits), and the space holding no live row of its tables, the oldest transaction and
+    /// prepared transaction holding back the xmin horizon, the replication slots and
+    /// standbys holding one, how long the oldest ready row has been due, and what the relays
+    /// report (a publisher down; claims that do not keep up; reports that stopped coming).
+    /// Every figure past `thresholds` is a [`Finding`] with its remedy. Its cost does not
+    /// grow with the table: catalog rows and one index entry.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -537,11 +541,17 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 ),
             );
         }
-        // A table never vacuumed, with autovacuum on, is one autovacuum has yet to reach.
-        let unvisited = table
-            .since_vacuum
-            .is_some_and(|age| age >= limits.vacuum_age);
-        if dead > limits.dead_tuples && (!table.autovacuum || unvisited) {
+        // Past the same figures as the dead tuples' finding: autovacuum comes at a share of
+        // the table too. A table never vacuumed, with autovacuum on, is one autovacuum has
+        // yet to reach; one vacuumed lately, with it off, is vacuumed by hand.
+        let unvisited = match table.since_vacuum {
+            Some(age) => age >= limits.vacuum_age,
+            None => !table.autovacuum,
+        };
+        if dead > limits.dead_tuples
+            && dead as f64 > limits.dead_ratio * table.live_tuples as f64
+            && unvisited
+        {
             let last = table
                 .since_vacuum
                 .map_or("never vacuumed".to_owned(), |age| {
@@ -690,12 +700,15 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             } else {
                 format!("replication slot {name} ({}, read by pid {pid})", slot.kind)
             };
+            // A logical slot's is a catalog xmin: it holds back the catalogs alone.
+            let kept = if slot.kind == "logical" {
+                "the system catalogs' row versions"
+            } else {
+                "every row version"
+            };
             finding(
                 Check::ReplicationSlot,
-                format!(
-                    "{holder} holds an xmin {age} transactions old: vacuum keeps every row \
-                     version since"
-                ),
+                format!("{holder} holds an xmin {age} transactions old: vacuum keeps {kept} since"),
                 "its reader holds it back: a standby with hot_standby_feedback running a long \
                  query (end it there, or bound it with max_standby_streaming_delay), or a \
                  logical consumer that has fallen behind"
@@ -730,9 +743,16 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             None => finding(
                 Check::Due,
                 format!(
-                    "{} has had a row due for {} that no relay claimed",
+                    "{} has had a row due for {} that no relay claimed{}",
                     outbox.table(),
-                    whole(age)
+                    whole(age),
+                    match health.relays.iter().filter(|r| r.is_reporting()).count() {
+                        0 => String::new(),
+                        n => format!(
+                            " ({n} reporting, none a claim within its poll interval, or a \
+                             relay older than migration 22, which does not report its claims)"
+                        ),
+                    }
                 ),
                 "check that a relay runs against this table and reaches the database (its log, \
                  Relay::is_listening); a relay that keeps up claims within its poll interval"

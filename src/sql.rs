@@ -338,10 +338,12 @@ const FILTER: &str = "t.status = ANY($5::text[])
 
 /// Live and dead tuples, ages of the last vacuum and analyze (manual or auto), rows changed
 /// since the last analyze, whether autovacuum may visit, and sizes of the relations named in
-/// `$1` and `$2`: the heap, the whole (indexes and TOAST with it), and the heap's bytes that
-/// hold no live row, estimated as the heap less its live rows at the width the planner's
-/// statistics give them (a row's header and line pointer with it, aligned); NULL where no
-/// analyze has measured the width.
+/// `$1` and `$2`: the heap, the whole (its indexes and TOAST with it), and the heap's bytes
+/// that hold no live row, estimated as the heap less its rows at the width the planner's
+/// statistics give them (a row's header and line pointer with it, aligned), NULL where no
+/// analyze has measured the width. Sizes and rows are the catalog's, as the last vacuum or
+/// analyze left them: reading the files' sizes would lock each relation, and wait behind a
+/// `VACUUM FULL` or a partition's drop.
 /// A partitioned table's figures are its partitions', summed; its last vacuum and analyze
 /// the most recent of any; autovacuum off for it when off for any partition.
 pub(crate) const HEALTH_TABLES: &str =
@@ -350,18 +352,27 @@ pub(crate) const HEALTH_TABLES: &str =
             extract(epoch FROM now() - max(greatest(s.last_vacuum, s.last_autovacuum)))::float8,
             extract(epoch FROM now() - max(greatest(s.last_analyze, s.last_autoanalyze)))::float8,
             coalesce(sum(s.n_mod_since_analyze), 0)::bigint,
-            current_setting('autovacuum')::boolean AND NOT coalesce(bool_or(o.off), false),
-            coalesce(sum(pg_relation_size(l.leaf)), 0)::bigint,
-            coalesce(sum(pg_total_relation_size(l.leaf)), 0)::bigint,
-            sum(greatest(pg_relation_size(l.leaf) - s.n_live_tup * w.bytes, 0))::bigint
+            current_setting('autovacuum')::boolean AND NOT coalesce(bool_or(z.off), false),
+            (coalesce(sum(z.heap), 0) * current_setting('block_size')::int)::bigint,
+            (coalesce(sum(z.heap + z.others), 0) * current_setting('block_size')::int)::bigint,
+            (sum(CASE WHEN w.bytes IS NOT NULL
+                      THEN greatest(z.heap * current_setting('block_size')::int
+                                    - z.rows * w.bytes, 0) END))::bigint
      FROM (VALUES (1, $1, to_regclass($1)), (2, $2, to_regclass($2))) AS v(n, name, rel)
      LEFT JOIN LATERAL (SELECT v.rel AS leaf
                         UNION ALL
                         SELECT relid FROM pg_partition_tree(v.rel) WHERE isleaf) l ON true
      LEFT JOIN pg_stat_user_tables s ON s.relid = l.leaf
-     LEFT JOIN LATERAL (SELECT NOT option_value::boolean AS off
-                        FROM pg_class c, pg_options_to_table(c.reloptions)
-                        WHERE c.oid = l.leaf AND option_name = 'autovacuum_enabled') o ON true
+     LEFT JOIN LATERAL (
+       SELECT greatest(c.relpages, 0)::numeric AS heap, greatest(c.reltuples, 0) AS rows,
+              (SELECT coalesce(sum(greatest(r.relpages, 0)), 0)
+               FROM pg_class r
+               WHERE r.oid IN (SELECT indexrelid FROM pg_index
+                               WHERE indrelid IN (c.oid, c.reltoastrelid))
+                  OR r.oid = c.reltoastrelid) AS others,
+              (SELECT NOT option_value::boolean FROM pg_options_to_table(c.reloptions)
+               WHERE option_name = 'autovacuum_enabled') AS off
+       FROM pg_class c WHERE c.oid = l.leaf) z ON true
      LEFT JOIN LATERAL (SELECT (ceil((sum(st.avg_width) + 24) / 8.0) * 8 + 4)::bigint AS bytes
                         FROM pg_stats st
                         WHERE st.schemaname = s.schemaname AND st.tablename = s.relname
@@ -404,7 +415,9 @@ pub(crate) const HEALTH_SLOTS: &str = "SELECT name, xmin_age, wal_bytes, kind, a
            UNION ALL
            SELECT application_name, age(backend_xmin)::bigint, 0, 'feedback', true, pid, NULL
            FROM pg_stat_replication
-           WHERE backend_xmin IS NOT NULL) AS holders
+           WHERE backend_xmin IS NOT NULL
+             AND pid NOT IN (SELECT active_pid FROM pg_replication_slots
+                             WHERE active_pid IS NOT NULL)) AS holders
      ORDER BY xmin_age DESC NULLS LAST, restart_lsn";
 
 /// How many rows of each part of the backlog `stats` reads: past that, it estimates. Reading
@@ -1004,7 +1017,8 @@ impl Statements {
                  INSERT INTO {relays}
                    (relay, client_addr, pid, started_at, publisher, down_since, published,
                     upkeep_error, claimed_at, poll_interval)
-                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6, $7, $8,
+                 VALUES ($1, host(inet_client_addr()), $2, $3, $4, $5, $6, $7,
+                         now() - $8::bigint * interval '1 microsecond',
                          $9::bigint * interval '1 microsecond')
                  ON CONFLICT (relay) DO UPDATE SET
                    seen_at = now(), publisher = excluded.publisher,

@@ -334,9 +334,12 @@ fn work(shared: &Shared, worker: &mut Worker) {
         };
         // After the cycle, never between a wake-up and its claim: the report must not delay
         // a notified row.
-        shared
-            .report
-            .write_if_due(worker, sql, &shared.health, &shared.published);
+        shared.report.write_if_due(
+            worker,
+            sql,
+            &shared.health,
+            (&shared.published, &shared.holding),
+        );
         // A pause or a wait for the publisher's destination is sat out whole: wake-ups
         // (other workers', producers' notifications) must not hurry a worker back to a
         // database or a broker that is in trouble.
@@ -383,7 +386,7 @@ fn work(shared: &Shared, worker: &mut Worker) {
                             }
                             shared
                                 .report
-                                .write_if_due(worker, sql, &shared.health, &shared.published);
+                                .write_if_due(worker, sql, &shared.health, (&shared.published, &shared.holding));
                         },
                     }
                 }

@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use postgres::error::SqlState;
 
@@ -21,8 +21,11 @@ pub(crate) struct Report {
     relay: String,
     started: SystemTime,
     poll_interval: Duration,
-    /// When a worker's claim last came back, in microseconds since the Unix epoch; 0 before
-    /// the first.
+    /// What `claimed` counts from.
+    base: Instant,
+    /// When a worker's claim last came back, in microseconds after `base`, plus one; 0
+    /// before the first. By this clock alone: the report gives the claim's age, which the
+    /// database subtracts from its own `now()` (the relay's host's clock may be off).
     claimed: AtomicU64,
     /// When the report was last written, and the publisher's state it gave.
     last: Mutex<Option<(Instant, &'static str)>>,
@@ -40,6 +43,7 @@ impl Report {
             relay,
             started: SystemTime::now(),
             poll_interval,
+            base: Instant::now(),
             claimed: AtomicU64::new(0),
             last: Mutex::new(None),
             workers: AtomicUsize::new(0),
@@ -50,11 +54,22 @@ impl Report {
 
     /// A worker's claim came back, taking rows or not.
     pub(crate) fn claimed(&self) {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        let micros = u64::try_from(now.as_micros()).unwrap_or(u64::MAX);
-        self.claimed.fetch_max(micros, Ordering::SeqCst);
+        let micros = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
+        self.claimed.fetch_max(micros + 1, Ordering::SeqCst);
+    }
+
+    /// How long ago a claim came back, in microseconds: none while a worker holds claimed
+    /// rows (it publishes them: a long cycle is work, not a relay that stopped claiming).
+    fn claim_age(&self, holding: &AtomicU64) -> Option<i64> {
+        if holding.load(Ordering::SeqCst) > 0 {
+            return Some(0);
+        }
+        let claimed = self.claimed.load(Ordering::SeqCst).checked_sub(1)?;
+        let since = self
+            .base
+            .elapsed()
+            .saturating_sub(Duration::from_micros(claimed));
+        Some(i64::try_from(since.as_micros()).unwrap_or(i64::MAX))
     }
 
     pub(crate) fn worker_started(&self) {
@@ -78,7 +93,7 @@ impl Report {
         worker: &mut Worker,
         sql: &Statements,
         health: &Health,
-        published: &AtomicU64,
+        (published, holding): (&AtomicU64, &AtomicU64),
     ) {
         if worker.in_database_trouble() {
             return;
@@ -102,10 +117,7 @@ impl Report {
         // First, so that the report says how it went.
         let upkeep_error = self.maintain_partitions(worker, sql);
         let published = i64::try_from(published.load(Ordering::SeqCst)).unwrap_or(i64::MAX);
-        let claimed_at = match self.claimed.load(Ordering::SeqCst) {
-            0 => None,
-            micros => Some(UNIX_EPOCH + Duration::from_micros(micros)),
-        };
+        let claim_age = self.claim_age(holding);
         let poll_interval = i64::try_from(self.poll_interval.as_micros()).unwrap_or(i64::MAX);
         let row: Vec<Param> = vec![
             Box::new(self.relay.clone()),
@@ -115,7 +127,7 @@ impl Report {
             Box::new(down_since),
             Box::new(published),
             Box::new(upkeep_error),
-            Box::new(claimed_at),
+            Box::new(claim_age),
             Box::new(poll_interval),
         ];
         match worker.execute(&sql.report_relay, row) {
