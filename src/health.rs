@@ -523,12 +523,24 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
     };
     for table in [&health.outbox_table, &health.inbox_table] {
         let (name, dead) = (&table.table, table.dead_tuples);
-        if dead > limits.dead_tuples && dead as f64 > limits.dead_ratio * table.live_tuples as f64 {
-            let vacuumed = table
-                .since_vacuum
-                .map_or("never vacuumed".to_owned(), |age| {
-                    format!("last vacuumed {} ago", whole(age))
-                });
+        // Rows past the dead tuples' figures: dead ones, or changed since an analyze.
+        let many = |rows: u64| {
+            rows > limits.dead_tuples && rows as f64 > limits.dead_ratio * table.live_tuples as f64
+        };
+        // Not for `age`: a table never vacuumed (or analyzed) with autovacuum on is one
+        // autovacuum has yet to reach (it comes at a share of the table, as the figures
+        // above); one done lately with autovacuum off is done by hand.
+        let overdue = |since: Option<Duration>, age: Duration| match since {
+            Some(since) => since >= age,
+            None => !table.autovacuum,
+        };
+        let last = |since: Option<Duration>, done: &str| {
+            since.map_or(format!("never {done}"), |age| {
+                format!("last {done} {} ago", whole(age))
+            })
+        };
+        let vacuumed = last(table.since_vacuum, "vacuumed");
+        if many(dead) {
             finding(
                 Check::DeadTuples,
                 format!(
@@ -541,22 +553,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 ),
             );
         }
-        // Past the same figures as the dead tuples' finding: autovacuum comes at a share of
-        // the table too. A table never vacuumed, with autovacuum on, is one autovacuum has
-        // yet to reach; one vacuumed lately, with it off, is vacuumed by hand.
-        let unvisited = match table.since_vacuum {
-            Some(age) => age >= limits.vacuum_age,
-            None => !table.autovacuum,
-        };
-        if dead > limits.dead_tuples
-            && dead as f64 > limits.dead_ratio * table.live_tuples as f64
-            && unvisited
-        {
-            let last = table
-                .since_vacuum
-                .map_or("never vacuumed".to_owned(), |age| {
-                    format!("last vacuumed {} ago", whole(age))
-                });
+        if many(dead) && overdue(table.since_vacuum, limits.vacuum_age) {
             let (why, remedy) = if table.autovacuum {
                 (
                     "autovacuum has not come",
@@ -578,28 +575,17 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             };
             finding(
                 Check::Vacuum,
-                format!("{name} holds {dead} dead tuples and {why} ({last})"),
+                format!("{name} holds {dead} dead tuples and {why} ({vacuumed})"),
                 remedy,
             );
         }
         let changed = table.changed_since_analyze;
-        let stale = match table.since_analyze {
-            Some(age) => age >= limits.analyze_age,
-            None => !table.autovacuum,
-        };
-        if changed > limits.dead_tuples
-            && changed as f64 > limits.dead_ratio * table.live_tuples as f64
-            && stale
-        {
-            let last = table
-                .since_analyze
-                .map_or("never analyzed".to_owned(), |age| {
-                    format!("last analyzed {} ago", whole(age))
-                });
+        if many(changed) && overdue(table.since_analyze, limits.analyze_age) {
+            let analyzed = last(table.since_analyze, "analyzed");
             finding(
                 Check::Analyze,
                 format!(
-                    "{name} has {changed} rows changed since its statistics were taken ({last}): \
+                    "{name} has {changed} rows changed since its statistics were taken ({analyzed}): \
                      its statements are planned on figures that no longer hold"
                 ),
                 format!(

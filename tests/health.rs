@@ -35,6 +35,16 @@ fn migrated(node: &PgNode, table: &str) -> (Outbox, Client) {
     (outbox, client)
 }
 
+/// The table an uncut outbox's rows go to: on a partitioned run, its first partition, whose
+/// figures the table's add up.
+fn rows_in(outbox: &Outbox) -> String {
+    if common::partitioned() {
+        common::quoted_with(outbox, "_p0")
+    } else {
+        quoted(outbox)
+    }
+}
+
 fn enqueue(client: &mut Client, outbox: &Outbox, key: &str) {
     let mut tx = client.transaction().expect("begin");
     outbox
@@ -238,13 +248,8 @@ fn a_standby_holding_an_xmin_is_found_with_its_walsender_with_a_slot_or_without(
 fn dead_tuples_are_found_once_the_statistics_show_them() {
     let (outbox, mut client) = common::outbox_uncut("bloated");
     let t = quoted(&outbox);
-    // Autovacuum must not clean up before the check looks: on a partitioned table, in the
-    // partition the rows go to, whose figures the table's add up.
-    let rows_in = if common::partitioned() {
-        common::quoted_with(&outbox, "_p0")
-    } else {
-        t.clone()
-    };
+    // Autovacuum must not clean up before the check looks.
+    let rows_in = rows_in(&outbox);
     client
         .batch_execute(&format!(
             "ALTER TABLE {rows_in} SET (autovacuum_enabled = false);
@@ -310,11 +315,7 @@ fn dead_tuples_are_found_once_the_statistics_show_them() {
 fn a_heap_left_empty_and_statistics_long_untaken_are_found() {
     let (outbox, mut client) = common::outbox_uncut("emptied");
     let t = quoted(&outbox);
-    let rows_in = if common::partitioned() {
-        common::quoted_with(&outbox, "_p0")
-    } else {
-        t.clone()
-    };
+    let rows_in = rows_in(&outbox);
     // 5,000 rows of 1,000 bytes, all but the last deleted: vacuum frees their space for new
     // rows, but cannot give the file back past the last one.
     client
