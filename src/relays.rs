@@ -63,10 +63,11 @@ pub struct RelayReport {
     /// it, say; see the README's "Roles and grants"): the server's SQLSTATE in brackets,
     /// then the error's text; none once one works.
     pub upkeep_error: Option<String>,
-    /// How long ago its workers last had a claim answered, taking rows or not, as of its
-    /// last report (a claim since is not counted), by the relay's own clock; zero if a
-    /// worker held claimed rows then (a long cycle is work). `None` before its first claim,
-    /// or from a relay older than migration 22. An idle relay claims once per poll interval.
+    /// How long ago its workers last had a claim answered, taking rows or not, as its last
+    /// report tells (a claim after that report shows at the next one); the report's part
+    /// by the relay's own clock, zero if a worker held claimed rows then (a long cycle is
+    /// work). `None` before its first claim, or from a relay older than migration 22. An
+    /// idle relay claims once per poll interval.
     pub since_claim: Option<Duration>,
     /// Its poll interval; `None` from a relay older than migration 22.
     pub poll_interval: Option<Duration>,

@@ -58,7 +58,7 @@ impl Report {
         self.claimed.fetch_max(micros + 1, Ordering::SeqCst);
     }
 
-    /// How long ago a claim came back, in microseconds: none while a worker holds claimed
+    /// How long ago a claim came back, in microseconds: zero while a worker holds claimed
     /// rows (it publishes them: a long cycle is work, not a relay that stopped claiming).
     fn claim_age(&self, holding: &AtomicU64) -> Option<i64> {
         if holding.load(Ordering::SeqCst) > 0 {
