@@ -18,7 +18,7 @@
 //! | `outbox_dead_tuples`, `outbox_live_tuples`, `outbox_changed_since_analyze`, `outbox_autovacuum` (1 or 0), `outbox_heap_bytes`, `outbox_total_bytes` | gauge | `table`, `relation` (`outbox`, `inbox`) | from [`OutboxMetrics::record_health`] |
 //! | `outbox_since_vacuum_seconds`, `outbox_since_analyze_seconds`, `outbox_unused_heap_bytes` | gauge | `table`, `relation` | from [`OutboxMetrics::record_health`]; not set while never vacuumed, never analyzed, or (the estimate of the heap's bytes holding no live row) never measured |
 //! | `outbox_oldest_transaction_age_seconds`, `outbox_oldest_prepared_transaction_age_seconds`, `outbox_oldest_due_age_seconds` | gauge | `table` | from [`OutboxMetrics::record_health`], 0 when none |
-//! | `outbox_oldest_slot_xmin_age` | gauge | `table` | from [`OutboxMetrics::record_health`]: the age, in transactions, of the oldest xmin a replication slot holds, 0 when none |
+//! | `outbox_oldest_slot_xmin_age` | gauge | `table` | from [`OutboxMetrics::record_health`]: the age, in transactions, of the oldest xmin a replication slot or a standby feeding back without one holds, 0 when none |
 //! | `outbox_inactive_slots_wal_bytes`, `outbox_relays`, `outbox_relays_publisher_down`, `outbox_relays_upkeep_failing`, `outbox_health_findings` | gauge | `table` | from [`OutboxMetrics::record_health`] |
 //! | `outbox_partitions`, `outbox_partitions_ahead`, `outbox_partitions_unsettled` | gauge | `table` | from [`OutboxMetrics::record_health`]: a partitioned outbox's partitions, those ready ahead of the open one, and the closed ones not settled (not set for a plain table) |
 //! | `outbox_consumer_handled_total` | counter | `queue`, `consumer` | deliveries committed |

@@ -186,7 +186,8 @@ pub struct TableHealth {
     pub total_bytes: u64,
     /// An estimate of the heap's bytes that hold no live row (dead row versions, and the
     /// space vacuum freed but keeps): the heap less its rows at the width the last analyze
-    /// measured. `None` until an analyze has measured it.
+    /// measured. `None` until an analyze has measured every column, or where the role may
+    /// not read them all (the width of some would make the rows narrower than they are).
     pub unused_heap_bytes: Option<u64>,
 }
 

@@ -340,9 +340,11 @@ const FILTER: &str = "t.status = ANY($5::text[])
 /// since the last analyze, whether autovacuum may visit, and sizes of the relations named in
 /// `$1` and `$2`: the heap, the whole (its indexes and TOAST with it), and the heap's bytes
 /// that hold no live row, estimated as the heap less its rows at the width the planner's
-/// statistics give them (a row's header and line pointer with it, aligned), NULL where no
-/// analyze has measured the width. Sizes and rows are the catalog's, as the last vacuum or
-/// analyze left them: reading the files' sizes would lock each relation, and wait behind a
+/// statistics give them (a row's header and line pointer with it, aligned), NULL unless an
+/// analyze measured every column and the role may read them all (a sum over fewer would
+/// make the rows narrower than they are). Sizes and rows are the catalog's, as the last
+/// vacuum or analyze left them, and the partitions are found in `pg_inherits`: reading the
+/// files' sizes, or `pg_partition_tree`, would lock each relation, and wait behind a
 /// `VACUUM FULL` or a partition's drop.
 /// A partitioned table's figures are its partitions', summed; its last vacuum and analyze
 /// the most recent of any; autovacuum off for it when off for any partition.
@@ -359,9 +361,11 @@ pub(crate) const HEALTH_TABLES: &str =
                       THEN greatest(z.heap * current_setting('block_size')::int
                                     - z.rows * w.bytes, 0) END))::bigint
      FROM (VALUES (1, $1, to_regclass($1)), (2, $2, to_regclass($2))) AS v(n, name, rel)
-     LEFT JOIN LATERAL (SELECT v.rel AS leaf
-                        UNION ALL
-                        SELECT relid FROM pg_partition_tree(v.rel) WHERE isleaf) l ON true
+     LEFT JOIN LATERAL (WITH RECURSIVE tree(leaf) AS (
+                          SELECT v.rel
+                          UNION ALL
+                          SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.leaf)
+                        SELECT leaf FROM tree) l ON true
      LEFT JOIN pg_stat_user_tables s ON s.relid = l.leaf
      LEFT JOIN LATERAL (
        SELECT greatest(c.relpages, 0)::numeric AS heap, greatest(c.reltuples, 0) AS rows,
@@ -373,10 +377,15 @@ pub(crate) const HEALTH_TABLES: &str =
               (SELECT NOT option_value::boolean FROM pg_options_to_table(c.reloptions)
                WHERE option_name = 'autovacuum_enabled') AS off
        FROM pg_class c WHERE c.oid = l.leaf) z ON true
-     LEFT JOIN LATERAL (SELECT (ceil((sum(st.avg_width) + 24) / 8.0) * 8 + 4)::bigint AS bytes
-                        FROM pg_stats st
-                        WHERE st.schemaname = s.schemaname AND st.tablename = s.relname
-                          AND NOT st.inherited) w ON true
+     LEFT JOIN LATERAL (
+       SELECT CASE WHEN count(*) = (SELECT count(*) FROM pg_attribute a
+                                    WHERE a.attrelid = l.leaf AND a.attnum > 0
+                                      AND NOT a.attisdropped)
+                   THEN (ceil((sum(st.avg_width * (1 - st.null_frac)) + 24) / 8.0) * 8
+                         + 4)::bigint END AS bytes
+       FROM pg_stats st
+       WHERE st.schemaname = s.schemaname AND st.tablename = s.relname
+         AND NOT st.inherited) w ON true
      GROUP BY v.n, v.rel, v.name
      ORDER BY v.n";
 
@@ -413,7 +422,8 @@ pub(crate) const HEALTH_SLOTS: &str = "SELECT name, xmin_age, wal_bytes, kind, a
                   slot_type AS kind, active, active_pid AS pid, restart_lsn
            FROM pg_replication_slots
            UNION ALL
-           SELECT application_name, age(backend_xmin)::bigint, 0, 'feedback', true, pid, NULL
+           SELECT coalesce(nullif(application_name, ''), 'pid ' || pid),
+                  age(backend_xmin)::bigint, 0, 'feedback', true, pid, NULL
            FROM pg_stat_replication
            WHERE backend_xmin IS NOT NULL
              AND pid NOT IN (SELECT active_pid FROM pg_replication_slots

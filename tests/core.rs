@@ -199,10 +199,12 @@ fn a_run_that_cuts_partitions_cuts_them() -> TestResult {
     if !common::cuts() {
         return Ok(());
     }
-    let (outbox, mut client) = common::outbox("cut");
+    // Cut from when the first row is in.
+    let (outbox, mut client) = common::outbox_uncut("cut");
     let mut tx = client.transaction()?;
     outbox.enqueue(&mut tx, Message::new("t", "before"))?;
     tx.commit()?;
+    common::cut_often(&outbox);
     let before: i64 = client
         .query_one(&format!("SELECT max(id) FROM {}", quoted(&outbox)), &[])?
         .get(0);

@@ -393,7 +393,7 @@ pub fn cuts() -> bool {
 const CUTS: u32 = 5;
 
 /// Registers `outbox` with this process's cutter, started on first use.
-fn cut_often(outbox: &Outbox) {
+pub fn cut_often(outbox: &Outbox) {
     static TABLES: OnceLock<Mutex<Vec<(String, u32)>>> = OnceLock::new();
     let mut started = false;
     let tables = TABLES.get_or_init(|| {

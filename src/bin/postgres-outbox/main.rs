@@ -793,8 +793,7 @@ fn doctor(
     println!("oldest due row: {}", human(health.oldest_due_age));
     for r in &health.relays {
         println!(
-            "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago, last claimed \
-             {} ago",
+            "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago{}",
             r.relay,
             r.pid,
             r.client_addr
@@ -803,7 +802,10 @@ fn doctor(
             r.publisher.name(),
             r.published,
             human(Some(r.last_seen)),
-            human(r.since_claim)
+            r.since_claim.map_or(String::new(), |since| format!(
+                ", last claimed {} ago",
+                human(Some(since))
+            ))
         );
         if let Some(error) = &r.upkeep_error {
             println!("  its upkeep of the partitions fails: {error}");
