@@ -240,8 +240,10 @@ const FEATURES: &[Feature] = &[
         ],
     },
     Feature {
+        // From 11 on too, what a partitioned outbox needs: a primary key and ON CONFLICT
+        // DO NOTHING on a partitioned table; those have no pattern of their own.
         name: "declarative partitioning (PARTITION BY RANGE, ATTACH PARTITION)",
-        since: Version(10, 0),
+        since: Version(11, 0),
         patterns: &["PARTITION BY RANGE", "ATTACH PARTITION"],
     },
     Feature {
@@ -266,13 +268,6 @@ const FEATURES: &[Feature] = &[
         name: "WITH ... AS MATERIALIZED",
         since: Version(12, 0),
         patterns: &["AS MATERIALIZED ("],
-    },
-    Feature {
-        // Also from 11 on, what a partitioned outbox needs: a primary key and ON CONFLICT
-        // DO NOTHING on a partitioned table; those have no pattern of their own.
-        name: "pg_partition_tree()",
-        since: Version(12, 0),
-        patterns: &["pg_partition_tree("],
     },
     Feature {
         // What makes 13 the minimum: txid_current() is what came before.
