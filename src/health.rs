@@ -586,8 +586,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             finding(
                 Check::Analyze,
                 format!(
-                    "{name} has {changed} rows changed since its statistics were taken ({analyzed}): \
-                     its statements are planned on figures that no longer hold"
+                    "{name} has {changed} rows changed since its statistics were taken \
+                     ({analyzed}): its statements are planned on figures that no longer hold"
                 ),
                 format!(
                     "run ANALYZE {name}; {}",
@@ -673,7 +673,8 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     slot.kind, slot.wal_bytes
                 ),
                 format!(
-                    "start its consumer again, or drop it: SELECT pg_drop_replication_slot('{name}')"
+                    "start its consumer again, or drop it: SELECT \
+                     pg_drop_replication_slot('{name}')"
                 ),
             );
         }
@@ -703,7 +704,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             );
         }
     }
-    if let Some(age) = health.oldest_due_age {
+    if let Some(age) = health.oldest_due_age.filter(|&age| age >= limits.due_age) {
         // The relay that claimed last, if any claims at all.
         let claiming = health
             .relays
@@ -711,7 +712,6 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
             .filter(|r| r.is_claiming())
             .min_by_key(|r| r.since_claim);
         match claiming {
-            _ if age < limits.due_age => {}
             Some(relay) => finding(
                 Check::Due,
                 format!(

@@ -555,6 +555,42 @@ fn a_row_due_while_the_relays_claim_is_found_as_relays_that_do_not_keep_up() {
 }
 
 #[test]
+fn a_row_due_while_the_relays_report_no_recent_claim_says_so() {
+    let (outbox, mut client) = common::outbox("unclaiming");
+    enqueue(&mut client, &outbox, "waiting");
+    // A relay reporting now whose last claim was an hour ago, and one older than migration
+    // 22, which gives none. (Written by hand: a relay of this version that reports also
+    // claims, or has its publisher down.)
+    let relays = common::quoted_with(&outbox, "_relays");
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {relays} (relay, pid, started_at, publisher, claimed_at, poll_interval)
+             VALUES ('stuck', 4242, now() - interval '2 hours', 'up', now() - interval '1 hour',
+                     interval '2 seconds'),
+                    ('old', 4343, now() - interval '2 hours', 'up', NULL, NULL)"
+        ))
+        .unwrap();
+    let reports = outbox.relays(&mut client).unwrap();
+    assert!(reports.iter().all(|r| r.is_reporting() && !r.is_claiming()));
+    let limits = HealthThresholds::default().due_age(Duration::from_millis(1));
+    let mut health = None;
+    wait_until("the row has been due past the threshold", || {
+        let now = outbox.health_with(&mut client, &limits).unwrap();
+        let due = checks(&now).contains(&Check::Due);
+        health = Some(now);
+        due
+    });
+    let problem = &health.unwrap().findings[0].problem;
+    assert!(
+        problem.ends_with(
+            "that no relay claimed (2 reporting, none a claim within its poll interval, or a \
+             relay older than migration 22, which does not report its claims)"
+        ),
+        "{problem}"
+    );
+}
+
+#[test]
 fn reports_that_stopped_coming_are_found() {
     let (outbox, mut client) = common::outbox("gone");
     // What a relay killed by SIGKILL leaves behind: its last report, growing old. (Aged by

@@ -334,12 +334,7 @@ fn work(shared: &Shared, worker: &mut Worker) {
         };
         // After the cycle, never between a wake-up and its claim: the report must not delay
         // a notified row.
-        shared.report.write_if_due(
-            worker,
-            sql,
-            &shared.health,
-            (&shared.published, &shared.holding),
-        );
+        shared.report_if_due(worker, sql);
         // A pause or a wait for the publisher's destination is sat out whole: wake-ups
         // (other workers', producers' notifications) must not hurry a worker back to a
         // database or a broker that is in trouble.
@@ -384,9 +379,7 @@ fn work(shared: &Shared, worker: &mut Worker) {
                             if Instant::now() >= poll_at {
                                 break;
                             }
-                            shared
-                                .report
-                                .write_if_due(worker, sql, &shared.health, (&shared.published, &shared.holding));
+                            shared.report_if_due(worker, sql);
                         },
                     }
                 }

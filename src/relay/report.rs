@@ -93,7 +93,8 @@ impl Report {
         worker: &mut Worker,
         sql: &Statements,
         health: &Health,
-        (published, holding): (&AtomicU64, &AtomicU64),
+        published: &AtomicU64,
+        holding: &AtomicU64,
     ) {
         if worker.in_database_trouble() {
             return;

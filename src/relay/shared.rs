@@ -11,9 +11,10 @@ use super::config::RelayConfig;
 use super::health::{Access, Health};
 use super::report::Report;
 use super::waiting::Waiting;
-use super::worker::Control;
+use super::worker::{Control, Worker};
 use crate::error::Error;
 use crate::lifecycle::StopSignal;
+use crate::sql::Statements;
 
 /// Why an idle worker was woken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +84,13 @@ impl Shared {
 
     pub(super) fn take_fatal(&self) -> Option<Error> {
         self.fatal.lock().ok().and_then(|mut slot| slot.take())
+    }
+
+    /// Writes the relay's report on `worker`'s connection if it is due (see
+    /// [`Report::write_if_due`]).
+    pub(super) fn report_if_due(&self, worker: &mut Worker, sql: &Statements) {
+        self.report
+            .write_if_due(worker, sql, &self.health, &self.published, &self.holding);
     }
 
     /// Wakes one idle worker (if none is idle, a busy one claims again anyway).
