@@ -2024,6 +2024,7 @@ mod tests {
                 0xfa4e242d32f24a76,
             ),
             ("0020_ids_drawn", 0x71b4d8477558c75d, 0x5c9c9a580a7d8d75),
+            ("0022_relay_claims", 0x710092ef8d69c611, 0x36c669b3f27c9d9c),
         ];
         let fnv = |text: &str| {
             text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
