@@ -136,6 +136,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0022_relay_claims",
         template: include_str!("../sql/0022_relay_claims.sql"),
     },
+    Migration {
+        version: 23,
+        name: "0023_writes_without_checks",
+        template: include_str!("../sql/0023_writes_without_checks.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see

@@ -1930,3 +1930,85 @@ fn the_upkeep_calls_no_function_put_in_its_way() {
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .unwrap();
 }
+
+/// The CHECK constraints on the outbox table and its partitions, as `table: definition`.
+fn checks(client: &mut Client, outbox: &Outbox) -> Vec<String> {
+    client
+        .query(
+            "SELECT conrelid::regclass::text || ': ' || pg_get_constraintdef(oid)
+             FROM pg_constraint
+             WHERE contype = 'c'
+               AND conrelid IN (SELECT $1::text::regclass
+                                UNION ALL
+                                SELECT inhrelid FROM pg_inherits
+                                WHERE inhparent = $1::text::regclass)
+             ORDER BY 1",
+            &[&common::quoted(outbox)],
+        )
+        .expect("the table's checks")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+#[test]
+fn migration_23_leaves_rows_without_checks_on_tables_and_partitions_made_before_it() {
+    let (outbox, mut client) = partitioned("part_checks");
+    let plain = Outbox::new(&unique_name("part_checks_plain")).unwrap();
+    plain.migrate(&mut client).unwrap();
+    cut(&mut client, &outbox);
+    assert_eq!(checks(&mut client, &outbox), Vec::<String>::new());
+    assert_eq!(checks(&mut client, &plain), Vec::<String>::new());
+
+    // The checks as migrations 1, 5 and 12 left them: on a partitioned table, a copy of the
+    // table's own on each partition (made by LIKE, then attached) and each partition's id
+    // range. And one of the application's, which is not the crate's to drop.
+    let ours = "CHECK (status IN ('pending', 'sent', 'dead', 'parked')) NOT VALID,
+                ADD CONSTRAINT max_attempts_check CHECK (max_attempts >= 1)";
+    for n in partitions(&mut client, &outbox) {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {} ADD CONSTRAINT status {ours},
+                     ADD CONSTRAINT ids CHECK (id >= {n} * 1099511627776
+                                               AND id < ({n} + 1) * 1099511627776)",
+                quoted_with(&outbox, &format!("_p{n}"))
+            ))
+            .unwrap();
+    }
+    for table in [&outbox, &plain] {
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {} ADD CONSTRAINT status {ours},
+                     ADD CONSTRAINT short_topics CHECK (length(topic) < 1000);
+                 DELETE FROM {} WHERE version = 23",
+                common::quoted(table),
+                quoted_with(table, "_migrations")
+            ))
+            .unwrap();
+    }
+    let tables = 1 + partitions(&mut client, &outbox).len();
+    // Three on the table, four on each partition.
+    assert_eq!(checks(&mut client, &outbox).len(), 3 + 4 * (tables - 1));
+    assert_eq!(checks(&mut client, &plain).len(), 3);
+
+    for table in [&outbox, &plain] {
+        table.migrate(&mut client).unwrap();
+    }
+    let left = checks(&mut client, &outbox);
+    assert_eq!(left.len(), tables, "{left:?}");
+    assert!(
+        left.iter()
+            .all(|check| check.ends_with(": CHECK ((length(topic) < 1000))")),
+        "{left:?}"
+    );
+    assert_eq!(
+        checks(&mut client, &plain),
+        [format!(
+            "{}: CHECK ((length(topic) < 1000))",
+            common::quoted(&plain).replace('"', "")
+        )]
+    );
+    // A partition made since has none of them either.
+    cut(&mut client, &outbox);
+    assert_eq!(checks(&mut client, &outbox).len(), tables + 1);
+}
