@@ -39,10 +39,12 @@
 //! - `enqueue-parts`: where an enqueue's cost goes, on one connection, in microseconds per
 //!   transaction over an empty one: the hand-written prepared INSERT (`raw_us`), our
 //!   `enqueue` (`enqueue_us`), the same function call prepared (`call_prepared_us`), and our
-//!   row by a prepared INSERT without the function (`insert_prepared_us`), and that INSERT
-//!   sent as text every time (`insert_sent_us`); its commits do not wait for the WAL flush
-//!   (`synchronous_commit = off` on its connection), so the parts are server and client
-//!   work, not the disk's time, which moves more than they do between turns;
+//!   row by a prepared INSERT without the function (`insert_prepared_us`: the row the
+//!   function writes for the crate's own key, marked its head, with no lock and no look
+//!   for earlier messages of its aggregate), and that INSERT sent as text every time
+//!   (`insert_sent_us`); its commits do not wait for the WAL flush (`synchronous_commit =
+//!   off` on its connection), so the parts are server and client work, not the disk's
+//!   time, which moves more than they do between turns;
 //! - `wake`: an idle relay (polling once an hour) woken by enqueues' notifications: the
 //!   median, 90th percentile and maximum time from commit to the publisher, in ms;
 //! - `rss`: `Relay` with default settings draining rows of 1 MiB payloads into a no-op
@@ -827,17 +829,20 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
         &format!("SELECT {function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"),
         &types,
     )?;
+    // The row the function writes for the crate's own key, as its head, with no lock and no
+    // look for earlier messages of its aggregate.
     let insert_sql = format!(
         "INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers, \
-                              available_at, max_attempts) \
-         VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now() + $8 * interval '1 microsecond'), $9) \
-         ON CONFLICT (key) DO NOTHING"
+                              available_at, max_attempts, park, head) \
+         VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, now() + $8 * interval '1 microsecond'), $9, \
+                 $10, true)"
     );
-    let insert = client.prepare_typed(&insert_sql, &types[..9])?;
+    let insert = client.prepare_typed(&insert_sql, &types[..10])?;
     let payload = payload();
     let no_headers: Vec<String> = Vec::new();
     let no_time: Option<std::time::SystemTime> = None;
     let no_limit: Option<i32> = None;
+    let no_park: Option<bool> = None;
     let variants = [
         "empty",
         "raw",
@@ -867,7 +872,7 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
                     &no_time,
                     &0i64,
                     &no_limit,
-                    &false,
+                    &no_park,
                     &false,
                     &true,
                 ];
@@ -896,10 +901,10 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
                         tx.query_one(&call, &ours)?;
                     }
                     "insert_prepared" => {
-                        tx.execute(&insert, &ours[..9])?;
+                        tx.execute(&insert, &ours[..10])?;
                     }
                     "insert_sent" => {
-                        let typed: Vec<_> = ours[..9].iter().copied().zip(types.clone()).collect();
+                        let typed: Vec<_> = ours[..10].iter().copied().zip(types.clone()).collect();
                         tx.execute_typed(&insert_sql, &typed)?;
                     }
                     _ => {}

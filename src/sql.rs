@@ -1955,7 +1955,7 @@ mod tests {
                 .iter()
                 .map(|migration| migration.template.matches(&width).count())
                 .sum::<usize>(),
-            4
+            5
         );
     }
 

@@ -823,8 +823,14 @@ fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then(
         client.execute(&version_12_upkeep, &[&cut]).unwrap();
     }
 
-    outbox.migrate(&mut client).unwrap();
+    // Migrations 13 to 22 while the late producer still writes, as `migrate` ran them
+    // before migration 23, which locks the table and so waits for the producer to end.
+    let (up_to_22, _) = rest
+        .split_once("-- 0023_writes_without_checks")
+        .expect("the script lists migration 23");
+    client.batch_execute(up_to_22).unwrap();
     settles_once_the_late_row_is_sent(&mut client, &outbox, late, &key);
+    outbox.migrate(&mut client).unwrap();
 }
 
 /// Whether `key`'s row was marked its aggregate's head at enqueue.
@@ -1961,54 +1967,69 @@ fn migration_23_leaves_rows_without_checks_on_tables_and_partitions_made_before_
     assert_eq!(checks(&mut client, &plain), Vec::<String>::new());
 
     // The checks as migrations 1, 5 and 12 left them: on a partitioned table, a copy of the
-    // table's own on each partition (made by LIKE, then attached) and each partition's id
-    // range. And one of the application's, which is not the crate's to drop.
-    let ours = "CHECK (status IN ('pending', 'sent', 'dead', 'parked')) NOT VALID,
-                ADD CONSTRAINT max_attempts_check CHECK (max_attempts >= 1)";
+    // table's own on each partition (made by LIKE, which copies the status check as valid,
+    // then attached) and each partition's id range. And the application's own, which are
+    // not the crate's to drop: on the plain table one is named as a partition's range.
+    let status = "CHECK (status IN ('pending', 'sent', 'dead', 'parked'))";
+    let budget = "ADD CONSTRAINT max_attempts_check CHECK (max_attempts >= 1)";
     for n in partitions(&mut client, &outbox) {
         client
             .batch_execute(&format!(
-                "ALTER TABLE {} ADD CONSTRAINT status {ours},
+                "ALTER TABLE {} ADD CONSTRAINT status {status}, {budget},
                      ADD CONSTRAINT ids CHECK (id >= {n} * 1099511627776
                                                AND id < ({n} + 1) * 1099511627776)",
                 quoted_with(&outbox, &format!("_p{n}"))
             ))
             .unwrap();
     }
-    for table in [&outbox, &plain] {
+    // A plain table's status check is migration 5's, NOT VALID; a table made partitioned
+    // copied it by LIKE, valid.
+    for (table, valid, theirs) in [
+        (&outbox, "", ""),
+        (&plain, "NOT VALID", ", ADD CONSTRAINT ids CHECK (id > 0)"),
+    ] {
         client
             .batch_execute(&format!(
-                "ALTER TABLE {} ADD CONSTRAINT status {ours},
-                     ADD CONSTRAINT short_topics CHECK (length(topic) < 1000);
+                "ALTER TABLE {} ADD CONSTRAINT status {status} {valid}, {budget},
+                     ADD CONSTRAINT short_topics CHECK (length(topic) < 1000){theirs};
                  DELETE FROM {} WHERE version = 23",
                 common::quoted(table),
                 quoted_with(table, "_migrations")
             ))
             .unwrap();
     }
+    let maker = |client: &mut Client| -> (bool, Vec<String>) {
+        let row = client
+            .query_one(
+                "SELECT prosecdef, coalesce(proconfig, '{}') FROM pg_proc
+                 WHERE oid = $1::text::regproc",
+                &[&quoted_with(&outbox, "_partition")],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    let rights = maker(&mut client);
+    assert!(rights.0, "{rights:?}");
     let tables = 1 + partitions(&mut client, &outbox).len();
-    // Three on the table, four on each partition.
+    // Three on the table, four on each partition (the table's, inherited, and its range).
     assert_eq!(checks(&mut client, &outbox).len(), 3 + 4 * (tables - 1));
-    assert_eq!(checks(&mut client, &plain).len(), 3);
+    assert_eq!(checks(&mut client, &plain).len(), 4);
 
     for table in [&outbox, &plain] {
         table.migrate(&mut client).unwrap();
     }
+    let theirs = |check: &String| {
+        check.ends_with(": CHECK ((length(topic) < 1000))") || check.ends_with(": CHECK ((id > 0))")
+    };
     let left = checks(&mut client, &outbox);
     assert_eq!(left.len(), tables, "{left:?}");
-    assert!(
-        left.iter()
-            .all(|check| check.ends_with(": CHECK ((length(topic) < 1000))")),
-        "{left:?}"
-    );
-    assert_eq!(
-        checks(&mut client, &plain),
-        [format!(
-            "{}: CHECK ((length(topic) < 1000))",
-            common::quoted(&plain).replace('"', "")
-        )]
-    );
-    // A partition made since has none of them either.
+    assert!(left.iter().all(theirs), "{left:?}");
+    let left = checks(&mut client, &plain);
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left.iter().all(theirs), "{left:?}");
+    // The maker, made again, keeps the owner's rights and its search path.
+    assert_eq!(maker(&mut client), rights);
+    // A partition made since has none of them either: only the application's.
     cut(&mut client, &outbox);
     assert_eq!(checks(&mut client, &outbox).len(), tables + 1);
 }
