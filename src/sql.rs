@@ -157,6 +157,14 @@ const PARTITIONED_ENQUEUE: &str = include_str!("../sql/partitioned_enqueue.sql")
 /// one: what migrations 14, 17, 19 and 21 run.
 const PARTITIONED_ENQUEUE_AGAIN: &str = include_str!("../sql/partitioned_enqueue_again.sql");
 
+/// The search path migration 15 gave an upkeep function that runs with the owner's rights,
+/// given again to `{function}` (its signature) after a migration remakes it: CREATE OR
+/// REPLACE drops a function's settings. Only the table's schema is searched, after
+/// pg_catalog, when the function's body names the table without it (see migration 15).
+/// Migrations 18, 20 and 23 run it, each for the function it remakes; it renders as each
+/// of them shipped its own copy.
+const SEARCH_PATH_AGAIN: &str = include_str!("../sql/search_path_again.sql");
+
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
 /// `n << PARTITION_ID_BITS` (migration 0012, whose functions spell out the width).
 pub(crate) const PARTITION_ID_BITS: u32 = 40;
@@ -1559,6 +1567,18 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("schema_prefix", table.schema_prefix()),
         ("name", table.name().to_owned()),
         (
+            "settle_search_path",
+            search_path_again(table, &table.companion("_settle"), "")?,
+        ),
+        (
+            "ids_drawn_search_path",
+            search_path_again(table, &table.companion("_ids_drawn"), "")?,
+        ),
+        (
+            "partition_search_path",
+            search_path_again(table, &table.companion("_partition"), "boolean")?,
+        ),
+        (
             "partitioned_enqueue_again",
             render(
                 PARTITIONED_ENQUEUE_AGAIN,
@@ -1576,6 +1596,19 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
         .collect::<Result<Vec<String>, RenderError>>()?;
     values.finish()?;
     Ok(rendered)
+}
+
+/// `SEARCH_PATH_AGAIN` for the function `function` of `table`, whose arguments are `args`.
+fn search_path_again(table: &TableName, function: &str, args: &str) -> Result<String, RenderError> {
+    let rendered = render(
+        SEARCH_PATH_AGAIN,
+        &[
+            ("table", &table.quoted()),
+            ("function", &format!("{function}({args})")),
+        ],
+    )?;
+    // The migration's own line ends it.
+    Ok(rendered.trim_end_matches('\n').to_owned())
 }
 
 /// The DDL that makes `table`, created by the migrations and still empty, a partitioned
