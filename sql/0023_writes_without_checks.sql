@@ -3,13 +3,14 @@
 -- PostgreSQL compiles a table's CHECK constraints from the catalog's text again for every
 -- statement that writes a row. On this table that was the status and attempt-budget
 -- checks: about 10 us of server time for each single enqueue in a profile with four
--- producers (a hand-written outbox row has none), paid again by every claim and outcome
--- statement. Neither could ever fail on what the crate writes: a message's attempt budget
--- is refused outside 1..=i32::MAX before any SQL is sent, and every status is a literal of
--- the crate's own statements. So both go, from the table and from each partition, which
--- holds copies of its own (made by LIKE), and so does the id range each partition was
--- given so that attaching it would not read it: once attached, its bounds say the same,
--- and every row routed to it paid for the check again. A check of the application's stays.
+-- producers (a hand-written outbox row has none); every claim and outcome statement, an
+-- UPDATE, compiled them too (once a statement, however many rows). Neither could ever
+-- fail on what the crate writes: a message's attempt budget is refused outside
+-- 1..=i32::MAX before any SQL is sent, and every status is a literal of the crate's own
+-- statements. So both go, from the table and from each partition, which holds copies of
+-- its own (made by LIKE), and so does the id range each partition was given so that
+-- attaching it would not read it: once attached, its bounds say the same, and every row
+-- routed to it paid for the check again. A check of the application's stays.
 DO $do$
 DECLARE
     rel regclass;
