@@ -499,7 +499,8 @@ impl Outbox {
         } else {
             &sql.redrive_where
         };
-        let n = self.update_where(client, &filter, Some(&sql.lock_redriven), redrive)?;
+        let held = Some((sql.lock_redriven.as_str(), sql.redrive_hold.as_str()));
+        let n = self.update_where(client, &filter, held, redrive)?;
         if n > 0 {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
@@ -570,16 +571,20 @@ impl Outbox {
         self.count(client, rows.matching(filter))
     }
 
-    /// Redrive or skip: one statement over the dead letters that match, after `lock` (given
-    /// the same parameters, and returning the aggregates it locked, which the update is
-    /// given as `$6`) in the same transaction, then a wake-up for a waiting relay, as their
-    /// aggregates may move now. READ COMMITTED whatever the session's default: the update's
-    /// snapshot must come after the locks, to see what the aggregates' producers committed.
+    /// Redrive or skip in one transaction, then a wake-up for a waiting relay, as their
+    /// aggregates may move now. A skip is one statement over the parked dead letters that
+    /// match. A redrive (`Some(lock, hold)`) first locks the aggregates of the dead letters
+    /// that match against their producers (`lock` returns them), then touches what the
+    /// redriven rows go ahead of (`hold`, given them as `$6`, returns the aggregates and
+    /// the first redriven id of each), then updates (given those as `$6` and `$7`); see
+    /// `sql::redrive_hold` for why in three statements. READ COMMITTED whatever the
+    /// session's default: each statement's snapshot must come after the one before it, to
+    /// see what the aggregates' producers and claims committed meanwhile.
     fn update_where(
         &self,
         client: &mut Client,
         filter: &Filter,
-        lock: Option<&str>,
+        redrive: Option<(&str, &str)>,
         update: &str,
     ) -> Result<u64> {
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
@@ -588,13 +593,20 @@ impl Outbox {
             .build_transaction()
             .isolation_level(IsolationLevel::ReadCommitted)
             .start()?;
-        let n = match lock {
-            Some(lock) => {
+        let n = match redrive {
+            Some((lock, hold)) => {
                 let locked: Vec<String> = tx
                     .query_one(lock, &params)
                     .map_err(|e| self.db_error(e))?
                     .get(0);
-                tx.execute(update, &[&keys, &topic, &error, &age, &states, &locked])
+                let held = tx
+                    .query_one(hold, &[&keys, &topic, &error, &age, &states, &locked])
+                    .map_err(|e| self.db_error(e))?;
+                let (aggregates, firsts): (Vec<String>, Vec<i64>) = (held.get(0), held.get(1));
+                tx.execute(
+                    update,
+                    &[&keys, &topic, &error, &age, &states, &aggregates, &firsts],
+                )
             }
             None => tx.execute(update, &params),
         }

@@ -287,22 +287,54 @@ const RECORD_TEMPLATE: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload,
 const REDRIVEN: &str =
     "{filter} AND (t.aggregate_key IS NULL OR t.aggregate_key = ANY ($6::text[]))";
 
-/// The redrive of the dead letters `REDRIVEN` selects, with `more` (a statement of the WITH,
-/// ending with a comma) beside it.
-fn redrive(more: &str) -> String {
+/// Before a redrive: every later message still pending or parked of a redriven aggregate,
+/// touched. The touch waits for claims that hold one of them, and a claim whose snapshot
+/// predates it passes them over (it locks the version it read, see [`claim`]), so once the
+/// redrive commits no claim takes them ahead of the redriven messages. A row after them
+/// that was marked the head while they were dead is the head no longer. Returns the
+/// aggregates touched and the first redriven id of each: the redrive that follows takes the
+/// rows of those aggregates from there on only (see [`redrive`]).
+fn redrive_hold() -> String {
     format!(
-        "WITH first AS (
+        "WITH f AS (
            SELECT t.aggregate_key, min(t.id) AS id FROM {{table}} t
            WHERE {REDRIVEN} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
-         {more}
-         unmarked AS (
-           UPDATE {{table}} o SET head = false FROM first f
-           WHERE o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
+         touched AS (
+           UPDATE {{table}} o SET head = false FROM f
+           WHERE o.aggregate_key = f.aggregate_key AND o.id > f.id
              AND o.status IN ('pending', 'parked'))
+         SELECT ARRAY(SELECT aggregate_key::text FROM f ORDER BY aggregate_key),
+                ARRAY(SELECT id FROM f ORDER BY aggregate_key)"
+    )
+}
+
+/// The dead letters a redrive makes pending once [`redrive_hold`] touched what they go
+/// ahead of: those `{filter}` selects, of no aggregate, or of an aggregate the hold
+/// returned ($6) from its first redriven id ($7) on. A row of an aggregate that died
+/// before its first since the hold's snapshot may have rows after it the hold did not
+/// touch: it waits for the next redrive.
+const REDRIVEN_HELD: &str = "{filter} AND (t.aggregate_key IS NULL OR EXISTS (
+       SELECT 1 FROM unnest($6::text[], $7::bigint[]) h(aggregate_key, id)
+       WHERE h.aggregate_key = t.aggregate_key AND t.id >= h.id))";
+
+/// The redrive of the dead letters `REDRIVEN_HELD` selects, with `more` (statements of the
+/// WITH, each ending with a comma) beside it. A redriven message of an aggregate whose
+/// later messages are in flight (claimed before the hold touched them) waits until their
+/// leases end: they finish first, or their relay is gone. Run after the hold, in a
+/// snapshot of its own, so it sees the leases of the claims the hold waited for.
+fn redrive(more: &str) -> String {
+    format!(
+        "WITH {more}
+         busy AS (
+           SELECT p.aggregate_key, max(p.available_at) AS until FROM {{table}} p
+           WHERE p.aggregate_key = ANY ($6::text[]) AND p.status = 'pending'
+             AND p.lease_until IS NOT NULL AND p.available_at > now()
+           GROUP BY p.aggregate_key)
          UPDATE {{table}} t SET status = 'pending', attempts = 0, claims = 0,
-                              available_at = now(),
+                              available_at = greatest(now(), (SELECT b.until FROM busy b
+                                                             WHERE b.aggregate_key = t.aggregate_key)),
                               lease_until = NULL, done_at = NULL, head = false
-         WHERE {REDRIVEN}"
+         WHERE {REDRIVEN_HELD}"
     )
 }
 
@@ -498,6 +530,9 @@ pub(crate) struct Statements {
     /// Locks the aggregates of the dead letters matching a filter against producers, so
     /// none marks a head that a redriven row is about to go before.
     pub(crate) lock_redriven: String,
+    /// Touches what a redrive puts a message ahead of, before `redrive_where`; returns
+    /// the aggregates touched and the first redriven id of each.
+    pub(crate) redrive_hold: String,
     /// Dead letters matching a filter become pending; returns how many.
     pub(crate) redrive_where: String,
     /// `redrive_where` on a partitioned table.
@@ -819,10 +854,9 @@ impl Statements {
             )?,
             // A redriven row keeps its id, so it is again the head of its aggregate (a parked
             // one goes first, then the rows it held back, in order). It waits among the rows
-            // the claim's scan finds, where it is the first of its aggregate; a row after it
-            // that was marked the head while it was dead is the head no longer. (Both
-            // updates read one snapshot: the dead rows, and the later rows of their
-            // aggregates, which the lock of `lock_redriven` keeps producers from adding to.)
+            // the claim's scan finds, where it is the first of its aggregate. The lock of
+            // `lock_redriven` keeps producers from adding to its aggregate meanwhile.
+            redrive_hold: values.render(&redrive_hold())?,
             redrive_where: values.render(&redrive(""))?,
             // On a partitioned table its partitions are no longer quiet (migration 0016):
             // producers' looks read them again. The rows are read in the same snapshot as
@@ -840,7 +874,7 @@ impl Statements {
                    WHERE p.n IN (SELECT q.n FROM {{partitions}} q
                                  WHERE q.closed_at IS NOT NULL AND q.settled_at IS NULL
                                    AND q.n IN (SELECT t.id >> {{id_bits}} FROM {{table}} t
-                                               WHERE {REDRIVEN})
+                                               WHERE {REDRIVEN_HELD})
                                  ORDER BY q.n FOR UPDATE)),"
             )))?,
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
@@ -1253,9 +1287,11 @@ pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// parked head is never due, nor is anything behind it. So the cost is what the claim
 /// returns plus the heads it passes, never the rows waiting behind a head.
 ///
-/// Behind every due head, marked or found, the claim reads a run of consecutive due rows.
-/// With a batch's worth of heads or more, each gives one row (runs of one: the most
-/// aggregates, each in the first confirm round). With fewer, they are shared among the `$6`
+/// Behind every due head, marked or found, the claim reads a run of consecutive due rows:
+/// it ends at the first row of the aggregate still pending or parked that is not due, so
+/// a parked message in the middle holds back everything behind it. With a batch's worth
+/// of heads or more, each gives one row (runs of one: the most aggregates, each in the
+/// first confirm round). With fewer, they are shared among the `$6`
 /// workers: runs are as long as fills the batch from a worker's share of all the heads seen
 /// (due or in flight), so each claim takes about that share. A scan late in the key space
 /// sees only the aggregates after its cursor, so the caller may pass in `$9` the most an
@@ -1272,8 +1308,10 @@ pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// a concurrent outcome finished) part of it meanwhile. Every run row is therefore locked and
 /// rechecked, and an aggregate keeps only the unbroken prefix of its run that starts at its
 /// head: a run missing its head, or any row before another, is cut there; so is a run that
-/// does not fit the batch or the byte budget. That keeps the order strict whatever runs
-/// alongside.
+/// does not fit the batch or the byte budget. A row is locked only in the version the
+/// snapshot read (its `ctid`): one changed since by a transaction that committed meanwhile,
+/// which may have put a redriven message ahead of it (see [`redrive_hold`]), is passed over
+/// rather than rechecked. That keeps the order strict whatever runs alongside.
 ///
 /// A claim leases a row and counts one more claim without an outcome (`claims`, which any
 /// outcome sets back to 0; `attempts` counts only verdicts, see migration 0009). A row whose
@@ -1298,15 +1336,15 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
         &[("table", t)],
     )?;
     render(
-        "WITH RECURSIVE behind(aggregate_key, id, due, n, d) AS (
-           (SELECT f.aggregate_key, f.id, f.due, 1, f.due::int FROM (
-              SELECT b.aggregate_key, b.id, {b_due} AS due FROM {table} b
+        "WITH RECURSIVE behind(aggregate_key, id, due, n, d, version) AS (
+           (SELECT f.aggregate_key, f.id, f.due, 1, f.due::int, f.version FROM (
+              SELECT b.aggregate_key, b.id, {b_due} AS due, b.ctid AS version FROM {table} b
               WHERE {behind} {after}
               ORDER BY b.aggregate_key, b.id LIMIT 1) f)
            UNION ALL
-           SELECT nx.aggregate_key, nx.id, nx.due, h.n + 1, h.d + nx.due::int
+           SELECT nx.aggregate_key, nx.id, nx.due, h.n + 1, h.d + nx.due::int, nx.version
            FROM behind h CROSS JOIN LATERAL (
-             SELECT b.aggregate_key, b.id, {b_due} AS due FROM {table} b
+             SELECT b.aggregate_key, b.id, {b_due} AS due, b.ctid AS version FROM {table} b
              WHERE {behind} AND b.aggregate_key > h.aggregate_key
              ORDER BY b.aggregate_key, b.id LIMIT 1) nx
            WHERE h.n < $5 AND h.d < 2 * $1),
@@ -1324,10 +1362,10 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
                   2 * row_number() OVER (ORDER BY available_at, id) - 1 AS hpos
            FROM ready),
          heads AS (
-           SELECT aggregate_key, id, due, 2 * n AS hpos, true AS scanned, false AS held
+           SELECT aggregate_key, id, due, 2 * n AS hpos, true AS scanned, false AS held, version
            FROM behind
            UNION ALL
-           SELECT aggregate_key, id, true, hpos, false, true
+           SELECT aggregate_key, id, true, hpos, false, true, NULL::tid
            FROM placed WHERE aggregate_key IS NOT NULL),
          -- Sized by every aggregate seen, due or in flight, so that a claim finding only a
          -- few free heads while other workers hold the rest takes short runs of them, not
@@ -1348,20 +1386,22 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
          -- row (measured: 200 ms and 118,000 buffers for one claim of 40 aggregates).
          ocand AS MATERIALIZED (
            -- Runs of one are the due heads themselves: no need to read behind them.
-           (SELECT h.id, h.aggregate_key, h.hpos, 1::bigint AS rn, h.scanned, false AS held
+           (SELECT h.id, h.aggregate_key, h.hpos, 1::bigint AS rn, h.scanned, false AS held,
+                   h.version
             FROM heads h
             WHERE h.due AND NOT h.held AND (SELECT r FROM run_len) = 1
             ORDER BY h.hpos LIMIT 2 * $1)
            UNION ALL
            -- Behind a marked head (locked already) its run goes on with the unmarked rows
-           -- after it; a found head starts its run.
-           (SELECT r.id, h.aggregate_key, h.hpos, r.rn, h.scanned, h.held
+           -- after it; a found head starts its run. The run ends at the first row that is
+           -- not due: a parked one holds back everything behind it.
+           (SELECT r.id, h.aggregate_key, h.hpos, r.rn, h.scanned, h.held, r.version
             FROM heads h CROSS JOIN LATERAL (
-              SELECT s.id, s.rn FROM (
-                SELECT o.id, row_number() OVER w + h.held::int AS rn,
-                       bool_and(o.available_at <= now()) OVER w AS due
-                FROM (SELECT o.id, o.available_at FROM {table} o
-                      WHERE NOT o.head AND o.status = 'pending'
+              SELECT s.id, s.rn, s.version FROM (
+                SELECT o.id, o.version, row_number() OVER w + h.held::int AS rn,
+                       bool_and(o.status = 'pending' AND o.available_at <= now()) OVER w AS due
+                FROM (SELECT o.id, o.ctid AS version, o.status, o.available_at FROM {table} o
+                      WHERE NOT o.head AND o.status IN ('pending', 'parked')
                         AND o.aggregate_key = h.aggregate_key AND o.id >= h.id
                       ORDER BY o.id LIMIT (SELECT r FROM run_len) - h.held::int) o
                 WINDOW w AS (ORDER BY o.id)) s
@@ -1372,7 +1412,9 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
          olock AS (
            SELECT o.id, c.aggregate_key, c.hpos, c.rn, c.scanned, c.held, {bytes} AS bytes
            FROM ocand c JOIN {table} o ON o.id = c.id
-           WHERE o.status = 'pending' AND o.available_at <= now()
+           -- The version read: a row changed since the statement's snapshot (a redrive
+           -- put a message ahead of it, see redrive_hold) is left for the next claim.
+           WHERE o.ctid = c.version AND o.status = 'pending' AND o.available_at <= now()
            ORDER BY c.hpos, c.rn
            LIMIT $1 - (SELECT count(*) FROM ready)
            FOR UPDATE OF o SKIP LOCKED),
