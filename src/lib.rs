@@ -73,6 +73,8 @@ pub mod facade;
 mod fault;
 mod grants;
 mod health;
+#[doc(hidden)]
+pub mod hooks;
 mod lifecycle;
 mod message;
 mod metrics;

@@ -356,6 +356,46 @@ pub fn builder() -> OutboxBuilder {
     }
 }
 
+/// Drops `outbox`'s tables and functions: for a suite that makes many outboxes (the
+/// model's, one per case), whose objects would overflow the lock table of the schema's
+/// drop at exit.
+pub fn drop_outbox(outbox: &Outbox, client: &mut Client) {
+    let name = outbox
+        .table()
+        .rsplit('.')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let mut objects = |sql: &str| -> Vec<String> {
+        client
+            .query(sql, &[&schema(), &name])
+            .expect("list the outbox's objects")
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let owned = "(x = $2 OR starts_with(x, $2 || '_'))";
+    let tables = objects(&format!(
+        "SELECT c.oid::regclass::text FROM pg_class c, LATERAL (SELECT c.relname::text AS x) n
+         WHERE c.relnamespace = $1::text::regnamespace AND c.relkind IN ('r', 'p')
+           AND NOT c.relispartition AND {owned}"
+    ));
+    let functions = objects(&format!(
+        "SELECT p.oid::regprocedure::text FROM pg_proc p, LATERAL (SELECT p.proname::text AS x) n
+         WHERE p.pronamespace = $1::text::regnamespace AND {owned}"
+    ));
+    for table in tables {
+        client
+            .batch_execute(&format!("DROP TABLE IF EXISTS {table} CASCADE"))
+            .expect("drop an outbox table");
+    }
+    for function in functions {
+        client
+            .batch_execute(&format!("DROP FUNCTION IF EXISTS {function} CASCADE"))
+            .expect("drop an outbox function");
+    }
+}
+
 /// A freshly migrated outbox on its own table, of this run's kind (see [`TABLES_VAR`]),
 /// cut in a run that cuts (see [`CUTS_VAR`]).
 pub fn outbox(prefix: &str) -> (Outbox, Client) {
