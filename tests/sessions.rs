@@ -1,0 +1,128 @@
+//! What the crate's statements assume holds whatever the database's or the role's defaults:
+//! relay sessions run at READ COMMITTED, so a stricter
+//! `default_transaction_isolation` (per role here; per database it is the same setting)
+//! neither fails claims nor keeps partitions from settling.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{quoted, quoted_with, row_state, wait_until, Role, Sink};
+use postgres::Client;
+use postgres_outbox::{Access, Message, Outbox, Relay};
+
+/// The defaults stricter than READ COMMITTED.
+const STRICTER: [&str; 2] = ["repeatable read", "serializable"];
+
+/// A role granted what a relay (and `process`) needs on `outbox`, whose sessions default to
+/// `isolation`. Dropped with its grants when it goes.
+fn relay_role(client: &mut Client, outbox: &Outbox, isolation: &str) -> Role {
+    let role = Role::new(client);
+    role.grant(client, outbox, Access::Relay);
+    role.execute(
+        client,
+        &format!("ALTER ROLE {{role}} SET default_transaction_isolation = '{isolation}'"),
+    );
+    role
+}
+
+fn enqueue_one(client: &mut Client, outbox: &Outbox, key: &str) {
+    let mut tx = client.transaction().expect("begin");
+    outbox
+        .enqueue(&mut tx, Message::new("t", b"{}".to_vec()).key(key))
+        .expect("enqueue");
+    tx.commit().expect("commit");
+}
+
+/// The isolation level of every transaction that updates a row of `outbox`, as a trigger
+/// of the test's own writes it down; returns how to read what it wrote.
+fn watch_isolation(client: &mut Client, outbox: &Outbox) -> String {
+    let (seen, watch) = (quoted_with(outbox, "_seen"), quoted_with(outbox, "_watch"));
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {seen} (isolation text NOT NULL);
+             CREATE FUNCTION {watch}() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+             BEGIN
+                 INSERT INTO {seen} VALUES (current_setting('transaction_isolation'));
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER watch BEFORE UPDATE ON {} FOR EACH ROW EXECUTE FUNCTION {watch}()",
+            quoted(outbox)
+        ))
+        .expect("watch the table's updates");
+    format!("SELECT DISTINCT isolation FROM {seen}")
+}
+
+/// Under REPEATABLE READ or SERIALIZABLE a claim fails (40001) whenever a row it reaches
+/// changed after its snapshot, as rows do while other workers claim them : a relay's claims and outcomes run at READ COMMITTED whatever its role's default.
+#[test]
+fn a_relay_claims_and_records_at_read_committed_whatever_the_role_s_default() {
+    for isolation in STRICTER {
+        let (outbox, mut client) = common::outbox_uncut("sess_relay");
+        let role = relay_role(&mut client, &outbox, isolation);
+        let seen = watch_isolation(&mut client, &outbox);
+        enqueue_one(&mut client, &outbox, "claimed");
+        let published = Sink::default();
+        let config = common::relay_config_with(&outbox, role.pool(), published.collect());
+
+        assert_eq!(Relay::run_once(&config).expect("run once"), 1);
+        assert_eq!(published.keys(), ["claimed"]);
+        let levels: Vec<String> = client
+            .query(&seen, &[])
+            .expect("read what the trigger saw")
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert_eq!(levels, ["read committed"], "under {isolation}");
+        assert_eq!(
+            row_state(&mut client, &outbox, "claimed"),
+            ("sent".into(), 1)
+        );
+    }
+}
+
+/// The partition upkeep settles a closed partition only under READ COMMITTED: a relay whose
+/// role defaults to something stricter settles it all the same.
+#[test]
+fn a_relay_settles_partitions_whatever_the_role_s_default() {
+    for isolation in STRICTER {
+        let outbox = Outbox::builder()
+            .table(common::unique_name("sess_settle"))
+            // Longer than any test: no cut by the clock comes in the middle of it.
+            .partition_interval(Duration::from_secs(366 * 24 * 3600))
+            .build()
+            .expect("valid settings");
+        let mut client = common::client();
+        outbox.migrate(&mut client).expect("migrate");
+        let role = relay_role(&mut client, &outbox, isolation);
+        enqueue_one(&mut client, &outbox, "before-the-cut");
+        // The cut alone, as the owner: settling is left to the relay.
+        let partition = format!("SELECT {}($1)", quoted_with(&outbox, "_partition"));
+        for cut in [true, false] {
+            client.execute(&partition, &[&cut]).expect("cut");
+        }
+
+        let published = Sink::default();
+        let relay = Relay::spawn(common::relay_config_with(
+            &outbox,
+            role.pool(),
+            published.collect(),
+        ))
+        .expect("spawn the relay as its role");
+        let settled = format!(
+            "SELECT EXISTS (SELECT FROM {} WHERE n = 0 AND settled_at IS NOT NULL)",
+            quoted_with(&outbox, "_partitions")
+        );
+        wait_until(
+            &format!("the relay settles partition 0 under {isolation}"),
+            || {
+                published.len() == 1
+                    && client
+                        .query_one(&settled, &[])
+                        .expect("read the partitions")
+                        .get(0)
+            },
+        );
+        relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+    }
+}
