@@ -1,10 +1,11 @@
 //! What the crate's statements assume holds whatever the database's or the role's defaults:
-//! relay sessions run at READ COMMITTED, so a stricter
+//! relay sessions and `process` claim at READ COMMITTED, so a stricter
 //! `default_transaction_isolation` (per role here; per database it is the same setting)
 //! neither fails claims nor keeps partitions from settling.
 
 mod common;
 
+use std::thread;
 use std::time::Duration;
 
 use common::{quoted, quoted_with, row_state, wait_until, Role, Sink};
@@ -34,6 +35,47 @@ fn enqueue_one(client: &mut Client, outbox: &Outbox, key: &str) {
     tx.commit().expect("commit");
 }
 
+/// Runs `claim` (which claims as `role`) while the table is locked, and changes the due row
+/// while the claim waits: a claim whose snapshot was taken before the change (as a
+/// transaction snapshot is, under REPEATABLE READ and SERIALIZABLE, before the statement
+/// waits for its lock) then meets the row changed since and fails with 40001, as it does
+/// whenever another worker claims a row it reaches first. (Only for a statement sent
+/// unprepared, as `process` sends its claim: a statement prepared while the table is locked
+/// waits at its parse, and runs on a snapshot taken after.) Returns what `claim` returned.
+fn claim_past_a_change<T: Send + 'static>(
+    client: &mut Client,
+    outbox: &Outbox,
+    role: &Role,
+    key: &str,
+    claim: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let mut tx = client.transaction().expect("begin");
+    tx.batch_execute(&format!("LOCK TABLE {} IN EXCLUSIVE MODE", quoted(outbox)))
+        .expect("lock the table");
+    let claiming = thread::spawn(claim);
+    let mut watcher = common::client();
+    wait_until("the claim waits for the table", || {
+        watcher
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity
+                                WHERE usename = $1 AND wait_event_type = 'Lock')",
+                &[&role.name],
+            )
+            .expect("read pg_stat_activity")
+            .get(0)
+    });
+    tx.execute(
+        &format!(
+            "UPDATE {} SET available_at = available_at WHERE key = $1",
+            quoted(outbox)
+        ),
+        &[&key],
+    )
+    .expect("change the row");
+    tx.commit().expect("commit");
+    claiming.join().expect("the claim does not panic")
+}
+
 /// The isolation level of every transaction that updates a row of `outbox`, as a trigger
 /// of the test's own writes it down; returns how to read what it wrote.
 fn watch_isolation(client: &mut Client, outbox: &Outbox) -> String {
@@ -54,7 +96,9 @@ fn watch_isolation(client: &mut Client, outbox: &Outbox) -> String {
 }
 
 /// Under REPEATABLE READ or SERIALIZABLE a claim fails (40001) whenever a row it reaches
-/// changed after its snapshot, as rows do while other workers claim them : a relay's claims and outcomes run at READ COMMITTED whatever its role's default.
+/// changed after its snapshot, as rows do while other workers claim them (see
+/// `process_claims_at_read_committed_whatever_the_session_s_default`, where that is made to
+/// happen): a relay's claims and outcomes run at READ COMMITTED whatever its role's default.
 #[test]
 fn a_relay_claims_and_records_at_read_committed_whatever_the_role_s_default() {
     for isolation in STRICTER {
@@ -76,6 +120,28 @@ fn a_relay_claims_and_records_at_read_committed_whatever_the_role_s_default() {
         assert_eq!(levels, ["read committed"], "under {isolation}");
         assert_eq!(
             row_state(&mut client, &outbox, "claimed"),
+            ("sent".into(), 1)
+        );
+    }
+}
+
+#[test]
+fn process_claims_at_read_committed_whatever_the_session_s_default() {
+    for isolation in STRICTER {
+        let (outbox, mut client) = common::outbox_uncut("sess_process");
+        let role = relay_role(&mut client, &outbox, isolation);
+        enqueue_one(&mut client, &outbox, "processed");
+
+        let (claiming, mut as_role) = (outbox.clone(), role.client());
+        let report = claim_past_a_change(&mut client, &outbox, &role, "processed", move || {
+            claiming
+                .process(&mut as_role, 10, |_, _| Ok(()))
+                .map(|report| report.processed)
+                .map_err(|e| e.to_string())
+        });
+        assert_eq!(report, Ok(1), "under {isolation}");
+        assert_eq!(
+            row_state(&mut client, &outbox, "processed"),
             ("sent".into(), 1)
         );
     }
