@@ -110,6 +110,13 @@ impl OutboxBuilder {
     /// Whether enqueue sends a `pg_notify` to wake relays at once (default true). Each
     /// notifying transaction takes a global lock at commit; turn it off for the highest
     /// producer throughput, or behind a transaction-pooling proxy, and let relays poll.
+    ///
+    /// Turn it off, too, on the outbox of a producer that prepares its transactions
+    /// (two-phase commit, `PREPARE TRANSACTION`): PostgreSQL refuses to prepare a
+    /// transaction that ran NOTIFY, and an enqueue notifies only while some relay waits for
+    /// work, so with notify on such a producer fails only now and then. With `notify(false)`
+    /// no enqueue (nor `enqueue_all`) ever runs NOTIFY; the relays find the rows when they
+    /// poll, once `COMMIT PREPARED` makes them visible.
     pub fn notify(mut self, notify: bool) -> OutboxBuilder {
         self.notify = notify;
         self

@@ -1,16 +1,20 @@
 //! What the crate's statements assume holds whatever the database's or the role's defaults:
 //! relay sessions and `process` claim at READ COMMITTED, so a stricter
 //! `default_transaction_isolation` (per role here; per database it is the same setting)
-//! neither fails claims nor keeps partitions from settling.
+//! neither fails claims nor keeps partitions from settling. And a producer that prepares its
+//! transactions (two-phase commit) enqueues with `notify(false)` and never meets the NOTIFY
+//! refusal.
 
 mod common;
 
 use std::thread;
 use std::time::Duration;
 
+use common::pg_node::PgNode;
 use common::{quoted, quoted_with, row_state, wait_until, Role, Sink};
-use postgres::Client;
-use postgres_outbox::{Access, Message, Outbox, Relay};
+use postgres::error::SqlState;
+use postgres::{Client, NoTls};
+use postgres_outbox::{Access, Connections, Message, Outbox, Relay};
 
 /// The defaults stricter than READ COMMITTED.
 const STRICTER: [&str; 2] = ["repeatable read", "serializable"];
@@ -191,4 +195,78 @@ fn a_relay_settles_partitions_whatever_the_role_s_default() {
         );
         relay.shutdown(Duration::from_secs(10)).expect("shutdown");
     }
+}
+
+/// Relays that say they wait for work, whom an enqueue with notify on notifies.
+fn waiting(client: &mut Client, outbox: &Outbox) -> i64 {
+    client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE seen > now() - interval '1 minute'",
+                quoted_with(outbox, "_waiting")
+            ),
+            &[],
+        )
+        .expect("count waiting relays")
+        .get(0)
+}
+
+/// PostgreSQL refuses `PREPARE TRANSACTION` in a transaction that ran NOTIFY, and an enqueue
+/// notifies while a relay waits: shown here, then `notify(false)`, with which a prepared
+/// enqueue (one message, and a batch on the COPY path) commits and ships.
+#[test]
+fn a_producer_that_prepares_its_transactions_enqueues_with_notify_off() {
+    let node = PgNode::start();
+    node.allow_prepared_transactions();
+    let notifying = Outbox::new("two_phase").expect("valid outbox");
+    let mut client = node.client();
+    notifying.migrate(&mut client).expect("migrate");
+    let published = Sink::default();
+    let relay = Relay::spawn(common::relay_config_with(
+        &notifying,
+        Connections::open(node.url().parse().expect("the node's URL"), NoTls),
+        published.collect(),
+    ))
+    .expect("spawn the relay");
+    wait_until("the relay listens and waits for work", || {
+        relay.is_listening() && waiting(&mut client, &notifying) > 0
+    });
+
+    let mut producer = node.client();
+    let mut tx = producer.transaction().expect("begin");
+    notifying
+        .enqueue(&mut tx, Message::new("t", "refused").aggregate_key("a"))
+        .expect("enqueue");
+    let refused = tx
+        .batch_execute("PREPARE TRANSACTION 'outbox-notified'")
+        .expect_err("a transaction that notified cannot be prepared");
+    assert_eq!(refused.code(), Some(&SqlState::FEATURE_NOT_SUPPORTED));
+    drop(tx);
+
+    let quiet = Outbox::builder()
+        .table("two_phase")
+        .notify(false)
+        .build()
+        .expect("valid outbox");
+    let mut tx = producer.transaction().expect("begin");
+    quiet
+        .enqueue(&mut tx, Message::new("t", "prepared").aggregate_key("a"))
+        .expect("enqueue");
+    let batch = (0..64).map(|i| Message::new("t", format!("batch {i}")).aggregate_key("b"));
+    assert_eq!(
+        quiet.enqueue_all(&mut tx, batch).expect("enqueue").len(),
+        64
+    );
+    tx.batch_execute("PREPARE TRANSACTION 'outbox-quiet'")
+        .expect("prepare");
+    // The transaction is the server's now: what the client does with its own is moot.
+    drop(tx);
+    assert_eq!(waiting(&mut client, &quiet), 1, "the relay still waits");
+    client
+        .batch_execute("COMMIT PREPARED 'outbox-quiet'")
+        .expect("commit prepared");
+    wait_until("the relay ships the prepared messages", || {
+        published.len() == 65
+    });
+    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
 }
