@@ -218,18 +218,34 @@ fn waiting(client: &mut Client, outbox: &Outbox) -> i64 {
 fn a_producer_that_prepares_its_transactions_enqueues_with_notify_off() {
     let node = PgNode::start();
     node.allow_prepared_transactions();
-    let notifying = Outbox::new("two_phase").expect("valid outbox");
+    for (table, partitioned) in [("two_phase", false), ("two_phase_parted", true)] {
+        let builder = || {
+            let builder = Outbox::builder().table(table);
+            if partitioned {
+                builder.partition_interval(Duration::from_secs(366 * 24 * 3600))
+            } else {
+                builder
+            }
+        };
+        let notifying = builder().build().expect("valid outbox");
+        let quiet = builder().notify(false).build().expect("valid outbox");
+        prepared_enqueues_ship(&node, &notifying, &quiet);
+    }
+}
+
+/// With a relay waiting on `notifying`: its enqueue cannot be prepared, `quiet`'s can.
+fn prepared_enqueues_ship(node: &PgNode, notifying: &Outbox, quiet: &Outbox) {
     let mut client = node.client();
     notifying.migrate(&mut client).expect("migrate");
     let published = Sink::default();
     let relay = Relay::spawn(common::relay_config_with(
-        &notifying,
+        notifying,
         Connections::open(node.url().parse().expect("the node's URL"), NoTls),
         published.collect(),
     ))
     .expect("spawn the relay");
     wait_until("the relay listens and waits for work", || {
-        relay.is_listening() && waiting(&mut client, &notifying) > 0
+        relay.is_listening() && waiting(&mut client, notifying) > 0
     });
 
     let mut producer = node.client();
@@ -243,11 +259,6 @@ fn a_producer_that_prepares_its_transactions_enqueues_with_notify_off() {
     assert_eq!(refused.code(), Some(&SqlState::FEATURE_NOT_SUPPORTED));
     drop(tx);
 
-    let quiet = Outbox::builder()
-        .table("two_phase")
-        .notify(false)
-        .build()
-        .expect("valid outbox");
     let mut tx = producer.transaction().expect("begin");
     quiet
         .enqueue(&mut tx, Message::new("t", "prepared").aggregate_key("a"))
@@ -261,7 +272,7 @@ fn a_producer_that_prepares_its_transactions_enqueues_with_notify_off() {
         .expect("prepare");
     // The transaction is the server's now: what the client does with its own is moot.
     drop(tx);
-    assert_eq!(waiting(&mut client, &quiet), 1, "the relay still waits");
+    assert_eq!(waiting(&mut client, quiet), 1, "the relay still waits");
     client
         .batch_execute("COMMIT PREPARED 'outbox-quiet'")
         .expect("commit prepared");
