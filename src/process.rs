@@ -58,7 +58,9 @@ impl Outbox {
     /// swallowed, which leaves its transaction aborted) is a failed attempt.
     ///
     /// The claim and the final bookkeeping run READ COMMITTED whatever the session's
-    /// default; the handler's transaction keeps the session's isolation level.
+    /// default; the handler's transaction keeps the session's isolation level. The handler
+    /// must not end that transaction itself (a `COMMIT` or `ROLLBACK` sent as SQL): the row
+    /// would then be marked sent outside it, whatever became of the handler's writes.
     ///
     /// Records of one aggregate come in order; once one of them does not commit, the later
     /// ones of that aggregate in this call are handed back unhandled
