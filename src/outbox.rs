@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
-use postgres::{Client, GenericClient, Transaction};
+use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -309,7 +309,13 @@ impl Outbox {
 
     fn migrate_once(&self, client: &mut Client) -> Result<()> {
         let sql = self.statements();
-        let mut tx = client.transaction()?;
+        // READ COMMITTED whatever the session's default: a snapshot taken before the lock
+        // (as REPEATABLE READ's is) misses what the migration ahead of it committed, and
+        // this one would apply it again.
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::ReadCommitted)
+            .start()?;
         let table = self.resolved(&mut tx)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
         // Once it is this process's turn: a migration that waited behind a long transaction

@@ -1,7 +1,8 @@
 //! What the crate's statements assume holds whatever the database's or the role's defaults:
-//! relay sessions and `process` claim at READ COMMITTED, so a stricter
-//! `default_transaction_isolation` (per role here; per database it is the same setting)
-//! neither fails claims nor keeps partitions from settling. And a producer that prepares its
+//! relay sessions, `process`'s claim and `migrate` run at READ COMMITTED, so a stricter
+//! `default_transaction_isolation` (per role or session here; per database it is the same
+//! setting) neither fails claims, nor keeps partitions from settling, nor has a migration
+//! apply again what another one applied while it waited. And a producer that prepares its
 //! transactions (two-phase commit) enqueues with `notify(false)` and never meets the NOTIFY
 //! refusal.
 
@@ -195,6 +196,69 @@ fn a_relay_settles_partitions_whatever_the_role_s_default() {
         );
         relay.shutdown(Duration::from_secs(10)).expect("shutdown");
     }
+}
+
+/// The advisory lock `migrate` takes for a schema-qualified `table` (`lock_key` in
+/// src/table.rs): FNV-1a of its name behind a prefix.
+fn migration_lock(table: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in "postgres-outbox:".bytes().chain(table.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+/// Two processes migrate at once, one of them in a session defaulting to REPEATABLE READ:
+/// it waits for the other's lock, and then sees what the other applied, rather than a
+/// snapshot from before the lock that would have it apply every migration again.
+#[test]
+fn a_migration_waiting_for_another_sees_what_it_applied_whatever_the_default() {
+    let table = format!(
+        "{}.{}",
+        common::schema(),
+        common::unique_name("sess_migrate")
+    );
+    let outbox = Outbox::new(&table).expect("valid outbox");
+    let mut first = common::client();
+    let mut tx = first.transaction().expect("begin");
+    tx.execute(
+        "SELECT pg_advisory_xact_lock($1)",
+        &[&migration_lock(outbox.table())],
+    )
+    .expect("take the migration's lock");
+
+    let mut second = common::client();
+    second
+        .batch_execute("SET default_transaction_isolation = 'repeatable read'")
+        .expect("a stricter default");
+    let pid: i32 = second
+        .query_one("SELECT pg_backend_pid()", &[])
+        .expect("pid")
+        .get(0);
+    let migrating = {
+        let outbox = outbox.clone();
+        thread::spawn(move || outbox.migrate(&mut second).map_err(|e| e.to_string()))
+    };
+    let mut watcher = common::client();
+    wait_until("the second migration waits for the first", || {
+        watcher
+            .query_one(
+                "SELECT EXISTS (SELECT FROM pg_locks
+                                WHERE pid = $1 AND locktype = 'advisory' AND NOT granted)",
+                &[&pid],
+            )
+            .expect("read pg_locks")
+            .get(0)
+    });
+    // The first one: the script of `Outbox::sql`, as a migration tool runs it.
+    tx.batch_execute(&outbox.sql()).expect("migrate by script");
+    tx.commit().expect("commit");
+
+    assert_eq!(migrating.join().expect("no panic"), Ok(()));
+    let mut client = common::client();
+    enqueue_one(&mut client, &outbox, "after");
+    assert_eq!(common::count(&mut client, &outbox, "true"), 1);
 }
 
 /// Relays that say they wait for work, whom an enqueue with notify on notifies.
