@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
-use postgres::{Client, GenericClient, Transaction};
+use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -110,6 +110,13 @@ impl OutboxBuilder {
     /// Whether enqueue sends a `pg_notify` to wake relays at once (default true). Each
     /// notifying transaction takes a global lock at commit; turn it off for the highest
     /// producer throughput, or behind a transaction-pooling proxy, and let relays poll.
+    ///
+    /// Turn it off, too, on the outbox of a producer that prepares its transactions
+    /// (two-phase commit, `PREPARE TRANSACTION`): PostgreSQL refuses to prepare a
+    /// transaction that ran NOTIFY, and an enqueue notifies only while some relay waits for
+    /// work, so with notify on such a producer fails only now and then. With `notify(false)`
+    /// no enqueue (nor `enqueue_all`) ever runs NOTIFY; the relays find the rows when they
+    /// poll, once `COMMIT PREPARED` makes them visible.
     pub fn notify(mut self, notify: bool) -> OutboxBuilder {
         self.notify = notify;
         self
@@ -302,7 +309,13 @@ impl Outbox {
 
     fn migrate_once(&self, client: &mut Client) -> Result<()> {
         let sql = self.statements();
-        let mut tx = client.transaction()?;
+        // READ COMMITTED whatever the session's default: a snapshot taken before the lock
+        // (as REPEATABLE READ's is) misses what the migration ahead of it committed, and
+        // this one would apply it again.
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::ReadCommitted)
+            .start()?;
         let table = self.resolved(&mut tx)?;
         tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
         // Once it is this process's turn: a migration that waited behind a long transaction

@@ -4,9 +4,10 @@ use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use postgres::{Client, Transaction};
+use postgres::{Client, IsolationLevel, Transaction};
 
 use crate::error::{describe, Error, Result};
+use crate::fault::Fault;
 use crate::outbox::Outbox;
 use crate::publish::{HandlerError, PublishError};
 use crate::record::{Fence, Record};
@@ -29,9 +30,11 @@ pub struct ProcessReport {
     /// The lease ran out while the handler worked and another worker took the row; the
     /// handler's writes were rolled back.
     pub lease_lost: usize,
-    /// Claimed but not started, and handed back: the lease was nearly over, an earlier
-    /// record of the same aggregate did not commit in this call, or a handler said a service
-    /// it needs is unavailable.
+    /// Handed back without costing an attempt: claimed but not started (the lease was
+    /// nearly over, an earlier record of the same aggregate did not commit in this call, or
+    /// a handler said a service it needs is unavailable), or handled and rolled back for a
+    /// fault of the database, not of the record (a serialization failure or a deadlock, a
+    /// lock or statement timeout, a lost connection while marking it sent or at `COMMIT`).
     pub released: usize,
     /// The handler returned [`HandlerError::unavailable`]: its writes were rolled back and
     /// the row handed back without costing an attempt, as was every record after it in this
@@ -48,6 +51,16 @@ impl Outbox {
     /// back and the row is retried with backoff, or dead-lettered if the error is permanent or
     /// the attempts are used up. A lease that ran out meanwhile (another worker took the row)
     /// rolls the handler's writes back and is counted in [`ProcessReport::lease_lost`].
+    /// When the handler succeeded but marking the row sent or the `COMMIT` fails for a fault
+    /// of the database (a serialization failure, a deadlock, a timeout), the writes are
+    /// rolled back and the row handed back uncharged ([`ProcessReport::released`]); an error
+    /// the record's own handling caused (a deferred constraint, an SQL error the handler
+    /// swallowed, which leaves its transaction aborted) is a failed attempt.
+    ///
+    /// The claim and the final bookkeeping run READ COMMITTED whatever the session's
+    /// default; the handler's transaction keeps the session's isolation level. The handler
+    /// must not end that transaction itself (a `COMMIT` or `ROLLBACK` sent as SQL): the row
+    /// would then be marked sent outside it, whatever became of the handler's writes.
     ///
     /// Records of one aggregate come in order; once one of them does not commit, the later
     /// ones of that aggregate in this call are handed back unhandled
@@ -85,9 +98,11 @@ impl Outbox {
         let lease = self.lease();
         let claimed_at = Instant::now();
         let request = ClaimRequest::simple(limit, lease, self.retry().max_claims, self.parks());
-        // In a transaction of its own, only to turn JIT off for it (see the relay's sessions).
+        // In a transaction of its own, to turn JIT off for it (see the relay's sessions), and
+        // READ COMMITTED: under a stricter default, the claim fails whenever a row it reaches
+        // changed after its snapshot, as rows do while others claim.
         let claimed = {
-            let mut tx = client.transaction()?;
+            let mut tx = read_committed(client)?;
             tx.batch_execute("SET LOCAL jit = off")?;
             let claimed = store::claim(&mut Conn::uncached(&mut tx), self, &request)?;
             tx.commit()?;
@@ -147,6 +162,17 @@ impl Outbox {
                     outcomes.push((record.fence(), Outcome::Release));
                     false
                 }
+                Handled::Uncharged(error) => {
+                    log::warn!(
+                        "outbox {}: {} handled, but the database failed to mark it sent \
+                         (not counted as an attempt); rolled back and handed back: {error}",
+                        self.table(),
+                        record.key
+                    );
+                    report.released += 1;
+                    outcomes.push((record.fence(), Outcome::Release));
+                    false
+                }
                 Handled::Failed(error) => {
                     let outcome =
                         self.retry()
@@ -163,7 +189,11 @@ impl Outbox {
                 stopped.insert(aggregate);
             }
         }
-        store::record(&mut Conn::uncached(client), self, &outcomes, self.parks())?;
+        if !outcomes.is_empty() {
+            let mut tx = read_committed(client)?;
+            store::record(&mut Conn::uncached(&mut tx), self, &outcomes, self.parks())?;
+            tx.commit()?;
+        }
         Ok(report)
     }
 
@@ -183,32 +213,53 @@ impl Outbox {
             tx.rollback()?;
             return Ok(Handled::Failed(error));
         }
-        match store::record(
+        // Marked sent in the handler's transaction, just before its COMMIT. A statement
+        // that succeeds proves the transaction is not aborted, so the COMMIT cannot end it
+        // in a rollback unseen (the server answers COMMIT in an aborted transaction with
+        // ROLLBACK, and no error). If the handler swallowed an error of its own, this
+        // statement is the one refused (25P02), and the record is not sent.
+        let marked = store::record(
             &mut Conn::uncached(&mut tx),
             self,
             &[(record.fence(), Outcome::Sent)],
             self.parks(),
-        ) {
+        );
+        let failed = match marked {
             Ok(recorded) if recorded.changed == 0 => {
                 tx.rollback()?;
                 return Ok(Handled::LeaseLost);
             }
-            Ok(_) => {}
-            // The handler swallowed an error of its own and left the transaction aborted.
+            Ok(_) => match tx.commit() {
+                Ok(()) => return Ok(Handled::Committed),
+                Err(e) => Error::Db(e),
+            },
             Err(e) => {
                 tx.rollback()?;
-                return Ok(Handled::Failed(PublishError::transient(e)));
+                e
             }
-        }
-        match tx.commit() {
-            Ok(()) => Ok(Handled::Committed),
-            Err(e) => Ok(Handled::Failed(PublishError::transient(e))),
-        }
+        };
+        Ok(match Fault::of(&failed) {
+            Fault::World => Handled::Uncharged(failed),
+            // Data of the record's that the database refuses for good, at COMMIT (a
+            // deferred check): no retry can store it.
+            Fault::Input => Handled::Failed(PublishError::permanent(failed)),
+            Fault::Message => Handled::Failed(PublishError::transient(failed)),
+        })
     }
+}
+
+/// A transaction at READ COMMITTED, whatever the session's default.
+fn read_committed(client: &mut Client) -> Result<Transaction<'_>> {
+    Ok(client
+        .build_transaction()
+        .isolation_level(IsolationLevel::ReadCommitted)
+        .start()?)
 }
 
 enum Handled {
     Committed,
     LeaseLost,
     Failed(PublishError),
+    /// Marking the row sent or committing failed for a fault of the database's.
+    Uncharged(Error),
 }

@@ -1809,7 +1809,8 @@ pub(crate) fn relay_session(table: &TableName, statement_timeout: Duration) -> S
          SET statement_timeout = {ms}; \
          SET idle_in_transaction_session_timeout = {ms}; \
          SET jit = off; \
-         SET synchronous_commit = off",
+         SET synchronous_commit = off; \
+         SET default_transaction_isolation = 'read committed'",
         &[
             ("table", table.as_str()),
             ("ms", &statement_timeout.as_millis().to_string()),
@@ -1828,7 +1829,7 @@ pub(crate) const END_OWN_BACKEND: &str = "SELECT pg_terminate_backend(pg_backend
 /// Undoes [`relay_session`] before a pooled connection goes back.
 pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET statement_timeout; \
      RESET idle_in_transaction_session_timeout; RESET jit; RESET plan_cache_mode; \
-     RESET enable_seqscan; RESET synchronous_commit";
+     RESET enable_seqscan; RESET synchronous_commit; RESET default_transaction_isolation";
 
 /// A relay session's plans on a partitioned table: planned once per connection. Planned
 /// for each claim's values (which PostgreSQL keeps choosing, as their estimates look
@@ -1934,6 +1935,7 @@ mod tests {
             assert!(setup.contains(&format!("'outbox relay {}'", table.as_str())));
             assert!(setup.contains("statement_timeout = 2500;"), "{setup}");
             assert!(setup.contains("idle_in_transaction_session_timeout = 2500;"));
+            assert!(setup.ends_with("default_transaction_isolation = 'read committed'"));
             // Whatever a relay session sets goes before its connection goes back.
             for set in setup.split(';').chain(PARTITIONED_PLANS.split(';')) {
                 let name = set.trim().trim_start_matches("SET ").split(' ').next();

@@ -122,6 +122,15 @@ pub(crate) struct Worker<'a> {
 /// them, to be claimed and published again: a duplicate, never a loss, as when the relay
 /// itself crashes. The flush was 0.15-0.2 ms of the 0.65-0.75 ms claim an idle relay makes
 /// for a row (more on a slower disk).
+///
+/// Transactions are READ COMMITTED whatever the database's or the role's default: a claim
+/// under REPEATABLE READ or SERIALIZABLE fails (40001) whenever a row it reaches changed
+/// after its snapshot, as rows do while other workers claim, and the partition upkeep
+/// settles nothing outside READ COMMITTED (its snapshot must postdate its look at the
+/// transactions). Left as the server has them: `default_transaction_read_only`, by which
+/// a switchover fences the old primary (see `sql::READ_ONLY`); `search_path`, through
+/// which a table named without a schema is found; `lock_timeout`, since a wait it ends is
+/// retried as any fault of the database.
 fn session_setup(config: &RelayConfig) -> Setup {
     let settings = sql::relay_session(
         config.outbox.statements().table(),
