@@ -27,7 +27,7 @@
 //! what the claim assumes: at most one per aggregate among the rows still to go, and that
 //! one its first. At the end, time passes and claims take everything that is not held back.
 //!
-//! `OUTBOX_MODEL_CASES=N` runs N cases (default 24, of up to 60 steps each); a failure
+//! `OUTBOX_MODEL_CASES=N` runs N cases (default 64, of up to 60 steps each; about half a minute); a failure
 //! prints the shortest sequence of steps that breaks an invariant, and proptest's seed.
 
 mod common;
@@ -61,7 +61,7 @@ fn cases() -> u32 {
     std::env::var("OUTBOX_MODEL_CASES")
         .ok()
         .and_then(|n| n.parse().ok())
-        .unwrap_or(24)
+        .unwrap_or(64)
 }
 
 /// How a producer's transaction ends.
@@ -122,6 +122,16 @@ enum Step {
         workers: u8,
         park: bool,
     },
+    /// Two relays claim at once.
+    ClaimTogether {
+        first: (u8, bool),
+        second: (u8, bool),
+    },
+    /// A relay claims while an operator redrives.
+    ClaimDuringRedrive {
+        rows: u8,
+        scope: Scope,
+    },
     /// A claim's batch is published and its outcomes recorded, as a worker does: in order
     /// (a failure hands back the rest of its aggregate's run) or pipelined; or the record
     /// is lost.
@@ -169,6 +179,31 @@ fn aggregate() -> impl Strategy<Value = Option<u8>> {
     prop_oneof![4 => (0..AGGREGATES).prop_map(Some), 1 => Just(None)]
 }
 
+fn claim_request(rows: u8, small_bytes: bool, ready_only: bool, workers: u8, park: bool) -> Claim {
+    Claim {
+        rows: rows as usize,
+        bytes: if small_bytes { 40 } else { usize::MAX },
+        lease: LEASE,
+        workers: workers as usize,
+        max_claims: MAX_CLAIMS,
+        park,
+        ready_only,
+        after: None,
+    }
+}
+
+/// The rows a claim took, leased or dead at the claim, in id order.
+fn taken(claimed: &hooks::Claimed) -> Vec<i64> {
+    let mut ids: Vec<i64> = claimed
+        .records
+        .iter()
+        .chain(&claimed.dead)
+        .map(|r| r.id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
 /// The reference state only steers generation: the model proper lives in the system
 /// under test, as what a claim takes is the database's choice, checked, not predicted.
 struct Reference;
@@ -198,6 +233,9 @@ impl ReferenceStateMachine for Reference {
                 .prop_map(|(claim, reached, pipelined, lost)| Step::Finish {
                     claim, reached, pipelined, lost
                 }),
+            2 => ((1..6u8, any::<bool>()), (1..6u8, any::<bool>()))
+                .prop_map(|(first, second)| Step::ClaimTogether { first, second }),
+            2 => (1..6u8, scope()).prop_map(|(rows, scope)| Step::ClaimDuringRedrive { rows, scope }),
             2 => any::<u8>().prop_map(|claim| Step::Expire { claim }),
             2 => Just(Step::Tick),
             3 => scope().prop_map(Step::Redrive),
@@ -282,7 +320,7 @@ struct Sut {
 
 impl Sut {
     fn new() -> Sut {
-        let (outbox, client) = common::outbox("model");
+        let (outbox, client) = common::outbox_uncut("model");
         let case = outbox.table().rsplit('_').next().unwrap_or("0").to_owned();
         Sut {
             outbox,
@@ -539,27 +577,79 @@ impl Sut {
     }
 
     fn claim(&mut self, rows: u8, small_bytes: bool, ready_only: bool, workers: u8, park: bool) {
-        let request = Claim {
-            rows: rows as usize,
-            bytes: if small_bytes { 40 } else { usize::MAX },
-            lease: LEASE,
-            workers: workers as usize,
-            max_claims: MAX_CLAIMS,
-            park,
-            ready_only,
-            after: None,
-        };
+        let request = claim_request(rows, small_bytes, ready_only, workers, park);
         let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
-        let mut taken: Vec<i64> = claimed
-            .records
-            .iter()
-            .chain(&claimed.dead)
-            .map(|r| r.id)
-            .collect();
-        taken.sort_unstable();
-        if let Err(violation) = self.check_claim(&taken) {
+        if let Err(violation) = self.check_claim(&taken(&claimed)) {
             panic!("{violation}");
         }
+        self.claimed(claimed, park);
+    }
+
+    /// Two relays claim at once, on connections of their own: each takes what is
+    /// allowed as if it claimed first or second, and no aggregate is in both.
+    fn claim_together(&mut self, first: (u8, bool), second: (u8, bool)) {
+        let requests =
+            [first, second].map(|(rows, park)| claim_request(rows, false, false, 2, park));
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let relays: Vec<_> = requests
+            .iter()
+            .cloned()
+            .map(|request| {
+                let (outbox, barrier) = (self.outbox.clone(), barrier.clone());
+                thread::spawn(move || {
+                    let mut client = common::client();
+                    barrier.wait();
+                    hooks::claim(&mut client, &outbox, &request).expect("claim")
+                })
+            })
+            .collect();
+        let claims: Vec<_> = relays
+            .into_iter()
+            .map(|r| r.join().expect("a relay's claim"))
+            .collect();
+        for (claimed, request) in claims.into_iter().zip(requests) {
+            if let Err(violation) = self.check_claim(&taken(&claimed)) {
+                panic!("{violation} (claims at once)");
+            }
+            self.claimed(claimed, request.park);
+        }
+    }
+
+    /// A relay claims while an operator redrives: the claim is what either order allows.
+    fn claim_during_redrive(&mut self, rows: u8, scope: Scope) {
+        let (filter, ids) = self.select(scope, &[Status::Dead, Status::Parked]);
+        if self.waits_for_producer(&ids) {
+            return;
+        }
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let operator = {
+            let (outbox, barrier) = (self.outbox.clone(), barrier.clone());
+            thread::spawn(move || {
+                let mut client = common::client();
+                barrier.wait();
+                outbox.redrive(&mut client, filter).expect("redrive")
+            })
+        };
+        let request = claim_request(rows, false, false, 1, false);
+        barrier.wait();
+        let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
+        let n = operator.join().expect("the operator");
+        assert_eq!(n, ids.len() as u64, "rows redriven");
+        let taken = taken(&claimed);
+        if self.check_claim(&taken).is_ok() {
+            self.claimed(claimed, false);
+            self.redriven(&ids);
+        } else {
+            self.redriven(&ids);
+            if let Err(violation) = self.check_claim(&taken) {
+                panic!("{violation} (a claim during a redrive, in either order)");
+            }
+            self.claimed(claimed, false);
+        }
+    }
+
+    /// The model after a claim the checks allowed.
+    fn claimed(&mut self, claimed: hooks::Claimed, park: bool) {
         let n = self.claims.len();
         let mut ended = HashSet::new();
         for record in &claimed.dead {
@@ -757,8 +847,12 @@ impl Sut {
             .redrive(&mut self.client, filter)
             .expect("redrive");
         assert_eq!(n, ids.len() as u64, "rows redriven");
+        self.redriven(&ids);
+    }
+
+    fn redriven(&mut self, ids: &[i64]) {
         for id in ids {
-            let msg = self.msgs.get_mut(&id).expect("known row");
+            let msg = self.msgs.get_mut(id).expect("known row");
             msg.status = Status::Pending;
             msg.attempts = 0;
             msg.claims = 0;
@@ -929,6 +1023,8 @@ impl StateMachineTest for Sut {
                 pipelined,
                 lost,
             } => sut.finish(claim, &reached, pipelined, lost),
+            Step::ClaimTogether { first, second } => sut.claim_together(first, second),
+            Step::ClaimDuringRedrive { rows, scope } => sut.claim_during_redrive(rows, scope),
             Step::Expire { claim } => sut.expire(claim),
             Step::Tick => sut.tick(),
             Step::Redrive(scope) => sut.redrive(scope),
