@@ -32,6 +32,8 @@ pub struct Claim {
     pub ready_only: bool,
     /// Where the aggregate scan starts: after this key, or at the first.
     pub after: Option<String>,
+    /// Payload bytes the claim's reply carries at most; the rest are read after it.
+    pub inline_bytes: usize,
 }
 
 /// What one claim returned.
@@ -70,8 +72,11 @@ pub fn claim(client: &mut Client, outbox: &Outbox, claim: &Claim) -> Result<Clai
         max_claims: claim.max_claims,
         park: claim.park,
         ready_only: claim.ready_only,
+        inline_bytes: claim.inline_bytes,
     };
-    let claimed = store::claim(&mut Conn::uncached(client), outbox, &request)?;
+    let mut conn = Conn::uncached(client);
+    let mut claimed = store::claim(&mut conn, outbox, &request)?;
+    store::read_all_payloads(&mut conn, outbox, &mut claimed)?;
     Ok(Claimed {
         records: claimed.records,
         dead: claimed.dead.into_iter().map(|(record, _)| record).collect(),

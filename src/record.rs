@@ -91,7 +91,8 @@ impl Record {
             key: row.try_get(1)?,
             topic: row.try_get(2)?,
             aggregate_key: row.try_get(3)?,
-            payload: row.try_get(4)?,
+            // A claim's reply may leave it out (see `store::read_payloads`).
+            payload: row.try_get::<_, Option<Vec<u8>>>(4)?.unwrap_or_default(),
             content_type: row.try_get(5)?,
             headers,
             attempt: u32::try_from(attempt).unwrap_or(0),

@@ -365,7 +365,7 @@ fn record_columns() -> Result<String, RenderError> {
 /// A record as a claim hands it over: its attempt is the one this claim starts (`attempts`
 /// counts the verdicts so far, see migration 0009).
 fn claimed_columns() -> Result<String, RenderError> {
-    render(RECORD_TEMPLATE, &[("attempt", "t.attempts + 1")])
+    render(RECORD_TEMPLATE, &[("attempt", "t.attempts + 1 AS attempt")])
 }
 
 /// Whether a row that dies parks its aggregate: it has one, and its own setting, or else
@@ -569,6 +569,9 @@ pub(crate) struct Statements {
     pub(crate) claim_after: String,
     /// The claim of the ready rows alone, after a producer's notification.
     pub(crate) claim_ready: String,
+    /// The payloads a claim's reply left out: of the rows `$1`, the `$3` bytes from byte
+    /// `$2` on (1 for the first).
+    pub(crate) payload_slices: String,
     pub(crate) record_outcomes: String,
     pub(crate) migrations_table: String,
     pub(crate) applied_versions: String,
@@ -999,6 +1002,10 @@ impl Statements {
             claim: claim(&t, "")?,
             claim_after: claim(&t, "AND b.aggregate_key > $4")?,
             claim_ready: claim_ready(&t)?,
+            // A payload never changes: no fence is needed to read it.
+            payload_slices: values.render(
+                "SELECT id, substring(payload FROM $2 FOR $3) FROM {table} WHERE id = ANY ($1)"
+            )?,
             // Every outcome of a batch in one statement, each row fenced on id + the attempts
             // it had when claimed + still pending + the lease its claim stamped, so a relay
             // whose lease was lost and whose row was claimed since changes nothing, however
@@ -1441,8 +1448,10 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
              CASE WHEN (SELECT count(*) FROM behind) >= $5
                        OR (SELECT count(*) FROM behind WHERE due) >= 2 * $1
                   THEN (SELECT aggregate_key FROM behind ORDER BY n DESC LIMIT 1) END)
-             AS next_cursor)
-         SELECT upd.*, scan.next_cursor, (SELECT n FROM seen) AS seen FROM scan LEFT JOIN upd ON true",
+             AS next_cursor),
+         reply AS ({reply})
+         SELECT reply.*, scan.next_cursor, (SELECT n FROM seen) AS seen
+         FROM scan LEFT JOIN reply ON true",
         &[
             ("table", t),
             ("after", after),
@@ -1451,6 +1460,7 @@ fn claim(t: &str, after: &str) -> Result<String, RenderError> {
             ("bytes", CLAIMED_BYTES),
             ("ready_rows", READY_ROWS),
             ("lease_taken", &lease_taken(t)?),
+            ("reply", CLAIM_REPLY),
         ],
     )
 }
@@ -1498,6 +1508,18 @@ RETURNING {claimed_columns}, t.status, t.claims",
     )
 }
 
+/// The rows a claim leased or finished (`upd`), as the statement returns them: each
+/// payload while the payloads so far, in id order, come to `$10` bytes at most, and none
+/// after that (a claim's reply must arrive within the caller's deadline whatever the link;
+/// the caller reads the rest, `payload_slices`, in statements of their own). The last
+/// column holds the length of a payload left out.
+const CLAIM_REPLY: &str = "SELECT r.id, r.key, r.topic, r.aggregate_key,
+       CASE WHEN r.inline THEN r.payload END AS payload, r.content_type, r.headers,
+       r.attempt, r.max_attempts, r.created_at, r.lease_until, r.park, r.status, r.claims,
+       CASE WHEN NOT r.inline THEN octet_length(r.payload) END AS deferred
+     FROM (SELECT u.*, sum(octet_length(u.payload)) OVER (ORDER BY u.id) <= $10 AS inline
+           FROM upd u) r";
+
 /// The claim of a worker woken by a producer's notification: the ready rows alone (rows
 /// without an aggregate key and heads marked at enqueue, see [`claim`]), oldest due first,
 /// as many as `$1` rows and `$3` bytes allow, under the same lease, with the same columns
@@ -1527,13 +1549,15 @@ fn claim_ready(t: &str) -> Result<String, RenderError> {
              SELECT id, row_number() OVER k AS rank, sum(coalesce(bytes, 0)) OVER k AS total
              FROM ready WINDOW k AS (ORDER BY available_at, id)) p
            WHERE (rank = 1 OR total <= $3) AND NOT (SELECT found FROM runs)),
-         upd AS ({lease_taken})
-         SELECT upd.*, NULL::text AS next_cursor, 0::bigint AS seen FROM upd",
+         upd AS ({lease_taken}),
+         reply AS ({reply})
+         SELECT reply.*, NULL::text AS next_cursor, 0::bigint AS seen FROM reply",
         &[
             ("table", t),
             ("bytes", CLAIMED_BYTES),
             ("ready_rows", READY_ROWS),
             ("lease_taken", &lease_taken(t)?),
+            ("reply", CLAIM_REPLY),
         ],
     )
 }

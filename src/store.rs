@@ -93,6 +93,9 @@ pub(crate) struct ClaimRequest {
     /// Only the ready rows, with no aggregate scan (see `sql::claim_ready`); `after` and
     /// `seen` are then ignored, and the result carries no cursor.
     pub(crate) ready_only: bool,
+    /// Payload bytes the claim's reply carries at most; the rest is left out, for
+    /// [`read_payloads`] (see `sql::CLAIM_REPLY`).
+    pub(crate) inline_bytes: usize,
 }
 
 impl ClaimRequest {
@@ -113,6 +116,7 @@ impl ClaimRequest {
             max_claims,
             park,
             ready_only: false,
+            inline_bytes: usize::MAX,
         }
     }
 }
@@ -135,6 +139,9 @@ pub(crate) struct Claimed {
     pub(crate) cursor: Option<String>,
     /// How many aggregates this claim saw (due or in flight) to size its runs.
     pub(crate) seen: i64,
+    /// The rows whose payloads the reply left out, with their lengths, in id order: their
+    /// records hold an empty payload until [`read_payloads`] fills it.
+    pub(crate) deferred: Vec<(i64, usize)>,
 }
 
 impl Claimed {
@@ -159,6 +166,7 @@ pub(crate) fn claim(
     let lease = micros(request.lease);
     let workers = i32::try_from(request.workers).unwrap_or(i32::MAX).max(1);
     let max_claims = i32::try_from(request.max_claims).unwrap_or(i32::MAX);
+    let inline = i64::try_from(request.inline_bytes).unwrap_or(i64::MAX);
     let sql = outbox.statements();
     let (statement, after) = match &request.after {
         _ if request.ready_only => (&sql.claim_ready, ""),
@@ -178,6 +186,7 @@ pub(crate) fn claim(
                 (&max_claims, Type::INT4),
                 (&request.park, Type::BOOL),
                 (&request.seen, Type::INT8),
+                (&inline, Type::INT8),
             ],
         )
         .map_err(|e| outbox.db_error(e))?;
@@ -185,11 +194,12 @@ pub(crate) fn claim(
     // Each row is dropped once read, so its raw bytes and its Record are not held together.
     for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
-        claimed.cursor = row.try_get(14).map_err(Error::Db)?;
-        claimed.seen = row.try_get(15).map_err(Error::Db)?;
+        claimed.cursor = row.try_get(15).map_err(Error::Db)?;
+        claimed.seen = row.try_get(16).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };
+        let deferred: Option<i32> = row.try_get(14).map_err(Error::Db)?;
         // Dead or parked: claimed more often in a row than `max_claims` allows.
         let dead = row.try_get::<_, &str>(12).map_err(Error::Db)? != "pending";
         if dead {
@@ -203,7 +213,14 @@ pub(crate) fn claim(
                 let claims = row.try_get(13).map_err(Error::Db)?;
                 claimed.dead.push((record, claims));
             }
-            Ok(record) => claimed.records.push(record),
+            Ok(record) => {
+                if let Some(len) = deferred {
+                    claimed
+                        .deferred
+                        .push((id, usize::try_from(len).unwrap_or(0)));
+                }
+                claimed.records.push(record);
+            }
             Err(_) if dead => {}
             Err(e) => {
                 if let Ok(Some(aggregate)) = row.try_get::<_, Option<String>>(3) {
@@ -222,7 +239,108 @@ pub(crate) fn claim(
     }
     // UPDATE .. RETURNING does not keep the claim's order.
     claimed.records.sort_unstable_by_key(|r| r.id);
+    claimed.deferred.sort_unstable();
     Ok(claimed)
+}
+
+/// The most payload bytes one statement reads back after a claim: a reply of this size
+/// crosses a link of 100 kB/s within the shortest statement deadline a relay sets.
+pub(crate) const PAYLOAD_SLICE: usize = 256 << 10;
+
+/// One statement's worth of the payloads a claim left out: whole payloads of several rows,
+/// or a slice of one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PayloadRead {
+    ids: Vec<i64>,
+    /// The first byte read, from 1.
+    from: i32,
+    len: i32,
+}
+
+/// The reads that bring back the payloads `deferred` (ids and lengths, see
+/// [`Claimed::deferred`]), each at most [`PAYLOAD_SLICE`] bytes, a payload longer than that
+/// in slices of its own.
+pub(crate) fn payload_reads(deferred: &[(i64, usize)]) -> Vec<PayloadRead> {
+    let slice = i32::try_from(PAYLOAD_SLICE).unwrap_or(i32::MAX);
+    let mut reads = Vec::new();
+    let mut whole = PayloadRead {
+        ids: Vec::new(),
+        from: 1,
+        len: i32::MAX,
+    };
+    let mut bytes = 0;
+    for &(id, len) in deferred {
+        if len > PAYLOAD_SLICE {
+            reads.extend((0..len.div_ceil(PAYLOAD_SLICE)).map(|k| PayloadRead {
+                ids: vec![id],
+                from: i32::try_from(k * PAYLOAD_SLICE + 1).unwrap_or(i32::MAX),
+                len: slice,
+            }));
+            continue;
+        }
+        if bytes + len > PAYLOAD_SLICE {
+            reads.push(std::mem::replace(
+                &mut whole,
+                PayloadRead {
+                    ids: Vec::new(),
+                    from: 1,
+                    len: i32::MAX,
+                },
+            ));
+            bytes = 0;
+        }
+        whole.ids.push(id);
+        bytes += len;
+    }
+    if !whole.ids.is_empty() {
+        reads.push(whole);
+    }
+    reads
+}
+
+/// Runs one read of [`payload_reads`]: the ids and the bytes it brought back.
+pub(crate) fn read_payloads(
+    conn: &mut Conn<'_, impl GenericClient>,
+    outbox: &Outbox,
+    read: &PayloadRead,
+) -> Result<Vec<(i64, Vec<u8>)>> {
+    let rows = conn
+        .query(
+            &outbox.statements().payload_slices,
+            &[
+                (&read.ids, Type::INT8_ARRAY),
+                (&read.from, Type::INT4),
+                (&read.len, Type::INT4),
+            ],
+        )
+        .map_err(|e| outbox.db_error(e))?;
+    rows.iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect::<Result<_, postgres::Error>>()
+        .map_err(Error::Db)
+}
+
+/// Appends what reads brought back to the payloads of `records` (the reads of one payload
+/// come in order).
+pub(crate) fn append_payloads(records: &mut [Record], pieces: Vec<(i64, Vec<u8>)>) {
+    for (id, bytes) in pieces {
+        if let Some(record) = records.iter_mut().find(|r| r.id == id) {
+            record.payload.extend_from_slice(&bytes);
+        }
+    }
+}
+
+/// Every payload the claim left out, read on the caller's connection.
+pub(crate) fn read_all_payloads(
+    conn: &mut Conn<'_, impl GenericClient>,
+    outbox: &Outbox,
+    claimed: &mut Claimed,
+) -> Result<()> {
+    for read in payload_reads(&std::mem::take(&mut claimed.deferred)) {
+        let pieces = read_payloads(conn, outbox, &read)?;
+        append_payloads(&mut claimed.records, pieces);
+    }
+    Ok(())
 }
 
 /// What one `record` call changed.
@@ -319,6 +437,36 @@ pub(crate) fn record(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn payload_reads_group_small_payloads_and_slice_large_ones() {
+        let slice = PAYLOAD_SLICE;
+        let reads = payload_reads(&[
+            (1, 100),
+            (2, slice - 100),
+            (3, 1),
+            (4, slice * 2 + 1),
+            (5, slice),
+        ]);
+        let at = |ids: &[i64], from: usize, len: usize| PayloadRead {
+            ids: ids.to_vec(),
+            from: i32::try_from(from).unwrap(),
+            len: i32::try_from(len).unwrap(),
+        };
+        let max = i32::MAX as usize;
+        assert_eq!(
+            reads,
+            [
+                at(&[1, 2], 1, max),
+                at(&[4], 1, slice),
+                at(&[4], 1 + slice, slice),
+                at(&[4], 1 + 2 * slice, slice),
+                at(&[3], 1, max),
+                at(&[5], 1, max),
+            ]
+        );
+        assert!(payload_reads(&[]).is_empty());
+    }
 
     #[test]
     fn storable_replaces_nul_and_caps_length() {

@@ -542,3 +542,66 @@ fn a_consumer_whose_commit_stalls_gives_the_connection_up_and_the_effect_happens
     assert_eq!(effects, 1, "the handler's effect happened exactly once");
     broker.delete_queue(&queue);
 }
+
+/// Issue 49, item 4: a claim whose reply takes longer than the relay's deadline for a
+/// statement (large payloads over a slow link, which a pooler buffers: the server commits
+/// the claim at once) was given up as stalled although it committed, every claim again,
+/// until `max_claims` made the rows dead letters. The reply now carries what crosses the
+/// slowest link in time, and the rest of the payloads come in statements of their own.
+#[test]
+fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
+    const ROWS: usize = 6;
+    const PAYLOAD: usize = 1 << 20;
+    let node = PgNode::start();
+    // A 12 s lease: the relay waits 5 s for a statement (`statement_bound`); the claim's
+    // reply of 6 MiB at 1 MB/s would take 6 s.
+    let (outbox, mut client) = outbox_on(&node, Duration::from_secs(12));
+    let proxy = Faulty::to(&node.address());
+    let publisher = Held::new();
+    publisher.gate.open();
+    let relay = Relay::spawn(
+        relay_to(
+            &format!("postgres://postgres@{}/postgres", proxy.address()),
+            &outbox,
+            publisher.clone(),
+        )
+        .max_claims(2)
+        .concurrency(1),
+    )
+    .expect("spawn the relay");
+    // One message through first: the worker's connection is open (opening one has a
+    // deadline of its own) before the link slows down.
+    enqueue(&mut client, &outbox, 1);
+    wait_until("the first message is sent", || {
+        count(&mut client, "status = 'sent'") == 1
+    });
+    proxy.set(Mode::Throttle(1_000_000));
+    // Random bytes: stored as they are, not compressed to nothing.
+    let payloads: Vec<Vec<u8>> = (0..ROWS)
+        .map(|_| (0..PAYLOAD).map(|_| rand::random::<u8>()).collect())
+        .collect();
+    let mut tx = client.transaction().expect("begin");
+    for (i, payload) in payloads.iter().enumerate() {
+        let message = Message::new("t", payload.clone()).key(format!("big-{i}"));
+        outbox.enqueue(&mut tx, message).expect("enqueue");
+    }
+    tx.commit().expect("commit");
+    wait_until("every message is sent or dead", || {
+        count(&mut client, "status <> 'pending'") == 1 + ROWS as i64
+    });
+    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+    assert_all_sent_once(&mut client, 1 + ROWS);
+    for (i, payload) in payloads.iter().enumerate() {
+        let key = format!("big-{i}");
+        let published = publisher
+            .sink
+            .records()
+            .into_iter()
+            .find(|r| r.key == key)
+            .expect("published");
+        assert!(
+            published.payload == *payload,
+            "{key}'s payload arrived whole"
+        );
+    }
+}

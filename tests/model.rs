@@ -183,6 +183,8 @@ fn claim_request(rows: u8, small_bytes: bool, ready_only: bool, workers: u8, par
     Claim {
         rows: rows as usize,
         bytes: if small_bytes { 40 } else { usize::MAX },
+        // A small budget reads most payloads after the claim, in statements of their own.
+        inline_bytes: if small_bytes { 20 } else { usize::MAX },
         lease: LEASE,
         workers: workers as usize,
         max_claims: MAX_CLAIMS,
@@ -675,6 +677,11 @@ impl Sut {
         }
         for record in &claimed.records {
             let msg = self.msgs.get_mut(&record.id).expect("known row");
+            assert_eq!(
+                record.payload,
+                msg.key.as_bytes(),
+                "the payload handed over"
+            );
             msg.claims += 1;
             msg.owner = Some(n);
             assert_eq!(

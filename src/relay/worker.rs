@@ -159,6 +159,19 @@ pub(crate) fn statement_bound(lease: Duration) -> Duration {
     timeout + (timeout / 2).max(Duration::from_secs(2))
 }
 
+/// The slowest link a relay expects to the database, in bytes a second: a statement's
+/// reply is kept small enough to cross it within the statement's bound.
+const SLOWEST_LINK: f64 = 100_000.0;
+
+/// The payload bytes a claim's reply carries at most: what crosses the slowest link within
+/// the statement's bound (about 1.1 MB at the default lease). A claim reply that took
+/// longer would be given up as stalled although the claim committed, and every claim of
+/// those rows again, until `max_claims` made them dead letters: the rest of the payloads
+/// are read in statements of their own (`store::read_payloads`).
+pub(crate) fn inline_bytes(lease: Duration) -> usize {
+    (statement_bound(lease).as_secs_f64() * SLOWEST_LINK) as usize
+}
+
 impl<'a> Worker<'a> {
     /// A worker on `config`, named `name` in its logs and its connection's thread.
     pub(crate) fn new(
@@ -269,7 +282,7 @@ impl<'a> Worker<'a> {
             }
         }
         let claimed_at = Instant::now();
-        let claimed = match self.claim() {
+        let mut claimed = match self.claim() {
             Ok(claimed) => claimed,
             Err(e) if e.is_not_migrated() => return Err(e),
             Err(e) => {
@@ -303,6 +316,25 @@ impl<'a> Worker<'a> {
         let deadline = claimed_at + config.lease;
         let claimed_ordered = claimed.records.iter().any(|r| r.aggregate_key.is_some());
         let mut outcomes = self.finish_unpublishable(&claimed);
+        if let Err(e) = self.read_payloads(&mut claimed) {
+            // A fault of the world: the rows go back uncharged, claims included.
+            self.db_failures += 1;
+            let pause = reconnect_delay(self.db_failures);
+            log::warn!(
+                "outbox {}: reading the payloads of {n} claimed rows failed, handing them                  back and retrying in {pause:?}: {e}",
+                config.outbox.table()
+            );
+            control.released(claimed.records.len());
+            config.metrics.released(claimed.records.len());
+            outcomes.extend(
+                claimed
+                    .records
+                    .iter()
+                    .map(|r| (r.fence(), Outcome::Release)),
+            );
+            self.record(&outcomes, control)?;
+            return Ok(Cycle::Pause(pause, e));
+        }
         let published_at = Instant::now();
         let claim_took = published_at - claimed_at;
         let pause = self.publish(
@@ -378,6 +410,19 @@ impl<'a> Worker<'a> {
         }
     }
 
+    /// Reads the payloads the claim's reply left out, each read a statement of its own
+    /// with the session's deadline.
+    fn read_payloads(&mut self, claimed: &mut Claimed) -> Result<()> {
+        for read in store::payload_reads(&std::mem::take(&mut claimed.deferred)) {
+            let outbox = self.config.outbox.clone();
+            let pieces = self
+                .session
+                .run(move |conn| store::read_payloads(conn, &outbox, &read))?;
+            store::append_payloads(&mut claimed.records, pieces);
+        }
+        Ok(())
+    }
+
     /// The next full claim: from the cursor, runs sized by the lap when confirms took the
     /// time.
     fn claim_request(&self) -> ClaimRequest {
@@ -392,6 +437,7 @@ impl<'a> Worker<'a> {
             max_claims: config.retry.max_claims,
             park: config.park,
             ready_only: false,
+            inline_bytes: inline_bytes(config.lease),
         }
     }
 

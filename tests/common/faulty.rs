@@ -1,6 +1,7 @@
 //! A TCP proxy that misbehaves on demand, in front of any server: it stalls with its sockets
 //! open (a hung pooler), forwards requests but drops the replies (a lost answer), or refuses
-//! connections (a server that is down), and counts the connections made through it.
+//! connections (a server that is down), or passes replies slowly through a buffer (a slow
+//! link), and counts the connections made through it.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -24,6 +25,9 @@ pub enum Mode {
     DropRepliesFrom(&'static str),
     /// Closes every connection it holds, and every new one as soon as it is accepted.
     Refuse,
+    /// Forwards both ways, the replies at this many bytes a second, buffered: the server's
+    /// writes finish at once, as through a pooler on a slow link.
+    Throttle(usize),
 }
 
 pub struct Faulty {
@@ -135,6 +139,26 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
     let state = state.clone();
     // Reads wake up now and then, so a stall takes hold even while nothing is sent.
     let _ = from.set_read_timeout(Some(Duration::from_millis(50)));
+    // Replies are written on a thread of their own, from a buffer, so that a throttled
+    // link still reads the server's writes as they come.
+    let (replies, buffered) = crossbeam_channel::unbounded::<Vec<u8>>();
+    let mut writer = None;
+    if reply {
+        let (mut to, state) = (
+            to.try_clone().expect("clone the client's socket"),
+            state.clone(),
+        );
+        writer = Some(thread::spawn(move || {
+            for chunk in buffered {
+                if to.write_all(&chunk).is_err() {
+                    break;
+                }
+                if let Mode::Throttle(rate) = state.mode() {
+                    thread::sleep(Duration::from_secs_f64(chunk.len() as f64 / rate as f64));
+                }
+            }
+        }));
+    }
     thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
         let mut statements = Statements::default();
@@ -165,8 +189,27 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
                 Mode::DropReplies if reply => continue,
                 _ => {}
             }
-            if to.write_all(&buf[..n]).is_err() {
+            if reply {
+                let chunks = buf[..n].chunks(match state.mode() {
+                    // Small writes, so the rate holds within a reply too.
+                    Mode::Throttle(rate) => (rate / 20).max(1),
+                    _ => n,
+                });
+                if chunks
+                    .map(|c| replies.send(c.to_vec()))
+                    .any(|sent| sent.is_err())
+                {
+                    break;
+                }
+            } else if to.write_all(&buf[..n]).is_err() {
                 break;
+            }
+        }
+        // What the server sent before it closed still reaches the client, unless refused.
+        drop(replies);
+        if state.mode() != Mode::Refuse {
+            if let Some(writer) = writer {
+                let _ = writer.join();
             }
         }
         let _ = from.shutdown(Shutdown::Both);
