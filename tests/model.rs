@@ -100,6 +100,10 @@ enum Step {
         n: u8,
         end: End,
         park: Option<bool>,
+        /// Through `enqueue_all`, a batch each side of the savepoint.
+        all: bool,
+        /// Due in an hour: only `Tick` makes them due.
+        delayed: bool,
     },
     /// A producer enqueues and holds its transaction open across steps.
     Open {
@@ -221,8 +225,11 @@ impl ReferenceStateMachine for Reference {
     fn transitions(_: &()) -> BoxedStrategy<Step> {
         prop_oneof![
             6 => (aggregate(), 1..4u8, prop_oneof![6 => Just(End::Commit), 1 => Just(End::Rollback), 1 => Just(End::Savepoint)],
-                  prop_oneof![2 => Just(None), 1 => any::<bool>().prop_map(Some)])
-                .prop_map(|(aggregate, n, end, park)| Step::Produce { aggregate, n, end, park }),
+                  prop_oneof![2 => Just(None), 1 => any::<bool>().prop_map(Some)],
+                  prop::bool::weighted(0.3), prop::bool::weighted(0.1))
+                .prop_map(|(aggregate, n, end, park, all, delayed)| Step::Produce {
+                    aggregate, n, end, park, all, delayed
+                }),
             1 => (aggregate(), 1..3u8).prop_map(|(aggregate, n)| Step::Open { aggregate, n }),
             1 => any::<bool>().prop_map(|commit| Step::Close { commit }),
             1 => (0..AGGREGATES, 1..3u8).prop_map(|(aggregate, n)| Step::Race { aggregate, n }),
@@ -394,27 +401,52 @@ impl Sut {
                 .any(|o| o.aggregate.as_deref() == aggregate)
     }
 
-    fn produce(&mut self, aggregate: Option<u8>, n: u8, end: End, park: Option<bool>) {
+    fn produce(&mut self, step: Step) {
+        let Step::Produce {
+            aggregate,
+            n,
+            end,
+            park,
+            all,
+            delayed,
+        } = step
+        else {
+            return;
+        };
         let aggregate = aggregate.map(|a| format!("a{a}"));
         if self.aggregate_open(aggregate.as_deref()) {
             return; // it would wait for the open transaction's lock
         }
         let messages: Vec<_> = (0..n)
-            .map(|_| self.message(aggregate.as_deref(), park))
+            .map(|_| {
+                let (message, key) = self.message(aggregate.as_deref(), park);
+                match delayed {
+                    true => (message.delay(LATER), key),
+                    false => (message, key),
+                }
+            })
             .collect();
         let mut tx = self.client.transaction().expect("begin");
         let kept = match end {
             End::Savepoint => (n as usize).div_ceil(2),
             _ => n as usize,
         };
-        let mut keys = Vec::new();
-        for (i, (message, key)) in messages.into_iter().enumerate() {
-            if i == kept {
+        let keys: Vec<String> = messages.iter().map(|(_, key)| key.clone()).collect();
+        let mut messages: Vec<Message> = messages.into_iter().map(|(m, _)| m).collect();
+        let rest = messages.split_off(kept);
+        for (i, part) in [messages, rest].into_iter().enumerate() {
+            if i == 1 && !part.is_empty() {
                 tx.batch_execute("SAVEPOINT rest").expect("savepoint");
             }
-            self.outbox.enqueue(&mut tx, message).expect("enqueue");
-            keys.push(key);
+            if all {
+                self.outbox.enqueue_all(&mut tx, part).expect("enqueue_all");
+            } else {
+                for message in part {
+                    self.outbox.enqueue(&mut tx, message).expect("enqueue");
+                }
+            }
         }
+        let mut keys = keys;
         match end {
             End::Rollback => {
                 tx.rollback().expect("rollback");
@@ -1012,12 +1044,7 @@ impl StateMachineTest for Sut {
 
     fn apply(mut sut: Sut, _: &(), step: Step) -> Sut {
         match step {
-            Step::Produce {
-                aggregate,
-                n,
-                end,
-                park,
-            } => sut.produce(aggregate, n, end, park),
+            step @ Step::Produce { .. } => sut.produce(step),
             Step::Open { aggregate, n } => sut.open(aggregate, n),
             Step::Close { commit } => sut.close(commit),
             Step::Race { aggregate, n } => sut.race(aggregate, n),
@@ -1088,6 +1115,18 @@ prop_state_machine! {
 }
 
 impl Sut {
+    /// `n` messages of aggregate `a<aggregate>` committed, one enqueue each.
+    fn commit(&mut self, aggregate: u8, n: u8) {
+        self.produce(Step::Produce {
+            aggregate: Some(aggregate),
+            n,
+            end: End::Commit,
+            park: None,
+            all: false,
+            delayed: false,
+        });
+    }
+
     /// The ids the last claim leased.
     fn last_claimed(&self) -> Vec<i64> {
         let claim = self.claims.last().expect("a claim");
@@ -1115,7 +1154,7 @@ impl Sut {
 #[test]
 fn a_parked_message_ends_the_run_of_a_redriven_one() {
     let mut sut = Sut::new();
-    sut.produce(Some(0), 3, End::Commit, None);
+    sut.commit(0, 3);
     let [d, _p, u] = sut.ids_of(0)[..] else {
         panic!("three messages")
     };
@@ -1140,7 +1179,7 @@ fn a_parked_message_ends_the_run_of_a_redriven_one() {
 #[test]
 fn a_parked_message_in_the_middle_of_a_run_ends_it() {
     let mut sut = Sut::new();
-    sut.produce(Some(0), 4, End::Commit, None);
+    sut.commit(0, 4);
     let ids = sut.ids_of(0);
     sut.claim(4, false, false, 1, true);
     assert_eq!(sut.last_claimed(), ids, "one run of four");
@@ -1167,10 +1206,10 @@ fn a_parked_message_in_the_middle_of_a_run_ends_it() {
 #[test]
 fn a_redriven_message_waits_for_the_later_ones_in_flight() {
     let mut sut = Sut::new();
-    sut.produce(Some(0), 1, End::Commit, None);
+    sut.commit(0, 1);
     sut.claim(1, false, false, 1, false);
     sut.finish_claim(0, &[Reached::Dead]);
-    sut.produce(Some(0), 2, End::Commit, None);
+    sut.commit(0, 2);
     let [d, h, i] = sut.ids_of(0)[..] else {
         panic!("three messages")
     };
@@ -1196,10 +1235,10 @@ fn a_redriven_message_waits_for_the_later_ones_in_flight() {
 #[test]
 fn a_message_retried_behind_a_redriven_one_goes_after_it() {
     let mut sut = Sut::new();
-    sut.produce(Some(0), 1, End::Commit, None);
+    sut.commit(0, 1);
     sut.claim(1, false, false, 1, false);
     sut.finish_claim(0, &[Reached::Dead]);
-    sut.produce(Some(0), 1, End::Commit, None);
+    sut.commit(0, 1);
     let [d, h] = sut.ids_of(0)[..] else {
         panic!("two messages")
     };
