@@ -575,8 +575,9 @@ impl Outbox {
     /// aggregates may move now. A skip is one statement over the parked dead letters that
     /// match. A redrive (`Some(lock, hold)`) first locks the aggregates of the dead letters
     /// that match against their producers (`lock` returns them), then touches what the
-    /// redriven rows go ahead of (`hold`, given them as `$6`, returns the aggregates and
-    /// the first redriven id of each), then updates (given those as `$6` and `$7`); see
+    /// redriven rows go ahead of (`hold`, given them as `$6`, returns the aggregates, the
+    /// first redriven id of each and when what is in flight of each ends), then updates
+    /// (given those as `$6`, `$7` and `$8`); see
     /// `sql::redrive_hold` for why in three statements. READ COMMITTED whatever the
     /// session's default: each statement's snapshot must come after the one before it, to
     /// see what the aggregates' producers and claims committed meanwhile.
@@ -599,13 +600,31 @@ impl Outbox {
                     .query_one(lock, &params)
                     .map_err(|e| self.db_error(e))?
                     .get(0);
-                let held = tx
-                    .query_one(hold, &[&keys, &topic, &error, &age, &states, &locked])
-                    .map_err(|e| self.db_error(e))?;
-                let (aggregates, firsts): (Vec<String>, Vec<i64>) = (held.get(0), held.get(1));
+                // Again while a message it waited for got its outcome meanwhile: it then
+                // touches the one after it. (Each outcome ends a message: this ends.)
+                let held = loop {
+                    let held = tx
+                        .query_one(hold, &[&keys, &topic, &error, &age, &states, &locked])
+                        .map_err(|e| self.db_error(e))?;
+                    if held.try_get::<_, bool>(3).map_err(Error::Db)? {
+                        break held;
+                    }
+                };
+                let aggregates: Vec<String> = held.try_get(0).map_err(Error::Db)?;
+                let firsts: Vec<i64> = held.try_get(1).map_err(Error::Db)?;
+                let untils: Vec<Option<SystemTime>> = held.try_get(2).map_err(Error::Db)?;
                 tx.execute(
                     update,
-                    &[&keys, &topic, &error, &age, &states, &aggregates, &firsts],
+                    &[
+                        &keys,
+                        &topic,
+                        &error,
+                        &age,
+                        &states,
+                        &aggregates,
+                        &firsts,
+                        &untils,
+                    ],
                 )
             }
             None => tx.execute(update, &params),

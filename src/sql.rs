@@ -287,54 +287,66 @@ const RECORD_TEMPLATE: &str = "t.id, t.key, t.topic, t.aggregate_key, t.payload,
 const REDRIVEN: &str =
     "{filter} AND (t.aggregate_key IS NULL OR t.aggregate_key = ANY ($6::text[]))";
 
-/// Before a redrive: every later message still pending or parked of a redriven aggregate,
-/// touched. The touch waits for claims that hold one of them, and a claim whose snapshot
-/// predates it passes them over (it locks the version it read, see [`claim`]), so once the
-/// redrive commits no claim takes them ahead of the redriven messages. A row after them
-/// that was marked the head while they were dead is the head no longer. Returns the
-/// aggregates touched and the first redriven id of each: the redrive that follows takes the
-/// rows of those aggregates from there on only (see [`redrive`]).
+/// Before a redrive: for each redriven aggregate, the first message still pending or parked
+/// after its first redriven letter, touched. Every claim's run that would cross the letter
+/// holds that message: the touch waits for a claim that holds it, and a claim whose
+/// snapshot predates the touch passes it over (it locks the version it read, see
+/// [`claim`]) and so ends its run before it. So once the redrive commits, no claim takes
+/// a message ahead of the letters it makes pending. (A marked head after the letter is that
+/// message, and is the head no longer.) Returns the aggregates, the first redriven id of
+/// each, when the lease of the message touched ends if it is in flight (its run's: they
+/// were claimed together), and whether every aggregate's message was touched: one that got
+/// its outcome while the touch waited for it was not, and the hold runs again, in a new
+/// snapshot, to touch the message after it.
 fn redrive_hold() -> String {
+    let next = |marked: &str| {
+        format!(
+            "(SELECT min(o.id) FROM {{table}} o
+              WHERE {marked} o.head AND o.aggregate_key = f.aggregate_key AND o.id > f.id
+                AND o.status IN ('pending', 'parked'))"
+        )
+    };
+    // Marked and unmarked apart: each is a descent of the ordered index.
+    let (unmarked, marked) = (next("NOT"), next(""));
     format!(
         "WITH f AS (
            SELECT t.aggregate_key, min(t.id) AS id FROM {{table}} t
            WHERE {REDRIVEN} AND t.aggregate_key IS NOT NULL GROUP BY t.aggregate_key),
+         n AS (SELECT f.aggregate_key, f.id, least({unmarked}, {marked}) AS next FROM f),
          touched AS (
-           UPDATE {{table}} o SET head = false FROM f
-           WHERE o.aggregate_key = f.aggregate_key AND o.id > f.id
-             AND o.status IN ('pending', 'parked'))
-         SELECT ARRAY(SELECT aggregate_key::text FROM f ORDER BY aggregate_key),
-                ARRAY(SELECT id FROM f ORDER BY aggregate_key)"
+           UPDATE {{table}} o SET head = false FROM n
+           WHERE o.id = n.next AND o.status IN ('pending', 'parked')
+           RETURNING o.aggregate_key,
+                     CASE WHEN o.status = 'pending' AND o.lease_until IS NOT NULL
+                               AND o.available_at > now() THEN o.available_at END AS until)
+         SELECT ARRAY(SELECT aggregate_key::text FROM n ORDER BY aggregate_key),
+                ARRAY(SELECT id FROM n ORDER BY aggregate_key),
+                ARRAY(SELECT x.until FROM n LEFT JOIN touched x USING (aggregate_key)
+                      ORDER BY n.aggregate_key),
+                (SELECT count(*) FROM n WHERE next IS NOT NULL) = (SELECT count(*) FROM touched)"
     )
 }
 
-/// The dead letters a redrive makes pending once [`redrive_hold`] touched what they go
-/// ahead of: those `{filter}` selects, of no aggregate, or of an aggregate the hold
-/// returned ($6) from its first redriven id ($7) on. A row of an aggregate that died
-/// before its first since the hold's snapshot may have rows after it the hold did not
-/// touch: it waits for the next redrive.
-const REDRIVEN_HELD: &str = "{filter} AND (t.aggregate_key IS NULL OR EXISTS (
-       SELECT 1 FROM unnest($6::text[], $7::bigint[]) h(aggregate_key, id)
-       WHERE h.aggregate_key = t.aggregate_key AND t.id >= h.id))";
-
-/// The redrive of the dead letters `REDRIVEN_HELD` selects, with `more` (statements of the
-/// WITH, each ending with a comma) beside it. A redriven message of an aggregate whose
-/// later messages are in flight (claimed before the hold touched them) waits until their
-/// leases end: they finish first, or their relay is gone. Run after the hold, in a
-/// snapshot of its own, so it sees the leases of the claims the hold waited for.
+/// The redrive of the dead letters `{filter}` selects once [`redrive_hold`] touched what they
+/// go ahead of, with `more` (statements of the WITH, each after a comma, reading the ids
+/// in `redriven`) beside it: of no aggregate, or of an aggregate the hold returned
+/// ($6) from its first redriven id ($7) on. A letter of an aggregate that died before that
+/// first since the hold's snapshot may have messages after it the hold did not touch: it
+/// waits for the next redrive. A letter of an aggregate whose messages after it are in
+/// flight waits until their lease ends ($8): they finish first, or their relay is gone.
 fn redrive(more: &str) -> String {
     format!(
-        "WITH {more}
-         busy AS (
-           SELECT p.aggregate_key, max(p.available_at) AS until FROM {{table}} p
-           WHERE p.aggregate_key = ANY ($6::text[]) AND p.status = 'pending'
-             AND p.lease_until IS NOT NULL AND p.available_at > now()
-           GROUP BY p.aggregate_key)
+        "WITH h AS (
+           SELECT * FROM unnest($6::text[], $7::bigint[], $8::timestamptz[])
+             AS h(aggregate_key, id, until)),
+         redriven AS (
+           SELECT t.id, h.until FROM {{table}} t
+           LEFT JOIN h ON h.aggregate_key = t.aggregate_key
+           WHERE {{filter}} AND (t.aggregate_key IS NULL OR t.id >= h.id)){more}
          UPDATE {{table}} t SET status = 'pending', attempts = 0, claims = 0,
-                              available_at = greatest(now(), (SELECT b.until FROM busy b
-                                                             WHERE b.aggregate_key = t.aggregate_key)),
+                              available_at = greatest(now(), r.until),
                               lease_until = NULL, done_at = NULL, head = false
-         WHERE {REDRIVEN_HELD}"
+         FROM redriven r WHERE t.id = r.id"
     )
 }
 
@@ -871,15 +883,15 @@ impl Statements {
             // it reads its rows, must wait for this transaction or be waited for. Locked in
             // their order, as a purge locks them, so the two never wait for each other in
             // a cycle.
-            redrive_partitioned: values.render(&redrive(&format!(
-                "unquiet AS (
-                   UPDATE {{partitions}} p SET quiet_at = NULL, dead = NULL
-                   WHERE p.n IN (SELECT q.n FROM {{partitions}} q
+            redrive_partitioned: values.render(&redrive(
+                ",
+                 unquiet AS (
+                   UPDATE {partitions} p SET quiet_at = NULL, dead = NULL
+                   WHERE p.n IN (SELECT q.n FROM {partitions} q
                                  WHERE q.closed_at IS NOT NULL AND q.settled_at IS NULL
-                                   AND q.n IN (SELECT t.id >> {{id_bits}} FROM {{table}} t
-                                               WHERE {REDRIVEN_HELD})
-                                 ORDER BY q.n FOR UPDATE)),"
-            )))?,
+                                   AND q.n IN (SELECT r.id >> {id_bits} FROM redriven r)
+                                 ORDER BY q.n FOR UPDATE))",
+            ))?,
             skip_where: values.render("UPDATE {table} t SET status = 'dead' WHERE {filter}")?,
             // One bounded batch of finished rows in the states $5, oldest first; the sent
             // counter (slot $6) goes down by the sent rows deleted.
@@ -1510,14 +1522,15 @@ RETURNING {claimed_columns}, t.status, t.claims",
 
 /// The rows a claim leased or finished (`upd`), as the statement returns them: each
 /// payload while the payloads so far, in id order, come to `$10` bytes at most, and none
-/// after that (a claim's reply must arrive within the caller's deadline whatever the link;
+/// after that but those of rows that died at the claim (rare, and told to metrics whole) (a claim's reply must arrive within the caller's deadline whatever the link;
 /// the caller reads the rest, `payload_slices`, in statements of their own). The last
 /// column holds the length of a payload left out.
 const CLAIM_REPLY: &str = "SELECT r.id, r.key, r.topic, r.aggregate_key,
        CASE WHEN r.inline THEN r.payload END AS payload, r.content_type, r.headers,
        r.attempt, r.max_attempts, r.created_at, r.lease_until, r.park, r.status, r.claims,
        CASE WHEN NOT r.inline THEN octet_length(r.payload) END AS deferred
-     FROM (SELECT u.*, sum(octet_length(u.payload)) OVER (ORDER BY u.id) <= $10 AS inline
+     FROM (SELECT u.*, u.status <> 'pending'
+                       OR sum(octet_length(u.payload)) OVER (ORDER BY u.id) <= $10 AS inline
            FROM upd u) r";
 
 /// The claim of a worker woken by a producer's notification: the ready rows alone (rows

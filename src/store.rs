@@ -330,17 +330,49 @@ pub(crate) fn append_payloads(records: &mut [Record], pieces: Vec<(i64, Vec<u8>)
     }
 }
 
+/// Takes out of `records` (in id order) those whose payloads `deferred` says are longer than
+/// what they hold (reads not made, or rows gone), with every later record of their
+/// aggregates: they must not go out ahead of them.
+pub(crate) fn take_incomplete(records: &mut Vec<Record>, deferred: &[(i64, usize)]) -> Vec<Record> {
+    let expected: HashMap<i64, usize> = deferred.iter().copied().collect();
+    let mut stopped: HashSet<String> = HashSet::new();
+    let (back, kept): (Vec<Record>, Vec<Record>) =
+        std::mem::take(records).into_iter().partition(|record| {
+            let whole = expected
+                .get(&record.id)
+                .is_none_or(|&len| record.payload.len() == len);
+            let behind = record
+                .aggregate_key
+                .as_ref()
+                .is_some_and(|a| stopped.contains(a));
+            if !whole || behind {
+                stopped.extend(record.aggregate_key.clone());
+            }
+            !whole || behind
+        });
+    *records = kept;
+    back
+}
+
 /// Every payload the claim left out, read on the caller's connection.
 pub(crate) fn read_all_payloads(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    for read in payload_reads(&std::mem::take(&mut claimed.deferred)) {
+    let deferred = std::mem::take(&mut claimed.deferred);
+    for read in payload_reads(&deferred) {
         let pieces = read_payloads(conn, outbox, &read)?;
         append_payloads(&mut claimed.records, pieces);
     }
-    Ok(())
+    if take_incomplete(&mut claimed.records, &deferred).is_empty() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "claim",
+            "a payload left out of the claim's reply could not be read whole",
+        ))
+    }
 }
 
 /// What one `record` call changed.
@@ -466,6 +498,26 @@ mod tests {
             ]
         );
         assert!(payload_reads(&[]).is_empty());
+    }
+
+    #[test]
+    fn incomplete_payloads_go_back_with_the_rest_of_their_aggregates() {
+        let record = |id: i64, aggregate: Option<&str>, payload: &[u8]| Record {
+            payload: payload.to_vec(),
+            ..Record::for_tests(id, "t", aggregate)
+        };
+        let mut records = vec![
+            record(1, Some("a"), b"x"),
+            record(2, Some("a"), b""),
+            record(3, Some("a"), b"zz"),
+            record(4, Some("b"), b"yy"),
+            record(5, None, b""),
+            record(6, None, b"w"),
+        ];
+        let back = take_incomplete(&mut records, &[(2, 1), (4, 2), (5, 3), (6, 1)]);
+        let ids = |records: &[Record]| records.iter().map(|r| r.id).collect::<Vec<_>>();
+        assert_eq!(ids(&back), [2, 3, 5]);
+        assert_eq!(ids(&records), [1, 4, 6]);
     }
 
     #[test]

@@ -605,3 +605,50 @@ fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
         );
     }
 }
+
+/// Issue 49, item 4, when the payloads take longer than half the lease to read: the rows
+/// whose payloads arrived go out, the others go back uncharged and come in the next
+/// claims (read whole, the batch outlived its lease and went back entire, claim after
+/// claim, and nothing was ever published).
+#[test]
+fn payloads_slower_than_half_the_lease_go_out_over_several_claims() {
+    const ROWS: usize = 6;
+    const PAYLOAD: usize = 1 << 20;
+    let node = PgNode::start();
+    // A 12 s lease, 6 s for the payloads: about two of the six at 400 kB/s.
+    let (outbox, mut client) = outbox_on(&node, Duration::from_secs(12));
+    let proxy = Faulty::to(&node.address());
+    let publisher = Held::new();
+    publisher.gate.open();
+    let relay = Relay::spawn(
+        relay_to(
+            &format!("postgres://postgres@{}/postgres", proxy.address()),
+            &outbox,
+            publisher.clone(),
+        )
+        .max_claims(2)
+        .concurrency(1),
+    )
+    .expect("spawn the relay");
+    enqueue(&mut client, &outbox, 1);
+    wait_until("the first message is sent", || {
+        count(&mut client, "status = 'sent'") == 1
+    });
+    proxy.set(Mode::Throttle(400_000));
+    let mut tx = client.transaction().expect("begin");
+    for i in 0..ROWS {
+        let payload: Vec<u8> = (0..PAYLOAD).map(|_| rand::random::<u8>()).collect();
+        let message = Message::new("t", payload).key(format!("big-{i}"));
+        outbox.enqueue(&mut tx, message).expect("enqueue");
+    }
+    tx.commit().expect("commit");
+    wait_until("every message is sent or dead", || {
+        count(&mut client, "status <> 'pending'") == 1 + ROWS as i64
+    });
+    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
+    assert_all_sent_once(&mut client, 1 + ROWS);
+    assert!(
+        publisher.began() > 2,
+        "the payloads went out over several claims"
+    );
+}

@@ -316,24 +316,40 @@ impl<'a> Worker<'a> {
         let deadline = claimed_at + config.lease;
         let claimed_ordered = claimed.records.iter().any(|r| r.aggregate_key.is_some());
         let mut outcomes = self.finish_unpublishable(&claimed);
-        if let Err(e) = self.read_payloads(&mut claimed) {
-            // A fault of the world: the rows go back uncharged, claims included.
-            self.db_failures += 1;
-            let pause = reconnect_delay(self.db_failures);
-            log::warn!(
-                "outbox {}: reading the payloads of {n} claimed rows failed, handing them                  back and retrying in {pause:?}: {e}",
-                config.outbox.table()
+        // Half the lease for the payloads: the rest is the publisher's.
+        let back = match self.read_payloads(&mut claimed, claimed_at + config.lease / 2) {
+            Ok(back) => back,
+            Err(e) => {
+                // A fault of the world: the rows go back uncharged, claims included.
+                self.db_failures += 1;
+                let pause = reconnect_delay(self.db_failures);
+                log::warn!(
+                    "outbox {}: reading the payloads of {n} claimed rows failed, handing them \
+                     back and retrying in {pause:?}: {e}",
+                    config.outbox.table()
+                );
+                control.released(claimed.records.len());
+                config.metrics.released(claimed.records.len());
+                outcomes.extend(
+                    claimed
+                        .records
+                        .iter()
+                        .map(|r| (r.fence(), Outcome::Release)),
+                );
+                self.record(&outcomes, control)?;
+                return Ok(Cycle::Pause(pause, e));
+            }
+        };
+        if !back.is_empty() {
+            log::info!(
+                "outbox {}: handing {} rows back whose payloads did not arrive within half \
+                 the lease (a slow link to the database?)",
+                config.outbox.table(),
+                back.len()
             );
-            control.released(claimed.records.len());
-            config.metrics.released(claimed.records.len());
-            outcomes.extend(
-                claimed
-                    .records
-                    .iter()
-                    .map(|r| (r.fence(), Outcome::Release)),
-            );
-            self.record(&outcomes, control)?;
-            return Ok(Cycle::Pause(pause, e));
+            control.released(back.len());
+            config.metrics.released(back.len());
+            outcomes.extend(back.iter().map(|r| (r.fence(), Outcome::Release)));
         }
         let published_at = Instant::now();
         let claim_took = published_at - claimed_at;
@@ -411,16 +427,21 @@ impl<'a> Worker<'a> {
     }
 
     /// Reads the payloads the claim's reply left out, each read a statement of its own
-    /// with the session's deadline.
-    fn read_payloads(&mut self, claimed: &mut Claimed) -> Result<()> {
-        for read in store::payload_reads(&std::mem::take(&mut claimed.deferred)) {
+    /// with the session's deadline, until `until`; returns the records to hand back: those
+    /// whose payloads are not whole by then, and the later records of their aggregates.
+    fn read_payloads(&mut self, claimed: &mut Claimed, until: Instant) -> Result<Vec<Record>> {
+        let deferred = std::mem::take(&mut claimed.deferred);
+        for read in store::payload_reads(&deferred) {
+            if Instant::now() >= until {
+                break;
+            }
             let outbox = self.config.outbox.clone();
             let pieces = self
                 .session
                 .run(move |conn| store::read_payloads(conn, &outbox, &read))?;
             store::append_payloads(&mut claimed.records, pieces);
         }
-        Ok(())
+        Ok(store::take_incomplete(&mut claimed.records, &deferred))
     }
 
     /// The next full claim: from the cursor, runs sized by the lap when confirms took the
