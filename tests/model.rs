@@ -126,6 +126,12 @@ enum Step {
         workers: u8,
         park: bool,
     },
+    /// A claim whose aggregate scan starts after aggregate `a<after>`, as a worker's
+    /// cursor makes it.
+    ClaimAfter {
+        rows: u8,
+        after: u8,
+    },
     /// Two relays claim at once.
     ClaimTogether {
         first: (u8, bool),
@@ -135,6 +141,12 @@ enum Step {
     ClaimDuringRedrive {
         rows: u8,
         scope: Scope,
+    },
+    /// A relay claims while another records its outcomes.
+    ClaimDuringFinish {
+        claim: u8,
+        reached: Vec<Reached>,
+        rows: u8,
     },
     /// A claim's batch is published and its outcomes recorded, as a worker does: in order
     /// (a failure hands back the rest of its aggregate's run) or pipelined; or the record
@@ -242,9 +254,12 @@ impl ReferenceStateMachine for Reference {
                 .prop_map(|(claim, reached, pipelined, lost)| Step::Finish {
                     claim, reached, pipelined, lost
                 }),
+            2 => (1..6u8, 0..AGGREGATES).prop_map(|(rows, after)| Step::ClaimAfter { rows, after }),
             2 => ((1..6u8, any::<bool>()), (1..6u8, any::<bool>()))
                 .prop_map(|(first, second)| Step::ClaimTogether { first, second }),
             2 => (1..6u8, scope()).prop_map(|(rows, scope)| Step::ClaimDuringRedrive { rows, scope }),
+            2 => (any::<u8>(), prop::collection::vec(reached(), 1..6), 1..6u8)
+                .prop_map(|(claim, reached, rows)| Step::ClaimDuringFinish { claim, reached, rows }),
             2 => any::<u8>().prop_map(|claim| Step::Expire { claim }),
             2 => Just(Step::Tick),
             3 => scope().prop_map(Step::Redrive),
@@ -619,6 +634,18 @@ impl Sut {
         self.claimed(claimed, park);
     }
 
+    fn claim_after(&mut self, rows: u8, after: u8) {
+        let request = Claim {
+            after: Some(format!("a{after}")),
+            ..claim_request(rows, false, false, 1, false)
+        };
+        let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
+        if let Err(violation) = self.check_claim(&taken(&claimed)) {
+            panic!("{violation} (a claim from a cursor)");
+        }
+        self.claimed(claimed, false);
+    }
+
     /// Two relays claim at once, on connections of their own: each takes what is
     /// allowed as if it claimed first or second, and no aggregate is in both.
     fn claim_together(&mut self, first: (u8, bool), second: (u8, bool)) {
@@ -733,20 +760,79 @@ impl Sut {
 
     /// Publishes and records as a worker does (see `Worker::publish` and `attempt`).
     fn finish(&mut self, claim: u8, reached: &[Reached], pipelined: bool, lost: bool) {
+        let Some((c, outcomes)) = self.outcomes(claim, reached, pipelined, lost) else {
+            return;
+        };
+        let given: Vec<(&Record, Verdict)> = outcomes.iter().map(|(r, v)| (r, v.clone())).collect();
+        let park = self.claims[c].park;
+        let changed =
+            hooks::record(&mut self.client, &self.outbox, &given, park).expect("record outcomes");
+        let expected = self.recorded(c, &outcomes);
+        assert_eq!(changed, expected, "I5: rows an outcome call changed");
+    }
+
+    /// A relay claims while another records its outcomes: the claim is what either order
+    /// allows.
+    fn claim_during_finish(&mut self, claim: u8, reached: &[Reached], rows: u8) {
+        let Some((c, outcomes)) = self.outcomes(claim, reached, false, false) else {
+            return;
+        };
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let recorder = {
+            let (outbox, barrier) = (self.outbox.clone(), barrier.clone());
+            let (outcomes, park) = (outcomes.clone(), self.claims[c].park);
+            thread::spawn(move || {
+                let mut client = common::client();
+                let given: Vec<(&Record, Verdict)> =
+                    outcomes.iter().map(|(r, v)| (r, v.clone())).collect();
+                barrier.wait();
+                hooks::record(&mut client, &outbox, &given, park).expect("record outcomes")
+            })
+        };
+        let request = claim_request(rows, false, false, 2, false);
+        barrier.wait();
+        let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
+        let changed = recorder.join().expect("the recorder");
+        let taken = taken(&claimed);
+        let expected = if self.check_claim(&taken).is_ok() {
+            self.claimed(claimed, false);
+            self.recorded(c, &outcomes)
+        } else {
+            let expected = self.recorded(c, &outcomes);
+            if let Err(violation) = self.check_claim(&taken) {
+                panic!("{violation} (a claim during an outcome, in either order)");
+            }
+            self.claimed(claimed, false);
+            expected
+        };
+        assert_eq!(changed, expected, "I5: rows an outcome call changed");
+    }
+
+    /// The outcomes a worker reaches for an open claim (the `claim`-th, modulo), as it
+    /// decides them (see `Worker::publish` and `attempt`): a failure in order hands back
+    /// the rest of its aggregate's run, as does a death at the claim; none when the record
+    /// is lost. The claim is finished either way.
+    fn outcomes(
+        &mut self,
+        claim: u8,
+        reached: &[Reached],
+        pipelined: bool,
+        lost: bool,
+    ) -> Option<(usize, Vec<(Record, Verdict)>)> {
         let open: Vec<usize> = (0..self.claims.len())
             .filter(|&c| !self.claims[c].finished)
             .collect();
         if open.is_empty() {
-            return;
+            return None;
         }
         let c = open[claim as usize % open.len()];
         self.claims[c].finished = true;
         if lost {
-            return;
+            return None;
         }
         let state = &self.claims[c];
         let mut stopped: HashSet<String> = HashSet::new();
-        let mut outcomes: Vec<(&Record, Verdict)> = Vec::new();
+        let mut outcomes = Vec::new();
         for (i, record) in state.records.iter().enumerate() {
             let aggregate = record.aggregate_key.clone();
             let held = aggregate
@@ -766,15 +852,19 @@ impl Sut {
             if verdict != Verdict::Sent {
                 stopped.extend(aggregate);
             }
-            outcomes.push((record, verdict));
+            outcomes.push((record.clone(), verdict));
         }
-        let park = state.park;
-        let changed = hooks::record(&mut self.client, &self.outbox, &outcomes, park)
-            .expect("record outcomes");
+        Some((c, outcomes))
+    }
+
+    /// The model after claim `c`'s outcomes were recorded; returns how many rows they may
+    /// change (I5: none whose claim is stale).
+    fn recorded(&mut self, c: usize, outcomes: &[(Record, Verdict)]) -> u64 {
+        let park = self.claims[c].park;
         let mut expected = 0;
-        for (record, verdict) in &outcomes {
-            // Stale (I5): another claim took it since, it has an outcome, or it was sent
-            // and purged.
+        for (record, verdict) in outcomes {
+            // Stale: another claim took it since, it has an outcome, or it was sent and
+            // purged.
             let Some(msg) = self.msgs.get_mut(&record.id) else {
                 continue;
             };
@@ -801,7 +891,7 @@ impl Sut {
                 Verdict::Release => {}
             }
         }
-        assert_eq!(changed, expected, "I5: rows an outcome call changed");
+        expected
     }
 
     fn expire(&mut self, claim: u8) {
@@ -1055,6 +1145,7 @@ impl StateMachineTest for Sut {
                 workers,
                 park,
             } => sut.claim(rows, small_bytes, ready_only, workers, park),
+            Step::ClaimAfter { rows, after } => sut.claim_after(rows, after),
             Step::Finish {
                 claim,
                 reached,
@@ -1063,6 +1154,11 @@ impl StateMachineTest for Sut {
             } => sut.finish(claim, &reached, pipelined, lost),
             Step::ClaimTogether { first, second } => sut.claim_together(first, second),
             Step::ClaimDuringRedrive { rows, scope } => sut.claim_during_redrive(rows, scope),
+            Step::ClaimDuringFinish {
+                claim,
+                reached,
+                rows,
+            } => sut.claim_during_finish(claim, &reached, rows),
             Step::Expire { claim } => sut.expire(claim),
             Step::Tick => sut.tick(),
             Step::Redrive(scope) => sut.redrive(scope),
