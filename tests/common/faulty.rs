@@ -93,6 +93,12 @@ impl Faulty {
     pub fn set(&self, mode: Mode) {
         self.state.set(mode);
     }
+
+    /// Whether replies are being dropped (set so, or since `DropRepliesFrom` found its
+    /// statement).
+    pub fn dropping(&self) -> bool {
+        self.state.mode() == Mode::DropReplies
+    }
 }
 
 impl Drop for Faulty {

@@ -43,6 +43,8 @@ struct Dying {
     failures: u32,
     /// Refused this many times so far.
     refusals: u32,
+    /// Its dead letter is stored; a worker records that before the original is acked.
+    stored: bool,
 }
 
 /// What one channel holds.
@@ -320,6 +322,7 @@ impl Dispatcher {
             reason: "the message has no usable message id (none, or not UTF-8)".to_owned(),
             failures: 0,
             refusals: 0,
+            stored: false,
         });
         let aggregate = view.aggregate_key.clone();
         let suspect = raw.redelivered;
@@ -406,6 +409,7 @@ impl Dispatcher {
                         reason: describe(&error),
                         failures,
                         refusals: 0,
+                        stored: false,
                     });
                 }
                 self.bury(link, done.tag)?;
@@ -426,6 +430,26 @@ impl Dispatcher {
                 if !link.stopping {
                     link.lanes.retry_at(done.tag, Instant::now() + delay);
                 }
+            }
+            Outcome::Buried => {
+                let recorded = held_dying(link, done.tag).is_some_and(|dying| dying.stored);
+                if recorded {
+                    return self.finish_burial(link, done.tag);
+                }
+                // A redelivery of a message whose dead letter is stored: its ack was lost.
+                if let Some(held) = link.held.remove(&done.tag) {
+                    log::debug!(
+                        "rabbitmq consumer {}: {} was dead-lettered before; acking it",
+                        config.name,
+                        view.key
+                    );
+                    shared.counters.duplicates.fetch_add(1, Ordering::SeqCst);
+                    shared.observe(|m| m.duplicate(&view));
+                    link.acks.push(held.raw);
+                    link.ack_by
+                        .get_or_insert_with(|| Instant::now() + ACK_DELAY);
+                }
+                self.advance(link, done.tag, aggregate)?;
             }
             // Only when stopping: it goes back to the queue with the channel.
             Outcome::Abandoned => {}
@@ -459,7 +483,8 @@ impl Dispatcher {
                     self.shared.observe(|m| m.failed(view, error));
                 }
             }
-            Outcome::Abandoned => {}
+            // Counted by `settle`, which knows what it stands for.
+            Outcome::Buried | Outcome::Abandoned => {}
         }
     }
 
@@ -490,7 +515,7 @@ impl Dispatcher {
         let Some(held) = link.held.get_mut(&tag) else {
             return Ok(());
         };
-        let Some(dying) = held.dying.as_mut() else {
+        let Some(dying) = held.dying.as_mut().filter(|dying| !dying.stored) else {
             return Ok(());
         };
         let key = held.view.key.clone();
@@ -537,12 +562,37 @@ impl Dispatcher {
             link.lanes.retry_at(tag, Instant::now() + pause);
             return Ok(());
         }
+        // A message with a failure count has a row to record the stored dead letter in:
+        // recorded before the ack, a redelivery after a lost ack is acked, not buried twice.
+        if config.dead_letter_queue.is_some() && dying.failures > 0 {
+            dying.stored = true;
+            let job = Job {
+                tag,
+                generation: self.generation,
+                delivery: held.view.clone(),
+                suspect: true,
+                cancelled: link.cancelled.clone(),
+            };
+            if self.tasks.send(Task::Bury(job)).is_ok() {
+                self.in_flight += 1;
+            }
+            return Ok(());
+        }
+        self.finish_burial(link, tag)
+    }
+
+    /// Settles a delivery whose dead letter is stored (acked), or that goes to the queue's
+    /// dead-letter exchange (rejected).
+    fn finish_burial(&mut self, link: &mut Link<'_>, tag: Tag) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
         let Some(held) = link.held.remove(&tag) else {
             return Ok(());
         };
         let Some(dying) = held.dying else {
             return Ok(());
         };
+        let key = &held.view.key;
         if config.dead_letter_queue.is_some() {
             held.raw
                 .ack(link.channel)
@@ -551,6 +601,9 @@ impl Dispatcher {
             held.raw
                 .reject(link.channel, false)
                 .map_err(|e| format!("cannot reject: {e}"))?;
+            if dying.failures > 0 {
+                let _ = self.tasks.send(Task::Forget(key.clone()));
+            }
         }
         log::error!(
             "rabbitmq consumer {}: dead-lettered {key:?} after {} failures: {}",
@@ -560,9 +613,10 @@ impl Dispatcher {
         );
         shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
         shared.observe(|m| m.dead_lettered(&held.view));
-        if dying.failures > 0 {
-            let _ = self.tasks.send(Task::Forget(key));
-        }
         self.advance(link, tag, held.view.aggregate_key.as_deref())
     }
+}
+
+fn held_dying<'a>(link: &'a Link<'_>, tag: Tag) -> Option<&'a Dying> {
+    link.held.get(&tag).and_then(|held| held.dying.as_ref())
 }
