@@ -291,3 +291,53 @@ fn a_lost_reply_to_the_failure_count_charges_the_failure_once() {
     broker.delete_queue(&queue);
     drop(client);
 }
+
+/// An AMQP `basic.ack` method frame's class and method ids (60, 80).
+const BASIC_ACK: &[u8] = &[0x00, 0x3c, 0x00, 0x50];
+
+/// The dead letter is stored and confirmed, and the ack of the original is lost with its
+/// connection: the broker delivers the original again, which is acked, not dead-lettered a
+/// second time.
+#[test]
+fn a_lost_ack_after_a_stored_dead_letter_is_not_dead_lettered_twice() {
+    let (outbox, _client) = outbox("lost_burial_ack");
+    let broker = Broker::new();
+    let queue = broker.plain_queue("lost_burial_ack");
+    let proxy = Faulty::to(&common::proxy::broker_address(&amqp_url()));
+    let url = format!("amqp://guest:guest@{}", proxy.address());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler_calls = calls.clone();
+    let consumer = Consumer::spawn(
+        ConsumerConfig::new(&url, &queue, "buried"),
+        outbox.clone(),
+        pool(2),
+        move |_tx, _delivery| {
+            handler_calls.fetch_add(1, Ordering::SeqCst);
+            Err(HandlerError::permanent("no such customer"))
+        },
+    )
+    .unwrap();
+    // The consumer's first ack is the dead message's: it, and all after it, never arrive.
+    proxy.set(Mode::DropRequestsFrom(BASIC_ACK));
+    broker.send(&queue, Some("m-1"), b"a");
+    let dead = format!("{queue}.dead");
+    wait_until("the dead letter is stored and its ack lost", || {
+        proxy.dropping_requests() && broker.ready(&dead) == 1
+    });
+    // The connection goes; the broker hands the original back to the queue.
+    proxy.set(Mode::Refuse);
+    wait_until("the original is back on the queue", || {
+        broker.ready(&queue) == 1
+    });
+    proxy.set(Mode::Pass);
+    wait_until("the redelivery is settled", || {
+        let report = consumer.report();
+        report.rejected + report.duplicates == 2
+    });
+    let report = consumer.shutdown(Duration::from_secs(10));
+    assert_eq!((report.rejected, report.duplicates), (1, 1), "{report:?}");
+    assert_eq!(broker.ready(&dead), 1, "one dead letter");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(broker.ready(&queue), 0);
+    broker.delete_queue(&queue);
+}

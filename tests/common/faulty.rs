@@ -22,6 +22,12 @@ pub enum Mode {
     /// `DropReplies`. So the reply lost is that statement's, whatever else the client sent
     /// before it, or had sent before the mode was set.
     DropRepliesFrom(&'static str),
+    /// Forwards what servers answer; what clients send is read and thrown away.
+    DropRequests,
+    /// Passes until a client sends these bytes (a frame of a protocol the proxy does not
+    /// read, say an AMQP method's class and method ids); from then on, as `DropRequests`,
+    /// starting with what held them.
+    DropRequestsFrom(&'static [u8]),
     /// Closes every connection it holds, and every new one as soon as it is accepted.
     Refuse,
 }
@@ -99,6 +105,12 @@ impl Faulty {
     pub fn dropping(&self) -> bool {
         self.state.mode() == Mode::DropReplies
     }
+
+    /// Whether requests are being dropped (set so, or since `DropRequestsFrom` found its
+    /// bytes).
+    pub fn dropping_requests(&self) -> bool {
+        self.state.mode() == Mode::DropRequests
+    }
 }
 
 impl Drop for Faulty {
@@ -156,6 +168,11 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
                 }
                 Err(_) => break,
             };
+            if let (false, Mode::DropRequestsFrom(needle)) = (reply, state.mode()) {
+                if buf[..n].windows(needle.len()).any(|bytes| bytes == needle) {
+                    state.set(Mode::DropRequests);
+                }
+            }
             if !reply {
                 // Before the statement goes on: its reply is then the first one dropped.
                 let ran = statements.read(&buf[..n]);
@@ -169,6 +186,7 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
             match state.unstalled() {
                 Mode::Refuse => break,
                 Mode::DropReplies if reply => continue,
+                Mode::DropRequests if !reply => continue,
                 _ => {}
             }
             if to.write_all(&buf[..n]).is_err() {
