@@ -44,6 +44,8 @@ struct State {
     accepted: AtomicUsize,
     /// Both ends of every connection, to cut them when refusing.
     open: Mutex<Vec<TcpStream>>,
+    /// The client's end of every connection.
+    clients: Mutex<Vec<TcpStream>>,
 }
 
 impl Faulty {
@@ -56,6 +58,7 @@ impl Faulty {
             changed: Condvar::new(),
             accepted: AtomicUsize::new(0),
             open: Mutex::new(Vec::new()),
+            clients: Mutex::new(Vec::new()),
         });
         let (target, shared) = (target.to_owned(), state.clone());
         thread::spawn(move || {
@@ -74,6 +77,9 @@ impl Faulty {
                 let _ = server.set_nodelay(true);
                 if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
                     shared.open.lock().unwrap().extend([c, s]);
+                }
+                if let Ok(c) = client.try_clone() {
+                    shared.clients.lock().unwrap().push(c);
                 }
                 pipe(&shared, &client, &server, false);
                 pipe(&shared, &server, &client, true);
@@ -98,6 +104,16 @@ impl Faulty {
 
     pub fn set(&self, mode: Mode) {
         self.state.set(mode);
+    }
+
+    /// Closes the client's end of every connection, stalling first, so the server's end
+    /// stays open: the client sees its connection lost while the server still holds it,
+    /// until the proxy passes (or refuses) again.
+    pub fn cut_clients(&self) {
+        self.set(Mode::Stall);
+        for stream in self.state.clients.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
     }
 
     /// Whether replies are being dropped (set so, or since `DropRepliesFrom` found its

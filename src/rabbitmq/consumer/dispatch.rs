@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use amiquip::{Channel, Connection, ConsumerMessage, ConsumerOptions};
+use amiquip::{
+    Channel, Connection, ConnectionBlockedNotification, ConsumerMessage, ConsumerOptions,
+};
 use crossbeam_channel::{after, at, never, select, Receiver, Sender};
 
 use super::dead_letter::{DeadLetterQueue, Death, Refused};
@@ -16,11 +18,21 @@ use super::lanes::{Lanes, Tag};
 use super::shared::Shared;
 use super::worker::{Done, Job, Outcome, Task};
 use crate::error::describe;
-use crate::rabbitmq::connect::{close_within, Endpoints};
+use crate::rabbitmq::connect::Endpoints;
+use crate::rabbitmq::deadline::{Closed, Cutter};
 use crate::retry::reconnect_delay;
 
 /// The longest a committed delivery's ack is held back to go out with others.
 const ACK_DELAY: Duration = Duration::from_millis(5);
+/// The longest a call on the broker connection may wait for its answer (opening a channel,
+/// a declare) before the connection is cut. A broker that answers at all does so in
+/// milliseconds; one that does not within this is not reading the connection.
+const BROKER_BOUND: Duration = Duration::from_secs(5);
+/// The longest a cancel, or closing the connection and its channels, may take before the
+/// connection is cut.
+const CLOSE_BOUND: Duration = Duration::from_secs(2);
+/// The longest pause between two looks at whether the broker dropped the last connection.
+const OLD_CONSUMER_POLL: Duration = Duration::from_secs(1);
 
 /// Why one connection's consuming ended.
 enum Ended {
@@ -50,6 +62,8 @@ struct Dying {
 /// What one channel holds.
 struct Link<'c> {
     connection: &'c mut Connection,
+    /// Bounds every call on the connection.
+    cutter: &'c Cutter,
     channel: &'c Channel,
     /// The dead-letter queue's channel, when there is one and it is open (after a refusal
     /// that broke it, it is opened again at the next try).
@@ -59,6 +73,16 @@ struct Link<'c> {
     cancelled: Arc<AtomicBool>,
     /// Told to stop: settle what runs, start nothing.
     stopping: bool,
+    /// Why the broker does not read the connection now, while it does not (a resource
+    /// alarm): no dead letter is published, no channel opened, no cancel sent meanwhile.
+    blocked: Option<String>,
+    /// The broker's notices that it stops reading the connection (once it has published a
+    /// dead letter during a resource alarm) and reads it again; `None` once the
+    /// connection's I/O thread has ended.
+    blocking: Option<Receiver<ConnectionBlockedNotification>>,
+    /// Dead-letter channels given up while the broker did not read the connection: closing
+    /// one waits for the broker's answer, so they close with the connection.
+    retired: Vec<DeadLetterQueue>,
     /// Committed deliveries whose ack has not gone out yet, and when it must.
     acks: Vec<amiquip::Delivery>,
     ack_by: Option<Instant>,
@@ -75,6 +99,11 @@ pub(super) struct Dispatcher {
     in_flight: usize,
     /// The last connection got as far as consuming.
     consuming: bool,
+    /// The broker did not confirm closing the last connection: it may hold that
+    /// connection's unacked deliveries still.
+    unconfirmed: bool,
+    /// Consumers of the queue besides this one when the last connection began consuming.
+    others: u32,
 }
 
 impl Dispatcher {
@@ -92,6 +121,8 @@ impl Dispatcher {
             generation: 0,
             in_flight: 0,
             consuming: false,
+            unconfirmed: false,
+            others: 0,
         }
     }
 
@@ -146,46 +177,55 @@ impl Dispatcher {
 
     /// Consumes on one connection until told to stop or the connection fails.
     fn consume(&mut self) -> Ended {
-        let (mut connection, at) = match self.endpoints.open() {
+        let (mut connection, at, socket) = match self.endpoints.open_cuttable() {
             Ok(opened) => opened,
             Err(e) => return Ended::Lost(e.to_string()),
         };
-        let ended = self.consume_on(&mut connection);
+        let cutter = Cutter::new(socket);
+        let ended = self.consume_on(&mut connection, &cutter);
         if let Ended::Lost(_) = ended {
             // The next connection starts at the endpoint after this one.
             self.endpoints.lost(at);
         }
-        // Closing hands every delivery not acked back to the queue.
-        close_within(connection, None, Duration::from_secs(2));
+        // Closing hands every delivery not acked back to the queue, once the broker has
+        // closed the connection on its side; until it says so, it may still hold them.
+        self.unconfirmed = cutter.close(connection, CLOSE_BOUND) == Closed::Unconfirmed;
         ended
     }
 
-    fn consume_on(&mut self, connection: &mut Connection) -> Ended {
-        let config = &self.shared.config;
+    fn consume_on(&mut self, connection: &mut Connection, cutter: &Cutter) -> Ended {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        let blocking = match connection.listen_for_connection_blocked() {
+            Ok(notices) => notices,
+            Err(e) => return Ended::Lost(format!("cannot listen for blocks: {e}")),
+        };
         let dead_letters = match &config.dead_letter_queue {
-            Some(queue) => {
-                match DeadLetterQueue::open(connection, queue, config.dead_letter_queue_type) {
-                    Ok(d) => Some(d),
-                    Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
-                }
-            }
+            Some(queue) => match cutter.within(BROKER_BOUND, || {
+                DeadLetterQueue::open(connection, queue, config.dead_letter_queue_type)
+            }) {
+                Ok(d) => Some(d),
+                Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
+            },
             None => None,
         };
-        let channel = match connection.open_channel(None) {
+        let channel = match cutter.within(BROKER_BOUND, || connection.open_channel(None)) {
             Ok(channel) => channel,
             Err(e) => return Ended::Lost(format!("cannot open a channel: {e}")),
         };
-        if let Err(e) = channel.qos(0, config.prefetch, false) {
+        if let Err(e) = cutter.within(BROKER_BOUND, || channel.qos(0, config.prefetch, false)) {
             return Ended::Lost(format!("cannot set prefetch: {e}"));
         }
-        let queue = match channel.queue_declare_passive(config.queue.as_str()) {
-            Ok(q) => q,
-            Err(e) => return Ended::Lost(format!("queue {:?}: {e}", config.queue)),
+        let queue = match self.await_old_consumer(&channel, cutter) {
+            Ok(Some(queue)) => queue,
+            Ok(None) => return Ended::Stopped,
+            Err(why) => return Ended::Lost(why),
         };
-        let consumer = match queue.consume(ConsumerOptions::default()) {
-            Ok(c) => c,
-            Err(e) => return Ended::Lost(format!("cannot consume: {e}")),
-        };
+        let consumer =
+            match cutter.within(BROKER_BOUND, || queue.consume(ConsumerOptions::default())) {
+                Ok(c) => c,
+                Err(e) => return Ended::Lost(format!("cannot consume: {e}")),
+            };
         log::info!(
             "rabbitmq consumer {}: consuming {} with {} workers",
             config.name,
@@ -196,12 +236,16 @@ impl Dispatcher {
         self.consuming = true;
         let mut link = Link {
             connection,
+            cutter,
             channel: &channel,
             dead_letters,
             held: HashMap::new(),
             lanes: Lanes::default(),
             cancelled: Arc::new(AtomicBool::new(false)),
             stopping: false,
+            blocked: None,
+            blocking: Some(blocking),
+            retired: Vec::new(),
             acks: Vec::new(),
             ack_by: None,
         };
@@ -220,10 +264,26 @@ impl Dispatcher {
                 Some(when) => at(when),
                 None => never(),
             };
+            let blocking = link.blocking.clone().unwrap_or_else(never);
             let step = select! {
                 recv(self.shared.stop.receiver()) -> _ => {
-                    let _ = consumer.cancel();
+                    // A blocked connection is not read: a cancel would wait for the alarm
+                    // to clear. Deliveries that come meanwhile are not started; they go
+                    // back with the channel.
+                    read_blocks(&link.blocking, &mut link.blocked, &config.name);
+                    if link.blocked.is_none() {
+                        let _ = cutter.within(CLOSE_BOUND, || consumer.cancel());
+                    }
                     break self.drain(&mut link);
+                }
+                recv(blocking) -> notice => {
+                    match notice {
+                        Ok(notice) => note_block(&mut link.blocked, notice, &config.name),
+                        // The connection's I/O thread has ended: the consumer's channel
+                        // says why.
+                        Err(_) => link.blocking = None,
+                    }
+                    Ok(())
                 }
                 recv(consumer.receiver()) -> message => match message {
                     Ok(ConsumerMessage::Delivery(delivery)) => self.arrive(&mut link, delivery),
@@ -255,7 +315,70 @@ impl Dispatcher {
         // Whatever is still held goes back to the queue with the channel; a job waiting
         // out a database outage need not wait for a channel that is gone.
         link.cancelled.store(true, Ordering::SeqCst);
+        read_blocks(&link.blocking, &mut link.blocked, &config.name);
+        let Link {
+            dead_letters,
+            blocked,
+            retired,
+            ..
+        } = link;
+        // Dropping the consumer cancels it and dropping a channel closes it, each waiting
+        // for the broker's answer, which a blocked connection never gets: cut it first.
+        if blocked.is_some() || !retired.is_empty() {
+            cutter.cut();
+        }
+        cutter.within(CLOSE_BOUND, || drop(consumer));
+        cutter.within(CLOSE_BOUND, || {
+            drop(retired);
+            drop(dead_letters);
+            drop(channel);
+        });
         ended
+    }
+
+    /// Declares the consumed queue (passively) and returns it once consuming cannot put a
+    /// delivery ahead of one the last connection still holds; `None` if told to stop first.
+    ///
+    /// Closing a connection hands its unacked deliveries back to the queue only once the
+    /// broker has closed it. When the last close went unanswered (a dead socket, a broker
+    /// not reading), the broker may still hold them, and consuming now would hand this
+    /// channel the next deliveries of their aggregates first. So it waits until the queue
+    /// has no more consumers than it had besides this consumer's last one: the broker has
+    /// dropped that one and requeued what it held. With other consumers coming and going
+    /// meanwhile the count says less, and order across consumers is the broker's anyway.
+    fn await_old_consumer<'c>(
+        &mut self,
+        channel: &'c Channel,
+        cutter: &Cutter,
+    ) -> Result<Option<amiquip::Queue<'c>>, String> {
+        let shared = self.shared.clone();
+        let (name, queue) = (&shared.config.name, shared.config.queue.as_str());
+        let mut waits = 0u32;
+        loop {
+            let declared = cutter
+                .within(BROKER_BOUND, || channel.queue_declare_passive(queue))
+                .map_err(|e| format!("queue {queue:?}: {e}"))?;
+            let consumers = declared.declared_consumer_count().unwrap_or(0);
+            if !self.unconfirmed || consumers <= self.others {
+                self.unconfirmed = false;
+                self.others = consumers;
+                return Ok(Some(declared));
+            }
+            waits += 1;
+            let pause = reconnect_delay(waits).min(OLD_CONSUMER_POLL);
+            if waits == 1 {
+                log::warn!(
+                    "rabbitmq consumer {name}: the broker did not confirm closing the last \
+                     connection and still counts {consumers} consumers of {queue}; waiting \
+                     for it to drop that connection (and requeue what it held) before \
+                     consuming, so no delivery overtakes an earlier one of its aggregate"
+                );
+            }
+            select! {
+                recv(self.shared.stop.receiver()) -> _ => return Ok(None),
+                recv(after(pause)) -> _ => {}
+            }
+        }
     }
 
     /// Told to stop: nothing new starts; the jobs running finish and are settled (acked
@@ -519,11 +642,17 @@ impl Dispatcher {
             return Ok(());
         };
         let key = held.view.key.clone();
+        read_blocks(&link.blocking, &mut link.blocked, &config.name);
         let refused = match &config.dead_letter_queue {
             Some(name) => {
-                if link.dead_letters.is_none() {
+                if link.dead_letters.is_none() && link.blocked.is_none() {
                     let queue_type = config.dead_letter_queue_type;
-                    link.dead_letters = DeadLetterQueue::open(link.connection, name, queue_type)
+                    let connection = &mut *link.connection;
+                    link.dead_letters = link
+                        .cutter
+                        .within(BROKER_BOUND, || {
+                            DeadLetterQueue::open(connection, name, queue_type)
+                        })
                         .map_err(|e| log::debug!("dead-letter queue {name:?}: {e}"))
                         .ok();
                 }
@@ -533,11 +662,14 @@ impl Dispatcher {
                     consumer: &config.name,
                     queue: &config.queue,
                 };
-                match &link.dead_letters {
-                    Some(queue) => queue
+                match (&link.blocked, &link.dead_letters) {
+                    (Some(reason), _) => Some(Refused::Declined(format!(
+                        "the broker does not read this connection now ({reason})"
+                    ))),
+                    (None, Some(queue)) => queue
                         .publish(&held.raw.properties, &held.view.body, &death)
                         .err(),
-                    None => Some(Refused::Broken(format!(
+                    (None, None) => Some(Refused::Broken(format!(
                         "cannot open a channel to dead-letter queue {name:?}"
                     ))),
                 }
@@ -548,7 +680,16 @@ impl Dispatcher {
             let why = match refused {
                 Refused::Declined(why) => why,
                 Refused::Broken(why) => {
-                    link.dead_letters = None;
+                    // Its confirm may be what the broker, not reading the connection, is
+                    // holding back: then closing it would wait as long.
+                    read_blocks(&link.blocking, &mut link.blocked, &config.name);
+                    if let Some(broken) = link.dead_letters.take() {
+                        if link.blocked.is_some() {
+                            link.retired.push(broken);
+                        } else {
+                            link.cutter.within(CLOSE_BOUND, || drop(broken));
+                        }
+                    }
                     why
                 }
             };
@@ -614,6 +755,34 @@ impl Dispatcher {
         shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
         shared.observe(|m| m.dead_lettered(&held.view));
         self.advance(link, tag, held.view.aggregate_key.as_deref())
+    }
+}
+
+/// Takes note of the broker's notices received so far.
+fn read_blocks(
+    blocking: &Option<Receiver<ConnectionBlockedNotification>>,
+    blocked: &mut Option<String>,
+    name: &str,
+) {
+    for notice in blocking.iter().flat_map(Receiver::try_iter) {
+        note_block(blocked, notice, name);
+    }
+}
+
+/// Takes note of the broker's block or unblock of the connection.
+fn note_block(blocked: &mut Option<String>, notice: ConnectionBlockedNotification, name: &str) {
+    match notice {
+        ConnectionBlockedNotification::Blocked(reason) => {
+            log::warn!(
+                "rabbitmq consumer {name}: the broker stops reading this connection ({reason}); \
+                 no acks or dead letters go through until it reads it again"
+            );
+            *blocked = Some(reason);
+        }
+        ConnectionBlockedNotification::Unblocked => {
+            log::info!("rabbitmq consumer {name}: the broker reads this connection again");
+            *blocked = None;
+        }
     }
 }
 

@@ -238,8 +238,8 @@ impl Consumer {
     /// Stops taking deliveries and lets the ones being handled finish (commit and ack)
     /// within `timeout`, then closes the connection: deliveries received but not started,
     /// or waiting out a retry, go back to the queue. A handler still running at the
-    /// timeout cannot be interrupted: the connection is closed anyway (within two seconds
-    /// more), so everything else goes back on time; that handler finishes in the
+    /// timeout cannot be interrupted: the connection is closed anyway (within a few seconds
+    /// more, cut if the broker does not answer), so everything else goes back on time; that handler finishes in the
     /// background, and its delivery comes again (acked as a duplicate if it committed).
     ///
     /// Returns what the consumer did. Unlike [`Relay::shutdown`](crate::Relay::shutdown) it
@@ -279,17 +279,21 @@ impl Consumer {
             return;
         }
         let deadline = self.shared.stop_deadline();
-        // The dispatcher closes the connection by the deadline; closing takes at most two
-        // seconds more.
-        let closed = deadline + Duration::from_secs(3);
-        for (threads, by) in [
-            (&mut self.dispatcher, closed),
-            (&mut self.handlers, deadline),
+        // The dispatcher closes the connection by the deadline; each call on the broker at
+        // a stop (the cancel, the close) is cut after two seconds, and a cut one ends at once.
+        let closed = deadline + Duration::from_secs(5);
+        for (threads, by, what) in [
+            (
+                &mut self.dispatcher,
+                closed,
+                "its broker connection is still closing",
+            ),
+            (&mut self.handlers, deadline, "a handler is still running"),
         ] {
             if !threads.wait(by) {
                 log::warn!(
-                    "rabbitmq consumer {}: a handler is still running at the shutdown \
-                     timeout; it finishes in the background",
+                    "rabbitmq consumer {}: {what} at the shutdown timeout; it finishes in \
+                     the background",
                     self.shared.config.name
                 );
                 return;
