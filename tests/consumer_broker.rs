@@ -58,6 +58,20 @@ fn lines() -> Vec<String> {
         .clone()
 }
 
+/// Waits until `condition` holds, failing with what the crate logged after a generous
+/// deadline.
+fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}; logged: {:?}",
+            lines()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn logged(text: &str) -> bool {
     lines().iter().any(|line| line.contains(text))
 }
@@ -106,16 +120,9 @@ fn a_shutdown_during_a_resource_alarm_ends_and_leaves_no_thread_behind() {
         node.blocked_connections() >= 1
     });
     consumer.shutdown(Duration::from_secs(2));
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while library_threads() != before && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    assert_eq!(
-        library_threads(),
-        before,
-        "the consumer's threads have ended; logged: {:?}",
-        lines()
-    );
+    wait_for("the consumer's threads have ended", || {
+        library_threads() == before
+    });
     assert!(
         !logged("a handler is still running"),
         "no handler was running: {:?}",
@@ -191,7 +198,7 @@ fn a_reconnect_waits_for_the_broker_to_hand_back_what_the_old_connection_held() 
         gate.waiting() == 1
     });
     proxy.cut_clients();
-    wait_until("the consumer reconnected, and waits or goes on", || {
+    wait_for("the consumer reconnected, and waits or goes on", || {
         logged("did not confirm closing the last connection")
             || handled(&mut client, &table).contains(&"A4".to_owned())
     });

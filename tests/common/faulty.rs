@@ -210,7 +210,10 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
             }
         }
         let _ = from.shutdown(Shutdown::Both);
-        let _ = to.shutdown(Shutdown::Both);
+        // A stall leaves the other end open, even once this one is closed.
+        if state.mode() != Mode::Stall {
+            let _ = to.shutdown(Shutdown::Both);
+        }
     });
 }
 
