@@ -77,7 +77,9 @@ impl ConsumerReport {
 /// id with [`Outbox::dedupe`]; the delivery is acked only after that transaction commits. A
 /// redelivery of a processed message is acked and skipped.
 ///
-/// **Failures.** A handler error rolls back; the message's failure count goes up (in the
+/// **Failures.** A handler error rolls back (so does a handler that ignored a failed
+/// statement and returned `Ok`: its transaction is aborted, which the consumer finds before
+/// `COMMIT`); the message's failure count goes up (in the
 /// database, so restarts and other consumers of the queue see it) and it is handled again
 /// after a capped, jittered backoff, held unacked meanwhile. After
 /// [`max_attempts`](ConsumerConfig::max_attempts), or at once for a permanent error, it is
@@ -86,8 +88,9 @@ impl ConsumerReport {
 /// message without a message id is dead-lettered unhandled.
 ///
 /// **Outages.** Trouble with the database (no pooled connection, `BEGIN`, the dedupe write,
-/// `COMMIT`, counting a failure, or the connection dying under the handler) is not the
-/// message's fault: the delivery is held, unacked, and tried again with capped backoff until
+/// `COMMIT`, counting a failure, the connection dying under the handler, or a handler error
+/// caused by a database fault of that kind: a timeout, a deadlock, a revoked grant) is not
+/// the message's fault: the delivery is held, unacked, and tried again with capped backoff until
 /// the database is back. It never counts as a failure and never leads to a dead letter. A
 /// lost broker connection is reopened with backoff; what was held goes back to the queue.
 ///
@@ -112,6 +115,7 @@ impl ConsumerReport {
 /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
 ///     .concurrency(4);
 /// let consumer = Consumer::spawn(config, Outbox::new("orders_outbox")?, pool, |tx, delivery| {
+///     // `?` on every statement: never ignore an error and return Ok.
 ///     tx.execute("INSERT INTO invoices (order_key) VALUES ($1)", &[&delivery.key])
 ///         .map_err(HandlerError::transient)?;
 ///     Ok(())
