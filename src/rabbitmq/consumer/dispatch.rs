@@ -12,10 +12,12 @@ use amiquip::{
 };
 use crossbeam_channel::{after, at, never, select, Receiver, Sender};
 
+use super::blocks::{note_block, read_blocks};
 use super::dead_letter::{DeadLetterQueue, Death, Refused};
 use super::delivery::{view, Delivery};
 use super::lanes::{Lanes, Tag};
 use super::shared::Shared;
+use super::succession::Succession;
 use super::worker::{Done, Job, Outcome, Task};
 use crate::error::describe;
 use crate::rabbitmq::connect::Endpoints;
@@ -31,8 +33,6 @@ const BROKER_BOUND: Duration = Duration::from_secs(5);
 /// The longest a cancel, or closing the connection and its channels, may take before the
 /// connection is cut.
 const CLOSE_BOUND: Duration = Duration::from_secs(2);
-/// The longest pause between two looks at whether the broker dropped the last connection.
-const OLD_CONSUMER_POLL: Duration = Duration::from_secs(1);
 
 /// Why one connection's consuming ended.
 enum Ended {
@@ -99,11 +99,8 @@ pub(super) struct Dispatcher {
     in_flight: usize,
     /// The last connection got as far as consuming.
     consuming: bool,
-    /// The broker did not confirm closing the last connection: it may hold that
-    /// connection's unacked deliveries still.
-    unconfirmed: bool,
-    /// Consumers of the queue besides this one when the last connection began consuming.
-    others: u32,
+    /// How the last connection ended, for the next one to consume behind it.
+    succession: Succession,
 }
 
 impl Dispatcher {
@@ -121,8 +118,7 @@ impl Dispatcher {
             generation: 0,
             in_flight: 0,
             consuming: false,
-            unconfirmed: false,
-            others: 0,
+            succession: Succession::default(),
         }
     }
 
@@ -189,7 +185,8 @@ impl Dispatcher {
         }
         // Closing hands every delivery not acked back to the queue, once the broker has
         // closed the connection on its side; until it says so, it may still hold them.
-        self.unconfirmed = cutter.close(connection, CLOSE_BOUND) == Closed::Unconfirmed;
+        self.succession
+            .closed(cutter.close(connection, CLOSE_BOUND) == Closed::Confirmed);
         ended
     }
 
@@ -216,11 +213,15 @@ impl Dispatcher {
         if let Err(e) = cutter.within(BROKER_BOUND, || channel.qos(0, config.prefetch, false)) {
             return Ended::Lost(format!("cannot set prefetch: {e}"));
         }
-        let queue = match self.await_old_consumer(&channel, cutter) {
-            Ok(Some(queue)) => queue,
-            Ok(None) => return Ended::Stopped,
-            Err(why) => return Ended::Lost(why),
-        };
+        let queue =
+            match self
+                .succession
+                .await_old_consumer(&channel, cutter, &self.shared, BROKER_BOUND)
+            {
+                Ok(Some(queue)) => queue,
+                Ok(None) => return Ended::Stopped,
+                Err(why) => return Ended::Lost(why),
+            };
         let consumer =
             match cutter.within(BROKER_BOUND, || queue.consume(ConsumerOptions::default())) {
                 Ok(c) => c,
@@ -334,51 +335,6 @@ impl Dispatcher {
             drop(channel);
         });
         ended
-    }
-
-    /// Declares the consumed queue (passively) and returns it once consuming cannot put a
-    /// delivery ahead of one the last connection still holds; `None` if told to stop first.
-    ///
-    /// Closing a connection hands its unacked deliveries back to the queue only once the
-    /// broker has closed it. When the last close went unanswered (a dead socket, a broker
-    /// not reading), the broker may still hold them, and consuming now would hand this
-    /// channel the next deliveries of their aggregates first. So it waits until the queue
-    /// has no more consumers than it had besides this consumer's last one: the broker has
-    /// dropped that one and requeued what it held. With other consumers coming and going
-    /// meanwhile the count says less, and order across consumers is the broker's anyway.
-    fn await_old_consumer<'c>(
-        &mut self,
-        channel: &'c Channel,
-        cutter: &Cutter,
-    ) -> Result<Option<amiquip::Queue<'c>>, String> {
-        let shared = self.shared.clone();
-        let (name, queue) = (&shared.config.name, shared.config.queue.as_str());
-        let mut waits = 0u32;
-        loop {
-            let declared = cutter
-                .within(BROKER_BOUND, || channel.queue_declare_passive(queue))
-                .map_err(|e| format!("queue {queue:?}: {e}"))?;
-            let consumers = declared.declared_consumer_count().unwrap_or(0);
-            if !self.unconfirmed || consumers <= self.others {
-                self.unconfirmed = false;
-                self.others = consumers;
-                return Ok(Some(declared));
-            }
-            waits += 1;
-            let pause = reconnect_delay(waits).min(OLD_CONSUMER_POLL);
-            if waits == 1 {
-                log::warn!(
-                    "rabbitmq consumer {name}: the broker did not confirm closing the last \
-                     connection and still counts {consumers} consumers of {queue}; waiting \
-                     for it to drop that connection (and requeue what it held) before \
-                     consuming, so no delivery overtakes an earlier one of its aggregate"
-                );
-            }
-            select! {
-                recv(self.shared.stop.receiver()) -> _ => return Ok(None),
-                recv(after(pause)) -> _ => {}
-            }
-        }
     }
 
     /// Told to stop: nothing new starts; the jobs running finish and are settled (acked
@@ -755,34 +711,6 @@ impl Dispatcher {
         shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
         shared.observe(|m| m.dead_lettered(&held.view));
         self.advance(link, tag, held.view.aggregate_key.as_deref())
-    }
-}
-
-/// Takes note of the broker's notices received so far.
-fn read_blocks(
-    blocking: &Option<Receiver<ConnectionBlockedNotification>>,
-    blocked: &mut Option<String>,
-    name: &str,
-) {
-    for notice in blocking.iter().flat_map(Receiver::try_iter) {
-        note_block(blocked, notice, name);
-    }
-}
-
-/// Takes note of the broker's block or unblock of the connection.
-fn note_block(blocked: &mut Option<String>, notice: ConnectionBlockedNotification, name: &str) {
-    match notice {
-        ConnectionBlockedNotification::Blocked(reason) => {
-            log::warn!(
-                "rabbitmq consumer {name}: the broker stops reading this connection ({reason}); \
-                 no acks or dead letters go through until it reads it again"
-            );
-            *blocked = Some(reason);
-        }
-        ConnectionBlockedNotification::Unblocked => {
-            log::info!("rabbitmq consumer {name}: the broker reads this connection again");
-            *blocked = None;
-        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! handler, each on its own database connection. Deliveries of one aggregate go to the
 //! workers one at a time, in the order they arrived; the rest run in parallel.
 
+mod blocks;
 mod config;
 mod dead_letter;
 mod delivery;
@@ -14,6 +15,7 @@ mod facade;
 mod lanes;
 mod metrics;
 mod shared;
+mod succession;
 mod worker;
 
 use std::fmt;
