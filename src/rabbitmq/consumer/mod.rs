@@ -53,7 +53,8 @@ pub struct ConsumerReport {
     /// Handled and committed (and acked, unless the channel was lost first: the redelivery
     /// is then acked as a duplicate).
     pub processed: u64,
-    /// Already processed before: acked and skipped.
+    /// Already processed before (or dead-lettered before, the original's ack lost): acked
+    /// and skipped.
     pub duplicates: u64,
     /// Handler failures retried after a backoff.
     pub retried: u64,
