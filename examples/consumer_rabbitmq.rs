@@ -38,6 +38,11 @@ fn main() -> Result<(), Box<dyn Error>> {
         .concurrency(2);
     let consumer = Consumer::spawn(config, outbox, pool.clone(), |tx, delivery| {
         let body = String::from_utf8_lossy(&delivery.body).into_owned();
+        // Every statement's error goes back with `?`: the consumer charges the message only
+        // for its own faults (a constraint its data breaks), and holds it uncounted through
+        // the database's (a timeout, a deadlock, a revoked grant). Never ignore an error and
+        // return Ok: the transaction is aborted, and that counts as a failure. To let an
+        // expected error pass, use a savepoint (`tx.transaction()`) or ON CONFLICT.
         tx.execute(
             "INSERT INTO demo_invoices (event_key, body) VALUES ($1, $2)",
             &[&delivery.key, &body],

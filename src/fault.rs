@@ -38,6 +38,28 @@ impl Fault {
     }
 }
 
+/// Whose fault an application's error is, when a database error caused it: the first
+/// [`Error`] or `postgres::Error` in its source chain decides, as it would had the crate
+/// run the statement itself. `None` when no database error is in the chain (the
+/// application's own verdict then stands). A handler that wraps a statement timeout or a
+/// revoked grant as its own failure must not make the message pay for the database.
+pub(crate) fn in_chain(error: &(dyn std::error::Error + 'static)) -> Option<Fault> {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if let Some(ours) = error.downcast_ref::<Error>() {
+            return Some(Fault::of(ours));
+        }
+        if let Some(theirs) = error.downcast_ref::<postgres::Error>() {
+            return Some(match theirs.as_db_error() {
+                Some(db) => by_sqlstate(db.code().code()),
+                None => Fault::World,
+            });
+        }
+        next = error.source();
+    }
+    None
+}
+
 /// The server's verdict, by SQLSTATE class: every class PostgreSQL defines (Appendix A of
 /// its manual) has its line here, and `every_sqlstate_class_has_a_verdict` holds the list.
 ///
@@ -161,6 +183,16 @@ mod tests {
         }
         // A class added after PostgreSQL 17 still lets a message end.
         assert_eq!(by_sqlstate("ZZ000"), Fault::Message);
+    }
+
+    #[test]
+    fn a_database_error_anywhere_in_a_chain_decides_and_none_leaves_the_verdict_open() {
+        use crate::publish::HandlerError;
+        let timeout = HandlerError::transient(Error::invalid("key", "contains a NUL character"));
+        assert_eq!(in_chain(&timeout), Some(Fault::Input));
+        let stalled = HandlerError::permanent(Error::Stalled(std::time::Duration::from_secs(1)));
+        assert_eq!(in_chain(&stalled), Some(Fault::World));
+        assert_eq!(in_chain(&HandlerError::transient("bad input")), None);
     }
 
     #[test]

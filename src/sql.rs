@@ -141,6 +141,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0023_writes_without_checks",
         template: include_str!("../sql/0023_writes_without_checks.sql"),
     },
+    Migration {
+        version: 24,
+        name: "0024_failure_attempts_and_burials",
+        template: include_str!("../sql/0024_failure_attempts_and_burials.sql"),
+    },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -567,9 +572,13 @@ pub(crate) struct Statements {
     /// and whether the message is now given up on.
     #[cfg(feature = "rabbitmq")]
     pub(crate) count_failure: String,
-    /// A consumer's failure count and last error of a message it gave up on, if it did.
+    /// A consumer's failure count and last error of a message it gave up on, if it did,
+    /// and whether its dead letter is stored.
     #[cfg(feature = "rabbitmq")]
     pub(crate) failure_state: String,
+    /// Records that the dead letter of a message given up on is stored.
+    #[cfg(feature = "rabbitmq")]
+    pub(crate) mark_buried: String,
     #[cfg(feature = "rabbitmq")]
     pub(crate) forget_failures: String,
     /// Fails when the consumer's tables are missing.
@@ -989,19 +998,38 @@ impl Statements {
                  SELECT count(*) FROM gone"
             )?,
             // $1 consumer, $2 key, $3 the error, already made storable, $4 whether it is
-            // permanent, $5 the failures after which the consumer gives up.
+            // permanent, $5 the failures after which the consumer gives up, $6 the handling
+            // counted: counted again (its reply was lost), it answers with the count it made
+            // rather than adding one more. A message whose dead letter is stored and that
+            // fails again is a redriven copy: its count starts afresh.
             #[cfg(feature = "rabbitmq")]
             count_failure: values.render(
-                "INSERT INTO {failures} AS f (consumer, key, failures, last_error, dead)
-                 VALUES ($1, $2, 1, $3, $4 OR 1 >= $5)
-                 ON CONFLICT (consumer, key) DO UPDATE
-                   SET failures = f.failures + 1, last_error = EXCLUDED.last_error,
-                       updated_at = now(), dead = f.dead OR $4 OR f.failures + 1 >= $5
-                 RETURNING failures, dead"
+                "WITH counted AS (
+                   INSERT INTO {failures} AS f (consumer, key, failures, last_error, dead, attempt)
+                   VALUES ($1, $2, 1, $3, $4 OR 1 >= $5, $6)
+                   ON CONFLICT (consumer, key) DO UPDATE
+                     SET failures = CASE WHEN f.buried THEN 1 ELSE f.failures + 1 END,
+                         last_error = EXCLUDED.last_error, updated_at = now(),
+                         dead = $4 OR CASE WHEN f.buried THEN 1 >= $5
+                                           ELSE f.dead OR f.failures + 1 >= $5 END,
+                         attempt = $6, buried = false
+                     WHERE f.attempt IS DISTINCT FROM $6
+                   RETURNING failures, dead)
+                 SELECT failures, dead FROM counted
+                 UNION ALL
+                 SELECT failures, dead FROM {failures}
+                 WHERE consumer = $1 AND key = $2 AND attempt = $6
+                   AND NOT EXISTS (SELECT 1 FROM counted)"
             )?,
             #[cfg(feature = "rabbitmq")]
             failure_state: values.render(
-                "SELECT failures, last_error FROM {failures}
+                "SELECT failures, last_error, buried FROM {failures}
+                 WHERE consumer = $1 AND key = $2 AND dead"
+            )?,
+            // The dead letter of a message given up on is stored: a redelivery of it is acked.
+            #[cfg(feature = "rabbitmq")]
+            mark_buried: values.render(
+                "UPDATE {failures} SET buried = true, updated_at = now()
                  WHERE consumer = $1 AND key = $2 AND dead"
             )?,
             #[cfg(feature = "rabbitmq")]
@@ -1009,7 +1037,7 @@ impl Statements {
                 .render("DELETE FROM {failures} WHERE consumer = $1 AND key = $2")?,
             #[cfg(feature = "rabbitmq")]
             probe_consumer: values.render(
-                "SELECT 1 FROM {inbox} LIMIT 0; SELECT 1 FROM {failures} LIMIT 0"
+                "SELECT 1 FROM {inbox} LIMIT 0; SELECT attempt, buried FROM {failures} LIMIT 0"
             )?,
             claim: claim(&t, "")?,
             claim_after: claim(&t, "AND b.aggregate_key > $4")?,

@@ -1234,10 +1234,37 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
         header(&letter.properties, DEAD_FAILURES_HEADER),
         Some(&AmqpValue::LongLongInt(3))
     );
-    // A redriven copy starts with a clean count.
-    wait_until("the failure count is deleted", || {
-        failures_of(&mut client, &outbox, "poisoned", "poison") == 0
+    // The count stays, marked buried, so a redelivery after a lost ack is not
+    // dead-lettered twice; a redriven copy (the dead letter moved back) starts afresh.
+    let buried: bool = client
+        .query_one(
+            &format!(
+                "SELECT buried FROM {} WHERE consumer = 'poisoned' AND key = 'poison'",
+                quoted_with(&outbox, "_failures")
+            ),
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert!(buried);
+    let third = spawn(Duration::from_secs(600));
+    broker
+        .channel
+        .basic_publish(
+            "",
+            amiquip::Publish::with_properties(
+                &letter.body,
+                queue.clone(),
+                letter.properties.clone(),
+            ),
+        )
+        .unwrap();
+    wait_until("the redriven copy fails once, counted afresh", || {
+        calls.load(Ordering::SeqCst) == 4
     });
+    let report = third.shutdown(Duration::from_secs(10));
+    assert_eq!((report.retried, report.rejected), (1, 0), "{report:?}");
+    assert_eq!(failures_of(&mut client, &outbox, "poisoned", "poison"), 1);
     broker.delete_queue(&queue);
 }
 

@@ -8,6 +8,7 @@
 
 mod connect;
 mod consumer;
+mod deadline;
 mod error;
 mod publisher;
 mod publisher_config;

@@ -23,6 +23,12 @@ pub enum Mode {
     /// `DropReplies`. So the reply lost is that statement's, whatever else the client sent
     /// before it, or had sent before the mode was set.
     DropRepliesFrom(&'static str),
+    /// Forwards what servers answer; what clients send is read and thrown away.
+    DropRequests,
+    /// Passes until a client sends these bytes (a frame of a protocol the proxy does not
+    /// read, say an AMQP method's class and method ids); from then on, as `DropRequests`,
+    /// starting with what held them.
+    DropRequestsFrom(&'static [u8]),
     /// Closes every connection it holds, and every new one as soon as it is accepted.
     Refuse,
     /// Forwards both ways, the replies at this many bytes a second, buffered: the server's
@@ -42,6 +48,8 @@ struct State {
     accepted: AtomicUsize,
     /// Both ends of every connection, to cut them when refusing.
     open: Mutex<Vec<TcpStream>>,
+    /// The client's end of every connection.
+    clients: Mutex<Vec<TcpStream>>,
 }
 
 impl Faulty {
@@ -54,6 +62,7 @@ impl Faulty {
             changed: Condvar::new(),
             accepted: AtomicUsize::new(0),
             open: Mutex::new(Vec::new()),
+            clients: Mutex::new(Vec::new()),
         });
         let (target, shared) = (target.to_owned(), state.clone());
         thread::spawn(move || {
@@ -72,6 +81,9 @@ impl Faulty {
                 let _ = server.set_nodelay(true);
                 if let (Ok(c), Ok(s)) = (client.try_clone(), server.try_clone()) {
                     shared.open.lock().unwrap().extend([c, s]);
+                }
+                if let Ok(c) = client.try_clone() {
+                    shared.clients.lock().unwrap().push(c);
                 }
                 pipe(&shared, &client, &server, false);
                 pipe(&shared, &server, &client, true);
@@ -96,6 +108,28 @@ impl Faulty {
 
     pub fn set(&self, mode: Mode) {
         self.state.set(mode);
+    }
+
+    /// Closes the client's end of every connection, stalling first, so the server's end
+    /// stays open: the client sees its connection lost while the server still holds it,
+    /// until the proxy passes (or refuses) again.
+    pub fn cut_clients(&self) {
+        self.set(Mode::Stall);
+        for stream in self.state.clients.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Whether replies are being dropped (set so, or since `DropRepliesFrom` found its
+    /// statement).
+    pub fn dropping(&self) -> bool {
+        self.state.mode() == Mode::DropReplies
+    }
+
+    /// Whether requests are being dropped (set so, or since `DropRequestsFrom` found its
+    /// bytes).
+    pub fn dropping_requests(&self) -> bool {
+        self.state.mode() == Mode::DropRequests
     }
 }
 
@@ -174,6 +208,11 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
                 }
                 Err(_) => break,
             };
+            if let (false, Mode::DropRequestsFrom(needle)) = (reply, state.mode()) {
+                if buf[..n].windows(needle.len()).any(|bytes| bytes == needle) {
+                    state.set(Mode::DropRequests);
+                }
+            }
             if !reply {
                 // Before the statement goes on: its reply is then the first one dropped.
                 let ran = statements.read(&buf[..n]);
@@ -187,6 +226,7 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
             match state.unstalled() {
                 Mode::Refuse => break,
                 Mode::DropReplies if reply => continue,
+                Mode::DropRequests if !reply => continue,
                 _ => {}
             }
             if reply {
@@ -213,7 +253,10 @@ fn pipe(state: &Arc<State>, from: &TcpStream, to: &TcpStream, reply: bool) {
             }
         }
         let _ = from.shutdown(Shutdown::Both);
-        let _ = to.shutdown(Shutdown::Both);
+        // A stall leaves the other end open, even once this one is closed.
+        if state.mode() != Mode::Stall {
+            let _ = to.shutdown(Shutdown::Both);
+        }
     });
 }
 

@@ -104,6 +104,40 @@ impl RabbitNode {
         command
     }
 
+    /// Raises a memory alarm (`on`) or clears it, and waits until the node says so.
+    pub fn memory_alarm(&self, on: bool) {
+        let watermark = if on { "0" } else { "0.4" };
+        assert!(
+            self.ctl(&["set_vm_memory_high_watermark", watermark]),
+            "set the watermark of {}",
+            self.name
+        );
+        super::wait_until("the memory alarm is as asked", || {
+            self.output(&["eval", "rabbit_alarm:get_alarms()."])
+                .contains("memory")
+                == on
+        });
+    }
+
+    /// How many of the node's connections it blocks (does not read) now.
+    pub fn blocked_connections(&self) -> usize {
+        self.output(&["-q", "list_connections", "state"])
+            .lines()
+            .filter(|line| line.trim() == "blocked")
+            .count()
+    }
+
+    /// What `rabbitmqctl -n <node> args` printed; empty if it failed.
+    fn output(&self, args: &[&str]) -> String {
+        self.as_rabbitmq("/usr/lib/rabbitmq/bin/rabbitmqctl")
+            .arg("-n")
+            .arg(&self.name)
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
     /// Runs `rabbitmqctl -n <node> args`; true if it succeeded.
     fn ctl(&self, args: &[&str]) -> bool {
         self.as_rabbitmq("/usr/lib/rabbitmq/bin/rabbitmqctl")

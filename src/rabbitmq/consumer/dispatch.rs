@@ -7,20 +7,32 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use amiquip::{Channel, Connection, ConsumerMessage, ConsumerOptions};
+use amiquip::{
+    Channel, Connection, ConnectionBlockedNotification, ConsumerMessage, ConsumerOptions,
+};
 use crossbeam_channel::{after, at, never, select, Receiver, Sender};
 
+use super::blocks::{note_block, read_blocks};
 use super::dead_letter::{DeadLetterQueue, Death, Refused};
 use super::delivery::{view, Delivery};
 use super::lanes::{Lanes, Tag};
 use super::shared::Shared;
+use super::succession::Succession;
 use super::worker::{Done, Job, Outcome, Task};
 use crate::error::describe;
-use crate::rabbitmq::connect::{close_within, Endpoints};
+use crate::rabbitmq::connect::Endpoints;
+use crate::rabbitmq::deadline::{Closed, Cutter};
 use crate::retry::reconnect_delay;
 
 /// The longest a committed delivery's ack is held back to go out with others.
 const ACK_DELAY: Duration = Duration::from_millis(5);
+/// The longest a call on the broker connection may wait for its answer (opening a channel,
+/// a declare) before the connection is cut. A broker that answers at all does so in
+/// milliseconds; one that does not within this is not reading the connection.
+const BROKER_BOUND: Duration = Duration::from_secs(5);
+/// The longest a cancel, or closing the connection and its channels, may take before the
+/// connection is cut.
+const CLOSE_BOUND: Duration = Duration::from_secs(2);
 
 /// Why one connection's consuming ended.
 enum Ended {
@@ -43,11 +55,15 @@ struct Dying {
     failures: u32,
     /// Refused this many times so far.
     refusals: u32,
+    /// Its dead letter is stored; a worker records that before the original is acked.
+    stored: bool,
 }
 
 /// What one channel holds.
 struct Link<'c> {
     connection: &'c mut Connection,
+    /// Bounds every call on the connection.
+    cutter: &'c Cutter,
     channel: &'c Channel,
     /// The dead-letter queue's channel, when there is one and it is open (after a refusal
     /// that broke it, it is opened again at the next try).
@@ -57,6 +73,16 @@ struct Link<'c> {
     cancelled: Arc<AtomicBool>,
     /// Told to stop: settle what runs, start nothing.
     stopping: bool,
+    /// Why the broker does not read the connection now, while it does not (a resource
+    /// alarm): no dead letter is published, no channel opened, no cancel sent meanwhile.
+    blocked: Option<String>,
+    /// The broker's notices that it stops reading the connection (once it has published a
+    /// dead letter during a resource alarm) and reads it again; `None` once the
+    /// connection's I/O thread has ended.
+    blocking: Option<Receiver<ConnectionBlockedNotification>>,
+    /// Dead-letter channels given up while the broker did not read the connection: closing
+    /// one waits for the broker's answer, so they close with the connection.
+    retired: Vec<DeadLetterQueue>,
     /// Committed deliveries whose ack has not gone out yet, and when it must.
     acks: Vec<amiquip::Delivery>,
     ack_by: Option<Instant>,
@@ -73,6 +99,8 @@ pub(super) struct Dispatcher {
     in_flight: usize,
     /// The last connection got as far as consuming.
     consuming: bool,
+    /// How the last connection ended, for the next one to consume behind it.
+    succession: Succession,
 }
 
 impl Dispatcher {
@@ -90,6 +118,7 @@ impl Dispatcher {
             generation: 0,
             in_flight: 0,
             consuming: false,
+            succession: Succession::default(),
         }
     }
 
@@ -144,46 +173,60 @@ impl Dispatcher {
 
     /// Consumes on one connection until told to stop or the connection fails.
     fn consume(&mut self) -> Ended {
-        let (mut connection, at) = match self.endpoints.open() {
+        let (mut connection, at, socket) = match self.endpoints.open_cuttable() {
             Ok(opened) => opened,
             Err(e) => return Ended::Lost(e.to_string()),
         };
-        let ended = self.consume_on(&mut connection);
+        let cutter = Cutter::new(socket);
+        let ended = self.consume_on(&mut connection, &cutter);
         if let Ended::Lost(_) = ended {
             // The next connection starts at the endpoint after this one.
             self.endpoints.lost(at);
         }
-        // Closing hands every delivery not acked back to the queue.
-        close_within(connection, None, Duration::from_secs(2));
+        // Closing hands every delivery not acked back to the queue, once the broker has
+        // closed the connection on its side; until it says so, it may still hold them.
+        self.succession
+            .closed(cutter.close(connection, CLOSE_BOUND) == Closed::Confirmed);
         ended
     }
 
-    fn consume_on(&mut self, connection: &mut Connection) -> Ended {
-        let config = &self.shared.config;
+    fn consume_on(&mut self, connection: &mut Connection, cutter: &Cutter) -> Ended {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        let blocking = match connection.listen_for_connection_blocked() {
+            Ok(notices) => notices,
+            Err(e) => return Ended::Lost(format!("cannot listen for blocks: {e}")),
+        };
         let dead_letters = match &config.dead_letter_queue {
-            Some(queue) => {
-                match DeadLetterQueue::open(connection, queue, config.dead_letter_queue_type) {
-                    Ok(d) => Some(d),
-                    Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
-                }
-            }
+            Some(queue) => match cutter.within(BROKER_BOUND, || {
+                DeadLetterQueue::open(connection, queue, config.dead_letter_queue_type)
+            }) {
+                Ok(d) => Some(d),
+                Err(e) => return Ended::Lost(format!("dead-letter queue {queue:?}: {e}")),
+            },
             None => None,
         };
-        let channel = match connection.open_channel(None) {
+        let channel = match cutter.within(BROKER_BOUND, || connection.open_channel(None)) {
             Ok(channel) => channel,
             Err(e) => return Ended::Lost(format!("cannot open a channel: {e}")),
         };
-        if let Err(e) = channel.qos(0, config.prefetch, false) {
+        if let Err(e) = cutter.within(BROKER_BOUND, || channel.qos(0, config.prefetch, false)) {
             return Ended::Lost(format!("cannot set prefetch: {e}"));
         }
-        let queue = match channel.queue_declare_passive(config.queue.as_str()) {
-            Ok(q) => q,
-            Err(e) => return Ended::Lost(format!("queue {:?}: {e}", config.queue)),
-        };
-        let consumer = match queue.consume(ConsumerOptions::default()) {
-            Ok(c) => c,
-            Err(e) => return Ended::Lost(format!("cannot consume: {e}")),
-        };
+        let queue =
+            match self
+                .succession
+                .await_old_consumer(&channel, cutter, &self.shared, BROKER_BOUND)
+            {
+                Ok(Some(queue)) => queue,
+                Ok(None) => return Ended::Stopped,
+                Err(why) => return Ended::Lost(why),
+            };
+        let consumer =
+            match cutter.within(BROKER_BOUND, || queue.consume(ConsumerOptions::default())) {
+                Ok(c) => c,
+                Err(e) => return Ended::Lost(format!("cannot consume: {e}")),
+            };
         log::info!(
             "rabbitmq consumer {}: consuming {} with {} workers",
             config.name,
@@ -194,12 +237,16 @@ impl Dispatcher {
         self.consuming = true;
         let mut link = Link {
             connection,
+            cutter,
             channel: &channel,
             dead_letters,
             held: HashMap::new(),
             lanes: Lanes::default(),
             cancelled: Arc::new(AtomicBool::new(false)),
             stopping: false,
+            blocked: None,
+            blocking: Some(blocking),
+            retired: Vec::new(),
             acks: Vec::new(),
             ack_by: None,
         };
@@ -218,10 +265,26 @@ impl Dispatcher {
                 Some(when) => at(when),
                 None => never(),
             };
+            let blocking = link.blocking.clone().unwrap_or_else(never);
             let step = select! {
                 recv(self.shared.stop.receiver()) -> _ => {
-                    let _ = consumer.cancel();
+                    // A blocked connection is not read: a cancel would wait for the alarm
+                    // to clear. Deliveries that come meanwhile are not started; they go
+                    // back with the channel.
+                    read_blocks(&link.blocking, &mut link.blocked, &config.name);
+                    if link.blocked.is_none() {
+                        let _ = cutter.within(CLOSE_BOUND, || consumer.cancel());
+                    }
                     break self.drain(&mut link);
+                }
+                recv(blocking) -> notice => {
+                    match notice {
+                        Ok(notice) => note_block(&mut link.blocked, notice, &config.name),
+                        // The connection's I/O thread has ended: the consumer's channel
+                        // says why.
+                        Err(_) => link.blocking = None,
+                    }
+                    Ok(())
                 }
                 recv(consumer.receiver()) -> message => match message {
                     Ok(ConsumerMessage::Delivery(delivery)) => self.arrive(&mut link, delivery),
@@ -253,6 +316,24 @@ impl Dispatcher {
         // Whatever is still held goes back to the queue with the channel; a job waiting
         // out a database outage need not wait for a channel that is gone.
         link.cancelled.store(true, Ordering::SeqCst);
+        read_blocks(&link.blocking, &mut link.blocked, &config.name);
+        let Link {
+            dead_letters,
+            blocked,
+            retired,
+            ..
+        } = link;
+        // Dropping the consumer cancels it and dropping a channel closes it, each waiting
+        // for the broker's answer, which a blocked connection never gets: cut it first.
+        if blocked.is_some() || !retired.is_empty() {
+            cutter.cut();
+        }
+        cutter.within(CLOSE_BOUND, || drop(consumer));
+        cutter.within(CLOSE_BOUND, || {
+            drop(retired);
+            drop(dead_letters);
+            drop(channel);
+        });
         ended
     }
 
@@ -320,6 +401,7 @@ impl Dispatcher {
             reason: "the message has no usable message id (none, or not UTF-8)".to_owned(),
             failures: 0,
             refusals: 0,
+            stored: false,
         });
         let aggregate = view.aggregate_key.clone();
         let suspect = raw.redelivered;
@@ -406,6 +488,7 @@ impl Dispatcher {
                         reason: describe(&error),
                         failures,
                         refusals: 0,
+                        stored: false,
                     });
                 }
                 self.bury(link, done.tag)?;
@@ -426,6 +509,26 @@ impl Dispatcher {
                 if !link.stopping {
                     link.lanes.retry_at(done.tag, Instant::now() + delay);
                 }
+            }
+            Outcome::Buried => {
+                let recorded = held_dying(link, done.tag).is_some_and(|dying| dying.stored);
+                if recorded {
+                    return self.finish_burial(link, done.tag);
+                }
+                // A redelivery of a message whose dead letter is stored: its ack was lost.
+                if let Some(held) = link.held.remove(&done.tag) {
+                    log::debug!(
+                        "rabbitmq consumer {}: {} was dead-lettered before; acking it",
+                        config.name,
+                        view.key
+                    );
+                    shared.counters.duplicates.fetch_add(1, Ordering::SeqCst);
+                    shared.observe(|m| m.duplicate(&view));
+                    link.acks.push(held.raw);
+                    link.ack_by
+                        .get_or_insert_with(|| Instant::now() + ACK_DELAY);
+                }
+                self.advance(link, done.tag, aggregate)?;
             }
             // Only when stopping: it goes back to the queue with the channel.
             Outcome::Abandoned => {}
@@ -459,7 +562,8 @@ impl Dispatcher {
                     self.shared.observe(|m| m.failed(view, error));
                 }
             }
-            Outcome::Abandoned => {}
+            // Counted by `settle`, which knows what it stands for.
+            Outcome::Buried | Outcome::Abandoned => {}
         }
     }
 
@@ -490,15 +594,21 @@ impl Dispatcher {
         let Some(held) = link.held.get_mut(&tag) else {
             return Ok(());
         };
-        let Some(dying) = held.dying.as_mut() else {
+        let Some(dying) = held.dying.as_mut().filter(|dying| !dying.stored) else {
             return Ok(());
         };
         let key = held.view.key.clone();
+        read_blocks(&link.blocking, &mut link.blocked, &config.name);
         let refused = match &config.dead_letter_queue {
             Some(name) => {
-                if link.dead_letters.is_none() {
+                if link.dead_letters.is_none() && link.blocked.is_none() {
                     let queue_type = config.dead_letter_queue_type;
-                    link.dead_letters = DeadLetterQueue::open(link.connection, name, queue_type)
+                    let connection = &mut *link.connection;
+                    link.dead_letters = link
+                        .cutter
+                        .within(BROKER_BOUND, || {
+                            DeadLetterQueue::open(connection, name, queue_type)
+                        })
                         .map_err(|e| log::debug!("dead-letter queue {name:?}: {e}"))
                         .ok();
                 }
@@ -508,11 +618,14 @@ impl Dispatcher {
                     consumer: &config.name,
                     queue: &config.queue,
                 };
-                match &link.dead_letters {
-                    Some(queue) => queue
+                match (&link.blocked, &link.dead_letters) {
+                    (Some(reason), _) => Some(Refused::Declined(format!(
+                        "the broker does not read this connection now ({reason})"
+                    ))),
+                    (None, Some(queue)) => queue
                         .publish(&held.raw.properties, &held.view.body, &death)
                         .err(),
-                    None => Some(Refused::Broken(format!(
+                    (None, None) => Some(Refused::Broken(format!(
                         "cannot open a channel to dead-letter queue {name:?}"
                     ))),
                 }
@@ -523,7 +636,16 @@ impl Dispatcher {
             let why = match refused {
                 Refused::Declined(why) => why,
                 Refused::Broken(why) => {
-                    link.dead_letters = None;
+                    // Its confirm may be what the broker, not reading the connection, is
+                    // holding back: then closing it would wait as long.
+                    read_blocks(&link.blocking, &mut link.blocked, &config.name);
+                    if let Some(broken) = link.dead_letters.take() {
+                        if link.blocked.is_some() {
+                            link.retired.push(broken);
+                        } else {
+                            link.cutter.within(CLOSE_BOUND, || drop(broken));
+                        }
+                    }
                     why
                 }
             };
@@ -537,12 +659,37 @@ impl Dispatcher {
             link.lanes.retry_at(tag, Instant::now() + pause);
             return Ok(());
         }
+        // A message with a failure count has a row to record the stored dead letter in:
+        // recorded before the ack, a redelivery after a lost ack is acked, not buried twice.
+        if config.dead_letter_queue.is_some() && dying.failures > 0 {
+            dying.stored = true;
+            let job = Job {
+                tag,
+                generation: self.generation,
+                delivery: held.view.clone(),
+                suspect: true,
+                cancelled: link.cancelled.clone(),
+            };
+            if self.tasks.send(Task::Bury(job)).is_ok() {
+                self.in_flight += 1;
+            }
+            return Ok(());
+        }
+        self.finish_burial(link, tag)
+    }
+
+    /// Settles a delivery whose dead letter is stored (acked), or that goes to the queue's
+    /// dead-letter exchange (rejected).
+    fn finish_burial(&mut self, link: &mut Link<'_>, tag: Tag) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
         let Some(held) = link.held.remove(&tag) else {
             return Ok(());
         };
         let Some(dying) = held.dying else {
             return Ok(());
         };
+        let key = &held.view.key;
         if config.dead_letter_queue.is_some() {
             held.raw
                 .ack(link.channel)
@@ -551,6 +698,9 @@ impl Dispatcher {
             held.raw
                 .reject(link.channel, false)
                 .map_err(|e| format!("cannot reject: {e}"))?;
+            if dying.failures > 0 {
+                let _ = self.tasks.send(Task::Forget(key.clone()));
+            }
         }
         log::error!(
             "rabbitmq consumer {}: dead-lettered {key:?} after {} failures: {}",
@@ -560,9 +710,10 @@ impl Dispatcher {
         );
         shared.counters.rejected.fetch_add(1, Ordering::SeqCst);
         shared.observe(|m| m.dead_lettered(&held.view));
-        if dying.failures > 0 {
-            let _ = self.tasks.send(Task::Forget(key));
-        }
         self.advance(link, tag, held.view.aggregate_key.as_deref())
     }
+}
+
+fn held_dying<'a>(link: &'a Link<'_>, tag: Tag) -> Option<&'a Dying> {
+    link.held.get(&tag).and_then(|held| held.dying.as_ref())
 }

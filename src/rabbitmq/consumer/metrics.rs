@@ -26,7 +26,7 @@ use crate::publish::HandlerError;
 pub trait ConsumerMetrics: Send + Sync {
     /// A delivery was handled, committed and acked; `took` is its transaction's time.
     fn handled(&self, _delivery: &Delivery, _took: Duration) {}
-    /// A delivery had been processed before: acked and skipped.
+    /// A delivery had been processed (or dead-lettered) before: acked and skipped.
     fn duplicate(&self, _delivery: &Delivery) {}
     /// The handler failed on a delivery (it is retried after a backoff, or dead-lettered).
     fn failed(&self, _delivery: &Delivery, _error: &HandlerError) {}

@@ -5,6 +5,7 @@
 //! handler, each on its own database connection. Deliveries of one aggregate go to the
 //! workers one at a time, in the order they arrived; the rest run in parallel.
 
+mod blocks;
 mod config;
 mod dead_letter;
 mod delivery;
@@ -14,6 +15,7 @@ mod facade;
 mod lanes;
 mod metrics;
 mod shared;
+mod succession;
 mod worker;
 
 use std::fmt;
@@ -51,7 +53,8 @@ pub struct ConsumerReport {
     /// Handled and committed (and acked, unless the channel was lost first: the redelivery
     /// is then acked as a duplicate).
     pub processed: u64,
-    /// Already processed before: acked and skipped.
+    /// Already processed before (or dead-lettered before, the original's ack lost): acked
+    /// and skipped.
     pub duplicates: u64,
     /// Handler failures retried after a backoff.
     pub retried: u64,
@@ -77,7 +80,9 @@ impl ConsumerReport {
 /// id with [`Outbox::dedupe`]; the delivery is acked only after that transaction commits. A
 /// redelivery of a processed message is acked and skipped.
 ///
-/// **Failures.** A handler error rolls back; the message's failure count goes up (in the
+/// **Failures.** A handler error rolls back (so does a handler that ignored a failed
+/// statement and returned `Ok`: its transaction is aborted, which the consumer finds before
+/// `COMMIT`); the message's failure count goes up (in the
 /// database, so restarts and other consumers of the queue see it) and it is handled again
 /// after a capped, jittered backoff, held unacked meanwhile. After
 /// [`max_attempts`](ConsumerConfig::max_attempts), or at once for a permanent error, it is
@@ -86,8 +91,9 @@ impl ConsumerReport {
 /// message without a message id is dead-lettered unhandled.
 ///
 /// **Outages.** Trouble with the database (no pooled connection, `BEGIN`, the dedupe write,
-/// `COMMIT`, counting a failure, or the connection dying under the handler) is not the
-/// message's fault: the delivery is held, unacked, and tried again with capped backoff until
+/// `COMMIT`, counting a failure, the connection dying under the handler, or a handler error
+/// caused by a database fault of that kind: a timeout, a deadlock, a revoked grant) is not
+/// the message's fault: the delivery is held, unacked, and tried again with capped backoff until
 /// the database is back. It never counts as a failure and never leads to a dead letter. A
 /// lost broker connection is reopened with backoff; what was held goes back to the queue.
 ///
@@ -112,6 +118,7 @@ impl ConsumerReport {
 /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
 ///     .concurrency(4);
 /// let consumer = Consumer::spawn(config, Outbox::new("orders_outbox")?, pool, |tx, delivery| {
+///     // `?` on every statement: never ignore an error and return Ok.
 ///     tx.execute("INSERT INTO invoices (order_key) VALUES ($1)", &[&delivery.key])
 ///         .map_err(HandlerError::transient)?;
 ///     Ok(())
@@ -238,8 +245,8 @@ impl Consumer {
     /// Stops taking deliveries and lets the ones being handled finish (commit and ack)
     /// within `timeout`, then closes the connection: deliveries received but not started,
     /// or waiting out a retry, go back to the queue. A handler still running at the
-    /// timeout cannot be interrupted: the connection is closed anyway (within two seconds
-    /// more), so everything else goes back on time; that handler finishes in the
+    /// timeout cannot be interrupted: the connection is closed anyway (within a few seconds
+    /// more, cut if the broker does not answer), so everything else goes back on time; that handler finishes in the
     /// background, and its delivery comes again (acked as a duplicate if it committed).
     ///
     /// Returns what the consumer did. Unlike [`Relay::shutdown`](crate::Relay::shutdown) it
@@ -279,17 +286,21 @@ impl Consumer {
             return;
         }
         let deadline = self.shared.stop_deadline();
-        // The dispatcher closes the connection by the deadline; closing takes at most two
-        // seconds more.
-        let closed = deadline + Duration::from_secs(3);
-        for (threads, by) in [
-            (&mut self.dispatcher, closed),
-            (&mut self.handlers, deadline),
+        // The dispatcher closes the connection by the deadline; each call on the broker at
+        // a stop (the cancel, the close) is cut after two seconds, and a cut one ends at once.
+        let closed = deadline + Duration::from_secs(5);
+        for (threads, by, what) in [
+            (
+                &mut self.dispatcher,
+                closed,
+                "its broker connection is still closing",
+            ),
+            (&mut self.handlers, deadline, "a handler is still running"),
         ] {
             if !threads.wait(by) {
                 log::warn!(
-                    "rabbitmq consumer {}: a handler is still running at the shutdown \
-                     timeout; it finishes in the background",
+                    "rabbitmq consumer {}: {what} at the shutdown timeout; it finishes in \
+                     the background",
                     self.shared.config.name
                 );
                 return;

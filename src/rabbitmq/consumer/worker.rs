@@ -7,13 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{after, select, Receiver, Sender};
+use postgres::error::SqlState;
 use postgres::types::Type;
+use uuid::Uuid;
 
+use super::dead_letter::DEAD_CONSUMER_HEADER;
 use super::delivery::Delivery;
 use super::lanes::Tag;
 use super::shared::Shared;
 use crate::error::describe;
-use crate::fault::Fault;
+use crate::fault::{self, Fault};
 use crate::metrics::NoMetrics;
 use crate::publish::HandlerError;
 use crate::retry::reconnect_delay;
@@ -24,8 +27,11 @@ use crate::store::storable;
 /// What a worker is asked to do.
 pub(super) enum Task {
     Handle(Job),
-    /// Delete the failure count of a message that has been dead-lettered, so a redriven copy
-    /// starts afresh.
+    /// Record that the dead letter of a message given up on is stored, before the original
+    /// is acked: if the ack is lost, the redelivery is acked without a second dead letter.
+    Bury(Job),
+    /// Delete the failure count of a message rejected to the queue's dead-letter exchange,
+    /// so a redriven copy starts afresh.
     Forget(String),
 }
 
@@ -58,6 +64,9 @@ pub(super) enum Outcome {
         failures: u32,
         dead: bool,
     },
+    /// Its dead letter is stored (recorded by a `Bury` task, or found so for a redelivery):
+    /// ack it, and publish no dead letter again.
+    Buried,
     /// Given up unfinished while the database was away, because of a stop or a lost channel.
     Abandoned,
 }
@@ -75,6 +84,9 @@ enum Failure {
     Handler(HandlerError),
     /// The database or the way to it: nobody's fault, never counted.
     Database(crate::error::Error),
+    /// The handler failed because of the database or the way to it (a database error of
+    /// the world's in its error's source chain): never counted either.
+    World(HandlerError),
     /// The handler said a service it needs is unavailable: nobody's fault either.
     Unavailable(HandlerError),
 }
@@ -96,6 +108,33 @@ impl Failure {
             Fault::Message => Failure::Handler(HandlerError::transient(error)),
         }
     }
+
+    /// The handler's error: unavailable when it says so or when a database error of the
+    /// world's caused it, whatever kind the handler gave it; else its own verdict.
+    fn of_handler(error: HandlerError) -> Failure {
+        if error.is_unavailable() {
+            return Failure::Unavailable(error);
+        }
+        match fault::in_chain(&error) {
+            Some(Fault::World) => Failure::World(error),
+            _ => Failure::Handler(error),
+        }
+    }
+}
+
+/// What holds a job while the world is at fault.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// The consumer's own statements (`BEGIN`, dedupe, `COMMIT`) or the connection.
+    Database,
+    /// The handler, failing on a fault of the database's.
+    World,
+    /// The handler, saying a service it needs is unavailable.
+    Service,
+    /// Counting the handler's failure.
+    Count,
+    /// Recording that a dead letter is stored.
+    Burial,
 }
 
 pub(super) struct Worker {
@@ -144,6 +183,17 @@ impl Worker {
                         break;
                     }
                 }
+                Task::Bury(job) => {
+                    let outcome = self.bury(&job);
+                    let done = Done {
+                        tag: job.tag,
+                        generation: job.generation,
+                        outcome,
+                    };
+                    if results.send(done).is_err() {
+                        break;
+                    }
+                }
                 Task::Forget(key) => self.forget(key),
             }
         }
@@ -151,20 +201,24 @@ impl Worker {
     }
 
     /// Runs the job until its outcome says something about the message. While the database
-    /// is the trouble (no connection, `BEGIN`, the dedupe write, `COMMIT`, or counting a
-    /// failure failing for reasons of the server or the connection) the delivery is held,
-    /// unacked and uncounted, and tried again with capped backoff: an outage never costs a
-    /// message one of its attempts, let alone a dead letter.
+    /// is the trouble (no connection, `BEGIN`, the dedupe write, `COMMIT`, a handler that
+    /// failed on a fault of the database's, or counting a failure failing for reasons of the
+    /// server or the connection) the delivery is held, unacked and uncounted, and tried again
+    /// with capped backoff: an outage never costs a message one of its attempts, let alone a
+    /// dead letter.
     fn handle(&mut self, job: &Job) -> Outcome {
         // Queued before a stop or a lost channel and not started: hand it back unrun.
         if self.shared.stop.is_sent() || job.cancelled.load(Ordering::SeqCst) {
             return Outcome::Abandoned;
         }
         let mut outages = 0u32;
+        // A failure of the handler not yet known to be counted: counted again under the
+        // same attempt, never by running the handler again, so a lost reply to the count
+        // charges the failure once.
+        let mut uncounted: Option<(HandlerError, Uuid)> = None;
         loop {
-            let error = match self.attempt(job) {
-                Ok(outcome) => return outcome,
-                Err(Failure::Handler(error)) => match self.count_failure(job, &error) {
+            let (error, held) = match uncounted.take() {
+                Some((error, attempt)) => match self.count_failure(job, &error, attempt) {
                     Ok((failures, dead)) => {
                         return Outcome::Failed {
                             error,
@@ -181,56 +235,74 @@ impl Worker {
                             dead: true,
                         }
                     }
-                    // Uncounted, the failure must not count: the handler runs again.
-                    Err(e) => e,
-                },
-                Err(Failure::Database(e)) => e,
-                Err(Failure::Unavailable(e)) => crate::error::Error::Unavailable(Box::new(e)),
-            };
-            // The consumer's tables are gone: no delivery can be handled until someone
-            // migrates again, and holding them all meanwhile helps nobody.
-            if error.is_not_migrated() {
-                self.release();
-                self.shared
-                    .stop_consumer(crate::rabbitmq::error::Error::Database(error));
-                return Outcome::Abandoned;
-            }
-            outages += 1;
-            let pause = reconnect_delay(outages);
-            let shared = self.shared.clone();
-            let name = &shared.config.name;
-            let key = &job.delivery.key;
-            match &error {
-                crate::error::Error::Unavailable(cause) => log::warn!(
-                    "rabbitmq consumer {name}: the handler of {key} needs a service that is \
-                     unavailable (not counted as a failure); trying again in {pause:?}: {}",
-                    describe(cause.as_ref())
-                ),
-                error => {
-                    self.release();
-                    self.shared.observe(|m| m.database_failed(error));
-                    if Fault::of(error) == Fault::World {
-                        log::warn!(
-                            "rabbitmq consumer {name}: the database failed while handling \
-                             {key} (not counted as a failure); trying again in {pause:?}: \
-                             {error}"
-                        );
-                    } else {
-                        log::error!(
-                            "rabbitmq consumer {name}: cannot keep the failure count of {key}; \
-                             holding it and trying again in {pause:?}: {error}"
-                        );
+                    Err(e) => {
+                        uncounted = Some((error, attempt));
+                        (e, Held::Count)
                     }
-                }
-            }
-            select! {
-                recv(self.shared.stop.receiver()) -> _ => return Outcome::Abandoned,
-                recv(after(pause)) -> _ => {}
-            }
-            if job.cancelled.load(Ordering::SeqCst) {
+                },
+                None => match self.attempt(job) {
+                    Ok(outcome) => return outcome,
+                    Err(Failure::Handler(error)) => {
+                        uncounted = Some((error, Uuid::new_v4()));
+                        continue;
+                    }
+                    Err(Failure::Database(e)) => (e, Held::Database),
+                    Err(Failure::World(e)) => {
+                        (crate::error::Error::Unavailable(Box::new(e)), Held::World)
+                    }
+                    Err(Failure::Unavailable(e)) => {
+                        (crate::error::Error::Unavailable(Box::new(e)), Held::Service)
+                    }
+                },
+            };
+            if !self.wait_out(job, error, held, &mut outages) {
                 return Outcome::Abandoned;
             }
         }
+    }
+
+    /// Waits out an outage that holds a job, after letting the connection go unless a
+    /// service of the handler's is the trouble; false when the job is given up meanwhile
+    /// (a stop, a lost channel, or tables that are gone).
+    fn wait_out(
+        &mut self,
+        job: &Job,
+        error: crate::error::Error,
+        held: Held,
+        outages: &mut u32,
+    ) -> bool {
+        // The consumer's tables are gone: no delivery can be handled until someone
+        // migrates again, and holding them all meanwhile helps nobody.
+        if error.is_not_migrated() {
+            self.release();
+            self.shared
+                .stop_consumer(crate::rabbitmq::error::Error::Database(error));
+            return false;
+        }
+        *outages += 1;
+        let pause = reconnect_delay(*outages);
+        let shared = self.shared.clone();
+        let (name, key) = (&shared.config.name, &job.delivery.key);
+        if held != Held::Service {
+            self.release();
+            self.shared.observe(|m| m.database_failed(&error));
+        }
+        let what = match held {
+            Held::Database => "the database failed while handling",
+            Held::World => "the handler failed on a fault of the database's while handling",
+            Held::Service => "the handler needs a service that is unavailable to handle",
+            Held::Count => "cannot keep the failure count of",
+            Held::Burial => "cannot record the stored dead letter of",
+        };
+        log::warn!(
+            "rabbitmq consumer {name}: {what} {key} (not counted as a failure); holding it \
+             and trying again in {pause:?}: {error}"
+        );
+        select! {
+            recv(self.shared.stop.receiver()) -> _ => return false,
+            recv(after(pause)) -> _ => {}
+        }
+        !job.cancelled.load(Ordering::SeqCst)
     }
 
     /// One transaction: dedupe, the handler, and for a suspect delivery its failure count's
@@ -247,11 +319,13 @@ impl Worker {
 
     /// Adds one to the message's failure count, in a statement of its own after the
     /// rollback, and returns the new count and whether the message is given up on (its
-    /// error is permanent or this was its last failure), which is kept with it.
+    /// error is permanent or this was its last failure), which is kept with it. Counting
+    /// the same `attempt` again adds nothing and answers the same.
     fn count_failure(
         &mut self,
         job: &Job,
         error: &HandlerError,
+        attempt: Uuid,
     ) -> Result<(u32, bool), crate::error::Error> {
         let shared = self.shared.clone();
         let text = storable(&describe(error)).into_owned();
@@ -266,12 +340,45 @@ impl Worker {
                 .client
                 .query_one(
                     &shared.outbox.statements().count_failure,
-                    &[&config.name, &key, &text, &permanent, &max_failures],
+                    &[
+                        &config.name,
+                        &key,
+                        &text,
+                        &permanent,
+                        &max_failures,
+                        &attempt,
+                    ],
                 )
                 .map_err(|e| shared.outbox.db_error(e))?;
             let failures: i32 = row.get(0);
             Ok((u32::try_from(failures).unwrap_or(0), row.get(1)))
         })
+    }
+
+    /// Records that the job's dead letter is stored, waiting out an outage of the database
+    /// meanwhile: the dispatcher acks the original only then.
+    fn bury(&mut self, job: &Job) -> Outcome {
+        let mut outages = 0u32;
+        loop {
+            let (shared, key) = (self.shared.clone(), job.delivery.key.clone());
+            let marked = self.session.run(move |conn| {
+                conn.client
+                    .execute(
+                        &shared.outbox.statements().mark_buried,
+                        &[&shared.config.name, &key],
+                    )
+                    .map(drop)
+                    .map_err(|e| shared.outbox.db_error(e))
+            });
+            match marked {
+                Ok(()) => return Outcome::Buried,
+                Err(e) => {
+                    if !self.wait_out(job, e, Held::Burial, &mut outages) {
+                        return Outcome::Abandoned;
+                    }
+                }
+            }
+        }
     }
 
     fn forget(&mut self, key: String) {
@@ -311,8 +418,15 @@ fn statement_bound(timeout: Duration) -> Duration {
     timeout + (timeout / 2).max(Duration::from_secs(2))
 }
 
-/// One transaction of [`Worker::attempt`], on the connection's thread. A suspect delivery
-/// already given up on is not handled again.
+/// One transaction of [`Worker::attempt`], on the connection's thread.
+///
+/// Dedupe comes first, so a message processed before is acked as a duplicate whatever
+/// failure count a copy of it left behind. A suspect delivery already given up on is not
+/// handled again: dead-lettered, or acked if its dead letter is stored (unless it is a
+/// redriven copy of that dead letter, which starts afresh). After the handler, its failure
+/// count goes in the same transaction; that statement also finds a transaction the handler
+/// left aborted (it ignored a failed statement and returned `Ok`), where `COMMIT` would
+/// answer `ROLLBACK` without an error and the delivery would be acked with nothing stored.
 fn attempt_on(
     client: &mut postgres::Client,
     watch: &Watch,
@@ -321,57 +435,69 @@ fn attempt_on(
     suspect: bool,
 ) -> Result<Outcome, Failure> {
     let started = Instant::now();
-    if suspect {
-        let sql = shared.outbox.statements();
-        let given_up = client
-            .query_typed(
-                &sql.failure_state,
-                &[
-                    (&shared.config.name, Type::TEXT),
-                    (&delivery.key, Type::TEXT),
-                ],
-            )
-            .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
-        if let Some(row) = given_up.first() {
-            let (failures, last_error): (i32, String) = (row.get(0), row.get(1));
-            return Ok(Outcome::Failed {
-                error: HandlerError::permanent(last_error),
-                failures: u32::try_from(failures).unwrap_or(0),
-                dead: true,
-            });
-        }
-    }
+    let sql = shared.outbox.statements();
+    let params: [(&(dyn postgres::types::ToSql + Sync), Type); 2] = [
+        (&shared.config.name, Type::TEXT),
+        (&delivery.key, Type::TEXT),
+    ];
     let mut tx = client.transaction().map_err(Failure::db)?;
     let fresh = shared
         .outbox
         .dedupe(&mut tx, &shared.config.name, &delivery.key)
         .map_err(Failure::classify)?;
     if !fresh {
+        if suspect {
+            tx.execute_typed(&sql.forget_failures, &params)
+                .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
+            tx.commit().map_err(Failure::db)?;
+        }
         return Ok(Outcome::Duplicate);
+    }
+    if suspect {
+        let given_up = tx
+            .query_typed(&sql.failure_state, &params)
+            .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
+        if let Some(row) = given_up.first() {
+            let (failures, last_error, buried): (i32, String, bool) =
+                (row.get(0), row.get(1), row.get(2));
+            if !buried {
+                return Ok(Outcome::Failed {
+                    error: HandlerError::permanent(last_error),
+                    failures: u32::try_from(failures).unwrap_or(0),
+                    dead: true,
+                });
+            }
+            if !redriven(shared, delivery) {
+                return Ok(Outcome::Buried);
+            }
+        }
     }
     watch
         .unbounded(|| {
             catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
                 .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
         })
-        .map_err(|e| {
-            if e.is_unavailable() {
-                Failure::Unavailable(e)
-            } else {
-                Failure::Handler(e)
+        .map_err(Failure::of_handler)?;
+    // The consumer's own table: missing, it is not migrated (and the consumer stops).
+    tx.execute_typed(&sql.forget_failures, &params)
+        .map_err(|e| match e.code() {
+            Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => {
+                Failure::Handler(HandlerError::transient(
+                    "the handler returned Ok from a transaction a failed statement had \
+                     aborted (it ignored that statement's error): nothing it did could commit",
+                ))
             }
+            _ => Failure::classify(shared.outbox.db_error(e)),
         })?;
-    if suspect {
-        tx.execute_typed(
-            &shared.outbox.statements().forget_failures,
-            &[
-                (&shared.config.name, Type::TEXT),
-                (&delivery.key, Type::TEXT),
-            ],
-        )
-        // The consumer's own table: missing, it is not migrated (and the consumer stops).
-        .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?;
-    }
     tx.commit().map_err(Failure::db)?;
     Ok(Outcome::Committed(started.elapsed()))
+}
+
+/// A copy of a dead letter of this consumer's, moved back to the queue: it carries the
+/// header the dead letter was given.
+fn redriven(shared: &Shared, delivery: &Delivery) -> bool {
+    delivery
+        .headers
+        .iter()
+        .any(|(name, value)| name == DEAD_CONSUMER_HEADER && *value == shared.config.name)
 }
