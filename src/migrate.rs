@@ -549,7 +549,7 @@ fn functions_steps(sql: &Statements, schema: &Schema, form: Form) -> Result<Stri
             &[("functions", &functions), ("names", &names_of(form))],
         )?;
         steps.push_str(&format!(
-            "DO $outbox_functions$\nBEGIN\nIF NOT {condition} THEN\n{forget};\nEND IF;\n\
+            "DO $outbox_functions$\nBEGIN\nIF NOT ({condition}) THEN\n{forget};\nEND IF;\n\
              END\n$outbox_functions$;\n\n"
         ));
     }

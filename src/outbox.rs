@@ -278,11 +278,13 @@ impl Outbox {
         self.statements().db_error(e)
     }
 
-    /// Creates or upgrades the outbox's tables and indexes.
+    /// Creates or upgrades the outbox's tables, indexes and functions.
     ///
     /// The embedded migrations in `sql/` run in one transaction under an advisory lock
-    /// derived from the table name and are recorded in `<table>_migrations`, so running this
-    /// on every start, from many processes at once, is safe. A migration that cannot lock
+    /// derived from the table name and are recorded in `<table>_migrations`, and the
+    /// functions of `sql/functions/` are made again where `<table>_functions` records
+    /// another text of them, so running this on every start, from many processes at once,
+    /// is safe. A migration that cannot lock
     /// the tables within 5 s (a long transaction holds them) gives up with an error
     /// (SQLSTATE 55P03) rather than queue behind it and block producers and relays
     /// meanwhile: run it again later.
@@ -420,7 +422,8 @@ impl Outbox {
 
     /// The DDL [`Outbox::migrate`] applies, for teams that run their own migration tool.
     /// It can be run again: each migration runs only if `<table>_migrations` does not
-    /// record it yet, and records it, so a later `migrate` finds nothing to do either. Use
+    /// record it yet, and each function file only if `<table>_functions` does not record
+    /// its text, and records it, so a later `migrate` finds nothing to do either. Use
     /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
         migrate::script(self.statements(), self.inner.partition_interval)
