@@ -873,7 +873,7 @@ fn an_aggregate_pending_in_an_older_partition_keeps_its_order() {
 }
 
 /// Whether a function `suffix` of `outbox` looks for pending messages only in the
-/// partitions that may hold them (not settled, and since migration 17 not quiet).
+/// partitions that may hold them (not quiet).
 fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -> bool {
     let row = client
         .query_one(
@@ -965,7 +965,7 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 5
     [0, 1, 2, 3, 4].map(|n| after[n] - before[n])
 }
 
-/// Whether partition `n` is quiet: left out of producers' looks (migration 16).
+/// Whether partition `n` is quiet: left out of producers' looks.
 fn is_quiet(client: &mut Client, outbox: &Outbox, n: i64) -> bool {
     let sql = format!(
         "SELECT quiet_at IS NOT NULL FROM {} WHERE n = $1",
@@ -1044,7 +1044,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     assert!(looks[0] == 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
 }
 
-/// The dead letters partition `n` was counted to hold when it became quiet (migration 18).
+/// The dead letters partition `n` was counted to hold when it became quiet.
 fn counted_dead(client: &mut Client, outbox: &Outbox, n: i64) -> Option<i64> {
     let sql = format!(
         "SELECT dead FROM {} WHERE n = $1",
@@ -1362,7 +1362,7 @@ fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
 }
 
 /// `stats()` and `topic_stats()` read no partition past the one the id sequence stands in
-/// (migration 20): the partitions made ahead are left out of their plans, here locked
+/// (`<table>_ids_drawn`): the partitions made ahead are left out of their plans, here locked
 /// against reads. They go by the sequence, not the bookkeeping: moved into partition 1 by
 /// hand, as a cut moves it before its bookkeeping commits, the row drawn there is counted.
 /// So does a role of a relay's rights, with PUBLIC's EXECUTE on the function revoked.
@@ -1496,7 +1496,7 @@ fn held_between_dead_letters<const N: usize>(
 }
 
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
-/// partition from being quiet, and no longer the ones after it (migration 18): producers'
+/// partition from being quiet, and no longer the ones after it: producers'
 /// looks read the partitions held, and the open one, leaving out the quiet ones between
 /// (19 and 21); so does `stats()`.
 /// Partitions 0 and 2 hold a message for tomorrow, of aggregates `a` and `c`; 1 and 3 a
@@ -1568,7 +1568,7 @@ fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
 
 /// Messages held in more old partitions than an enqueue's look reads alone (three): it
 /// reads the first three alone and every partition from the fourth on, so the quiet ones
-/// between the first three are left out (migration 21), and a message held in any of them
+/// between the first three are left out, and a message held in any of them
 /// still goes before its aggregate's next one, single or in a batch. Partitions 0, 2, 4, 6
 /// and 8 hold a message for tomorrow, of aggregates `a0` to `a8`; 1, 3, 5, 7 and 9 a sent
 /// row and a dead letter each; 10 is open.
@@ -1610,8 +1610,8 @@ fn an_enqueue_looks_into_three_held_partitions_alone_and_every_one_from_the_four
     );
 }
 
-/// A dead letter set back to pending by hand (or by a redrive of a version older than
-/// migration 16) in the oldest quiet partition, as its aggregate's head: the upkeep finds
+/// A dead letter set back to pending by hand (or by a redrive of a build that did not mark
+/// partitions not quiet) in the oldest quiet partition, as its aggregate's head: the upkeep finds
 /// it there and has the looks read that partition again, so the aggregate's next message
 /// waits behind it.
 #[test]
@@ -1739,7 +1739,7 @@ fn a_parked_message_keeps_its_partition_in_producers_looks() {
 #[test]
 fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let (outbox, mut client) = partitioned("part_role");
-    // A relay's rights but the upkeep's, as before migration 15 nothing could give it.
+    // A relay's rights but the upkeep's.
     let role = Role::new(&mut client);
     role.grant(&mut client, &outbox, Access::Relay);
     role.execute(
