@@ -208,7 +208,7 @@ impl Batch {
             Type::BOOL,
         ];
         // Locking the aggregates tells which of them have rows pending: the first row of
-        // each other one is its head (see migration 0007).
+        // each other one is its head (see sql/functions/enqueue.sql).
         let ordered = self.aggregate_keys.iter().any(Option::is_some);
         let busy: Vec<String> = if ordered || notify {
             let keys = ordered.then_some(&self.aggregate_keys);

@@ -218,7 +218,7 @@ pub struct Partition {
     /// `None` for every other partition.
     pub held_back: Option<HeldBack>,
     /// Closed, no producer left that may still write into it, and no pending or parked
-    /// row in it: enqueues' looks leave it out (migration 16).
+    /// row in it: enqueues' looks leave it out (sql/functions/partitions.sql).
     pub(crate) quiet: bool,
 }
 
@@ -737,7 +737,7 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                         0 => String::new(),
                         n => format!(
                             " ({n} reporting, none a claim within its poll interval, or a \
-                             relay older than migration 22, which does not report its claims)"
+                             relay of a build before 0.3.0, which does not report its claims)"
                         ),
                     }
                 ),
@@ -831,9 +831,9 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                 })
             };
             let retention = "retention keeps it whole, its sent rows with it, and ";
-            // Dead letters alone leave it quiet: stats() counts them once (migration 0018),
-            // topic_stats() reads it alone for them, and enqueues read from the first
-            // closed partition not quiet, if any.
+            // Dead letters alone leave it quiet: stats() counts them once (see
+            // sql/functions/partitions.sql), topic_stats() reads it alone for them, and
+            // enqueues read from the first closed partition not quiet, if any.
             let looked = health.partitions.iter().find(|p| {
                 p.number > partition.number && p.closed.is_some() && p.exists && !p.quiet
             });

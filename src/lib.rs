@@ -78,6 +78,7 @@ pub mod hooks;
 mod lifecycle;
 mod message;
 mod metrics;
+mod migrate;
 mod operate;
 mod outbox;
 mod pool;

@@ -748,15 +748,15 @@ impl Outbox {
     }
 
     /// Drops each closed partition whose rows were all sent longer than `age` ago, passing
-    /// over the ones it keeps (one statement and transaction each, see migrations 0012 and
-    /// 0016), and returns how many rows they held; with `dry_run`, how many they hold.
+    /// over the ones it keeps (one statement and transaction each, see `<table>_retire` in
+    /// sql/functions/partitions.sql), and returns how many rows they held; with `dry_run`, how many they hold.
     fn retire(&self, client: &mut Client, age: Duration, dry_run: bool) -> Result<u64> {
         let sql = self.statements();
         let age = micros(age);
         let mut total = 0;
         loop {
             // Whatever the session's default: the drop's second look must see what
-            // committed while it waited for its lock (see migration 0012).
+            // committed while it waited for its lock (see sql/functions/partitions.sql).
             let mut tx = client
                 .build_transaction()
                 .isolation_level(IsolationLevel::ReadCommitted)

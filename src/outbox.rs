@@ -12,8 +12,9 @@ use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::message::{at_most, micros, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
+use crate::migrate::{self, Form, Schema, MIGRATIONS};
 use crate::retry::{check_lease, check_retry, Retry};
-use crate::sql::{self, migrations, Statements, MIGRATIONS};
+use crate::sql::Statements;
 use crate::table::TableName;
 
 /// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
@@ -277,11 +278,13 @@ impl Outbox {
         self.statements().db_error(e)
     }
 
-    /// Creates or upgrades the outbox's tables and indexes.
+    /// Creates or upgrades the outbox's tables, indexes and functions.
     ///
     /// The embedded migrations in `sql/` run in one transaction under an advisory lock
-    /// derived from the table name and are recorded in `<table>_migrations`, so running this
-    /// on every start, from many processes at once, is safe. A migration that cannot lock
+    /// derived from the table name and are recorded in `<table>_migrations`, and the
+    /// functions of `sql/functions/` are made again where `<table>_functions` records
+    /// another text of them, so running this on every start, from many processes at once,
+    /// is safe. A migration that cannot lock
     /// the tables within 5 s (a long transaction holds them) gives up with an error
     /// (SQLSTATE 55P03) rather than queue behind it and block producers and relays
     /// meanwhile: run it again later.
@@ -325,13 +328,15 @@ impl Outbox {
         if let Some(create_schema) = &sql.create_schema {
             tx.batch_execute(create_schema)?;
         }
+        let schema = Schema::new(&table);
         tx.batch_execute(&sql.migrations_table)?;
+        tx.batch_execute(&schema.forget_squashed)?;
         let applied: Vec<i32> = tx
             .query(&sql.applied_versions, &[])?
             .iter()
             .map(|row| row.get(0))
             .collect();
-        for (migration, ddl) in MIGRATIONS.iter().zip(migrations(&table)) {
+        for (migration, ddl) in MIGRATIONS.iter().zip(&schema.migrations) {
             if applied.contains(&migration.version) {
                 continue;
             }
@@ -340,12 +345,14 @@ impl Outbox {
                 self.table(),
                 migration.name
             );
-            tx.batch_execute(&ddl)?;
+            tx.batch_execute(ddl)?;
             tx.execute(
                 &sql.record_migration,
                 &[&migration.version, &migration.name],
             )?;
         }
+        tx.batch_execute(&schema.functions_table)?;
+        schema.make_functions(&mut tx, self.table(), Form::Any)?;
         let partitioned: bool = tx.query_one(&sql.is_partitioned, &[])?.get(0);
         let partitioned = match self.inner.partition_interval {
             Some(every) if !partitioned => {
@@ -360,7 +367,7 @@ impl Outbox {
                     )));
                 }
                 log::info!("outbox {}: making the table partitioned", self.table());
-                tx.batch_execute(&sql::partitioned(&table, every))?;
+                tx.batch_execute(&migrate::partitioned(&table, every))?;
                 true
             }
             Some(every) => {
@@ -369,6 +376,8 @@ impl Outbox {
             }
             None => partitioned,
         };
+        schema.make_functions(&mut tx, self.table(), migrate::form(partitioned))?;
+        schema.forget_functions(&mut tx, partitioned)?;
         tx.commit()?;
         self.learned(partitioned);
         Ok(())
@@ -413,10 +422,11 @@ impl Outbox {
 
     /// The DDL [`Outbox::migrate`] applies, for teams that run their own migration tool.
     /// It can be run again: each migration runs only if `<table>_migrations` does not
-    /// record it yet, and records it, so a later `migrate` finds nothing to do either. Use
+    /// record it yet, and each function file only if `<table>_functions` does not record
+    /// its text, and records it, so a later `migrate` finds nothing to do either. Use
     /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
-        self.statements().script(self.inner.partition_interval)
+        migrate::script(self.statements(), self.inner.partition_interval)
     }
 
     /// Enqueues a message in the caller's transaction and returns its key; it is published

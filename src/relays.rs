@@ -1,5 +1,5 @@
 //! What running relays say about themselves: each keeps a row in `<table>_relays`, written
-//! every few seconds on a connection it already holds (see migration 0011).
+//! every few seconds on a connection it already holds (see sql/0007_since_0_2_0.sql).
 
 use std::time::{Duration, SystemTime};
 
@@ -66,10 +66,10 @@ pub struct RelayReport {
     /// How long ago its workers last had a claim answered, taking rows or not, as its last
     /// report tells (a claim after that report shows at the next one); the report's part
     /// by the relay's own clock, zero if a worker held claimed rows then (a long cycle is
-    /// work). `None` before its first claim, or from a relay older than migration 22. An
+    /// work). `None` before its first claim, or from a relay of a build before 0.3.0. An
     /// idle relay claims once per poll interval.
     pub since_claim: Option<Duration>,
-    /// Its poll interval; `None` from a relay older than migration 22.
+    /// Its poll interval; `None` from a relay of a build before 0.3.0.
     pub poll_interval: Option<Duration>,
 }
 

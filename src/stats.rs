@@ -150,9 +150,9 @@ impl Outbox {
     /// `BACKLOG_RANGES`) and counts the dead letters of the quiet partitions from `$1` on
     /// left out (see `Statements::stats`), or, `with_ranges`, reads those in the ranges
     /// after (see `DEAD_RANGES`). On a partitioned table, `$1` is the first id of the
-    /// oldest partition not settled (migration 0013), and the ranges those of the
-    /// partitions that may hold a pending or parked row, up to the partition of the last
-    /// id drawn (migrations 0016, 0018 and 0020): its plan leaves the others out, however
+    /// oldest partition not settled (sql/functions/partitions.sql), and the ranges those of
+    /// the partitions that may hold a pending or parked row, up to the partition of the last
+    /// id drawn (the same file): its plan leaves the others out, however
     /// many days retention keeps, partitions it makes ahead, or quiet ones lie between
     /// messages held in old partitions. On a plain one, every id.
     /// The bounds and the counts are read in one snapshot: a redrive committed in between

@@ -1715,18 +1715,22 @@ fn process_stops_an_aggregate_at_its_first_failure_and_keeps_the_rest_for_later(
     Ok(())
 }
 
-/// Builds the schema as the migrations before `next` left it, fills it with rows in every
-/// state through plain SQL (as that version's enqueue wrote them), migrates, and checks
-/// that nothing was lost and the outbox works on.
-fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
+/// The DDL of the migrations 0.2.0 shipped (1 to 6), from the script `Outbox::sql` prints.
+fn version_0_2_0(outbox: &Outbox) -> String {
+    let ddl = outbox.sql();
+    let (shipped, _) = ddl
+        .split_once("-- 0007_since_0_2_0")
+        .expect("the DDL lists its migrations");
+    shipped.to_owned()
+}
+
+/// A table 0.2.0 made, filled with rows in every state through plain SQL (as its enqueue
+/// wrote them), upgrades with nothing lost, and the outbox works on.
+#[test]
+fn a_0_2_0_table_upgrades_keeping_rows_in_every_state() -> TestResult {
     let outbox = Outbox::new(&unique_name("upgrade"))?;
     let mut client = common::client();
-    let ddl = outbox.sql();
-    let old = ddl
-        .split(&format!("-- {next}"))
-        .next()
-        .expect("the DDL lists its migrations");
-    client.batch_execute(old)?;
+    client.batch_execute(&version_0_2_0(&outbox))?;
     let t = quoted(&outbox);
     client.batch_execute(&format!(
         "INSERT INTO {t} (key, topic, payload) VALUES
@@ -1797,49 +1801,104 @@ fn upgrades_keeping_rows_in_every_state(next: &str) -> TestResult {
     Ok(())
 }
 
-#[test]
-fn a_version_1_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0002_claim_heads")
+/// A table 0.2.0 made, upgraded, has what a fresh install has, in the catalog's words:
+/// tables, columns, defaults, indexes, constraints, functions (bodies, rights, settings and
+/// grants) and grants; made partitioned after the upgrade as a fresh table is.
+fn upgrades_from_0_2_0_to_a_fresh_install(partition_interval: Option<Duration>) -> TestResult {
+    let schema = unique_name("catalog");
+    let mut builder = Outbox::builder().table(format!("{schema}.events"));
+    if let Some(every) = partition_interval {
+        builder = builder.partition_interval(every);
+    }
+    let outbox = builder.build()?;
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+    let fresh = common::catalog(&mut client, &schema);
+    assert!(fresh.iter().any(|line| line.contains("events_enqueue(")));
+    // Made again under the same names, so every name, lock key and channel is the same.
+    client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))?;
+    client.batch_execute(&version_0_2_0(&outbox))?;
+    outbox.migrate(&mut client)?;
+    common::assert_same_catalog(&common::catalog(&mut client, &schema), &fresh);
+    Ok(())
 }
 
 #[test]
-fn a_version_2_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0003_consumer_failures")
+fn a_0_2_0_table_upgrades_to_what_a_fresh_install_makes() -> TestResult {
+    upgrades_from_0_2_0_to_a_fresh_install(None)
 }
 
 #[test]
-fn a_version_3_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0004_enqueue_functions")
+fn a_0_2_0_table_upgrades_and_is_made_partitioned_as_a_fresh_one() -> TestResult {
+    upgrades_from_0_2_0_to_a_fresh_install(Some(Duration::from_secs(24 * 3600)))
 }
 
+/// Builds between 0.2.0 and 0.3.0 recorded migrations numbered 7 to 23, never released,
+/// which migration 7 replaces: `migrate` forgets them and runs it, making each of its
+/// changes only where it is missing, and the functions as they are today.
 #[test]
-fn a_version_4_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0005_aggregate_locks_and_parking")
+fn a_table_of_a_build_between_releases_is_brought_to_migration_7() -> TestResult {
+    let schema = unique_name("between");
+    let outbox = common::builder()
+        .table(format!("{schema}.events"))
+        .build()?;
+    let mut client = common::client();
+    outbox.migrate(&mut client)?;
+    let today = common::catalog(&mut client, &schema);
+    let migrations = format!("\"{schema}\".events_migrations");
+    client.batch_execute(&format!(
+        "UPDATE {migrations} SET name = '0007_head_flags' WHERE version = 7;
+         INSERT INTO {migrations} (version, name)
+         VALUES (8, '0008_head_probes_per_aggregate'), (23, '0023_writes_without_checks');
+         DELETE FROM \"{schema}\".events_functions;"
+    ))?;
+    outbox.migrate(&mut client)?;
+    let recorded: Vec<(i32, String)> = client
+        .query(
+            &format!("SELECT version, name FROM {migrations} ORDER BY 1"),
+            &[],
+        )?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(recorded.len(), 7, "{recorded:?}");
+    assert_eq!(recorded[6], (7, "0007_since_0_2_0".to_owned()));
+    common::assert_same_catalog(&common::catalog(&mut client, &schema), &today);
+    enqueue_keys(&outbox, &mut client, SEND, &["after"])?;
+    assert_eq!(settle(&outbox, &mut client)?, (1, 0));
+    Ok(())
 }
 
+/// A function file is made again when `<table>_functions` records another text at its
+/// revision (an edit) or an older revision, and left alone when it records a later one (a
+/// newer version's, which an older process migrating on its start must not undo).
 #[test]
-fn a_version_5_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0006_dead_decisions_and_channel")
-}
-
-#[test]
-fn a_version_6_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0007_head_flags")
-}
-
-#[test]
-fn a_version_7_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0008_head_probes_per_aggregate")
-}
-
-#[test]
-fn a_version_8_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0009_claims_apart_from_attempts")
-}
-
-#[test]
-fn a_version_9_table_upgrades_keeping_rows_in_every_state() -> TestResult {
-    upgrades_keeping_rows_in_every_state("0010_leaner_enqueue")
+fn a_function_file_is_made_again_unless_a_later_revision_made_it() -> TestResult {
+    let (outbox, mut client) = common::outbox("functions_again");
+    let notify = common::quoted_with(&outbox, "_notify");
+    let functions = common::quoted_with(&outbox, "_functions");
+    let body = |client: &mut Client| -> String {
+        let sql = format!("SELECT prosrc FROM pg_proc WHERE oid = '{notify}()'::regprocedure");
+        client.query_one(&sql, &[]).expect("the function").get(0)
+    };
+    let today = body(&mut client);
+    let mute = format!(
+        "CREATE OR REPLACE FUNCTION {notify}() RETURNS void LANGUAGE plpgsql AS $fn$
+         BEGIN END $fn$"
+    );
+    for (recorded, made_again) in [
+        ("revision = revision + 1", false),
+        ("revision = revision - 2", true),
+        ("hash = 'edited'", true),
+    ] {
+        client.batch_execute(&mute)?;
+        client.batch_execute(&format!(
+            "UPDATE {functions} SET {recorded} WHERE name = 'notify'"
+        ))?;
+        outbox.migrate(&mut client)?;
+        assert_eq!(body(&mut client) == today, made_again, "{recorded}");
+    }
+    Ok(())
 }
 
 #[test]

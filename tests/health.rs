@@ -584,7 +584,7 @@ fn a_row_due_while_the_relays_report_no_recent_claim_says_so() {
     assert!(
         problem.ends_with(
             "that no relay claimed (2 reporting, none a claim within its poll interval, or a \
-             relay older than migration 22, which does not report its claims)"
+             relay of a build before 0.3.0, which does not report its claims)"
         ),
         "{problem}"
     );

@@ -794,45 +794,6 @@ fn a_prepared_transaction_holds_partitions_unsettled() {
     assert_eq!(common::stats(&outbox, &mut client).pending, 0);
 }
 
-/// A table partitioned and cut under migration 12, whose closed partition a producer from
-/// before the cut may still write into: migration 13 holds such partitions for the
-/// transactions running when it is applied.
-#[test]
-fn partitions_closed_before_migration_13_wait_for_the_transactions_running_then() {
-    let outbox = yearly(unique_name("part_upgrade"));
-    let mut client = client();
-    let script = outbox.sql();
-    let (version_12, rest) = script
-        .split_once("-- 0013_settled_partitions")
-        .expect("the script lists migration 13");
-    let (_, partitioned) = rest
-        .split_once("-- partitioned\n")
-        .expect("the script makes the table partitioned");
-    client.batch_execute(version_12).unwrap();
-    // Today's partitioned step, whose enqueue functions read a column of migration 16 for
-    // messages with an aggregate key only: the late message has none.
-    client.batch_execute(partitioned).unwrap();
-    let mut producer = common::client();
-    let mut late = producer.transaction().unwrap();
-    let key = outbox
-        .enqueue(&mut late, Message::new("t", "late"))
-        .unwrap();
-    // Cut as a relay of version 12 does, which knows no settling.
-    let version_12_upkeep = format!("SELECT {}($1)", quoted_with(&outbox, "_partition"));
-    for cut in [true, false] {
-        client.execute(&version_12_upkeep, &[&cut]).unwrap();
-    }
-
-    // Migrations 13 to 22 while the late producer still writes, as `migrate` ran them
-    // before migration 23, which locks the table and so waits for the producer to end.
-    let (up_to_22, _) = rest
-        .split_once("-- 0023_writes_without_checks")
-        .expect("the script lists migration 23");
-    client.batch_execute(up_to_22).unwrap();
-    settles_once_the_late_row_is_sent(&mut client, &outbox, late, &key);
-    outbox.migrate(&mut client).unwrap();
-}
-
 /// Whether `key`'s row was marked its aggregate's head at enqueue.
 fn is_head(client: &mut Client, outbox: &Outbox, key: &str) -> bool {
     client
@@ -912,7 +873,7 @@ fn an_aggregate_pending_in_an_older_partition_keeps_its_order() {
 }
 
 /// Whether a function `suffix` of `outbox` looks for pending messages only in the
-/// partitions that may hold them (not settled, and since migration 17 not quiet).
+/// partitions that may hold them (not quiet).
 fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -> bool {
     let row = client
         .query_one(
@@ -926,44 +887,44 @@ fn probes_from_the_backlog(client: &mut Client, outbox: &Outbox, suffix: &str) -
     row.get(1)
 }
 
-/// Migration 14 makes the enqueue functions again on a table partitioned before it, whose
-/// looks for an aggregate's pending messages read every partition, and so does migration
-/// 21 (the look past held partitions); a plain table keeps its own.
+/// A partitioned table's enqueue functions are those of sql/functions/enqueue_partitioned.sql,
+/// made again when `<table>_functions` records another text of them (as a table partitioned
+/// by a build before a change to the file has); a plain table keeps its own.
 #[test]
-fn migrations_14_and_21_make_the_enqueue_functions_of_tables_partitioned_before_again() {
+fn a_partitioned_tables_enqueue_functions_are_made_again_from_their_file() {
     let (outbox, mut client) = partitioned("part_probes");
     let functions = ["_enqueue", "_busy"];
     for suffix in functions {
         assert!(probes_from_the_backlog(&mut client, &outbox, suffix));
     }
-    // As a table partitioned before the migration has them.
-    let migrations = quoted_with(&outbox, "_migrations");
-    for version in [14, 21] {
-        client
-            .execute(
-                &format!("DELETE FROM {migrations} WHERE version = $1"),
-                &[&version],
+    // As a table partitioned before the file's change has them.
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET hash = 'earlier' WHERE name = 'enqueue_partitioned'",
+                quoted_with(&outbox, "_functions")
+            ),
+            &[],
+        )
+        .unwrap();
+    for suffix in functions {
+        let definition: String = client
+            .query_one(
+                "SELECT pg_get_functiondef($1::text::regproc)",
+                &[&quoted_with(&outbox, suffix)],
             )
-            .unwrap();
-        for suffix in functions {
-            let definition: String = client
-                .query_one(
-                    "SELECT pg_get_functiondef($1::text::regproc)",
-                    &[&quoted_with(&outbox, suffix)],
-                )
-                .unwrap()
-                .get(0);
-            let everywhere = definition.replace("(o.id >= look[1]", "(true OR o.id >= look[1]");
-            client.batch_execute(&everywhere).unwrap();
-            assert!(!probes_from_the_backlog(&mut client, &outbox, suffix));
-        }
-        outbox.migrate(&mut client).unwrap();
-        for suffix in functions {
-            assert!(
-                probes_from_the_backlog(&mut client, &outbox, suffix),
-                "{version} {suffix}"
-            );
-        }
+            .unwrap()
+            .get(0);
+        let everywhere = definition.replace("(o.id >= look[1]", "(true OR o.id >= look[1]");
+        client.batch_execute(&everywhere).unwrap();
+        assert!(!probes_from_the_backlog(&mut client, &outbox, suffix));
+    }
+    outbox.migrate(&mut client).unwrap();
+    for suffix in functions {
+        assert!(
+            probes_from_the_backlog(&mut client, &outbox, suffix),
+            "{suffix}"
+        );
     }
 
     let plain = Outbox::new(&unique_name("part_probes_plain")).unwrap();
@@ -1004,7 +965,7 @@ fn looks_into(client: &mut Client, outbox: &Outbox, message: Message) -> [i64; 5
     [0, 1, 2, 3, 4].map(|n| after[n] - before[n])
 }
 
-/// Whether partition `n` is quiet: left out of producers' looks (migration 16).
+/// Whether partition `n` is quiet: left out of producers' looks.
 fn is_quiet(client: &mut Client, outbox: &Outbox, n: i64) -> bool {
     let sql = format!(
         "SELECT quiet_at IS NOT NULL FROM {} WHERE n = $1",
@@ -1083,7 +1044,7 @@ fn a_dead_letter_kept_is_left_out_of_producers_looks_until_it_is_redriven() {
     assert!(looks[0] == 0 && looks[1] == 0 && looks[2] > 0, "{looks:?}");
 }
 
-/// The dead letters partition `n` was counted to hold when it became quiet (migration 18).
+/// The dead letters partition `n` was counted to hold when it became quiet.
 fn counted_dead(client: &mut Client, outbox: &Outbox, n: i64) -> Option<i64> {
     let sql = format!(
         "SELECT dead FROM {} WHERE n = $1",
@@ -1401,7 +1362,7 @@ fn topic_stats_reads_only_the_quiet_partitions_that_hold_dead_letters() {
 }
 
 /// `stats()` and `topic_stats()` read no partition past the one the id sequence stands in
-/// (migration 20): the partitions made ahead are left out of their plans, here locked
+/// (`<table>_ids_drawn`): the partitions made ahead are left out of their plans, here locked
 /// against reads. They go by the sequence, not the bookkeeping: moved into partition 1 by
 /// hand, as a cut moves it before its bookkeeping commits, the row drawn there is counted.
 /// So does a role of a relay's rights, with PUBLIC's EXECUTE on the function revoked.
@@ -1535,7 +1496,7 @@ fn held_between_dead_letters<const N: usize>(
 }
 
 /// A message held in an old partition (here one scheduled for tomorrow) keeps that
-/// partition from being quiet, and no longer the ones after it (migration 18): producers'
+/// partition from being quiet, and no longer the ones after it: producers'
 /// looks read the partitions held, and the open one, leaving out the quiet ones between
 /// (19 and 21); so does `stats()`.
 /// Partitions 0 and 2 hold a message for tomorrow, of aggregates `a` and `c`; 1 and 3 a
@@ -1607,7 +1568,7 @@ fn stats_count_each_dead_letter_once_past_four_runs_of_held_partitions() {
 
 /// Messages held in more old partitions than an enqueue's look reads alone (three): it
 /// reads the first three alone and every partition from the fourth on, so the quiet ones
-/// between the first three are left out (migration 21), and a message held in any of them
+/// between the first three are left out, and a message held in any of them
 /// still goes before its aggregate's next one, single or in a batch. Partitions 0, 2, 4, 6
 /// and 8 hold a message for tomorrow, of aggregates `a0` to `a8`; 1, 3, 5, 7 and 9 a sent
 /// row and a dead letter each; 10 is open.
@@ -1649,8 +1610,8 @@ fn an_enqueue_looks_into_three_held_partitions_alone_and_every_one_from_the_four
     );
 }
 
-/// A dead letter set back to pending by hand (or by a redrive of a version older than
-/// migration 16) in the oldest quiet partition, as its aggregate's head: the upkeep finds
+/// A dead letter set back to pending by hand (or by a redrive of a build that did not mark
+/// partitions not quiet) in the oldest quiet partition, as its aggregate's head: the upkeep finds
 /// it there and has the looks read that partition again, so the aggregate's next message
 /// waits behind it.
 #[test]
@@ -1674,26 +1635,6 @@ fn a_row_set_pending_by_hand_in_a_quiet_partition_brings_it_back_into_the_looks(
     let next = message("by-hand-next").aggregate_key("by-hand");
     enqueue(&mut client, &outbox, next).unwrap();
     assert!(!is_head(&mut client, &outbox, "by-hand-next"));
-}
-
-/// A partition quiet before migration 18 has its dead letters counted by the migration.
-#[test]
-fn migration_18_counts_the_dead_letters_of_partitions_quiet_before_it() {
-    let (outbox, mut client) = partitioned("part_counted_upgrade");
-    dead_letters_in_partition_0(&mut client, &outbox, 2);
-    // As a table at migration 17 is.
-    client
-        .batch_execute(&format!(
-            "ALTER TABLE {} DROP COLUMN dead; DELETE FROM {} WHERE version = 18",
-            quoted_with(&outbox, "_partitions"),
-            quoted_with(&outbox, "_migrations")
-        ))
-        .unwrap();
-    outbox.migrate(&mut client).unwrap();
-    assert_eq!(counted_dead(&mut client, &outbox, 0), Some(2));
-    // The open partition is not quiet: nothing counted.
-    assert_eq!(counted_dead(&mut client, &outbox, 1), None);
-    assert_eq!(common::stats(&outbox, &mut client).dead, 2);
 }
 
 /// The dead letters of a quiet partition are counted once, by the upkeep that marks it
@@ -1798,7 +1739,7 @@ fn a_parked_message_keeps_its_partition_in_producers_looks() {
 #[test]
 fn a_relay_and_a_purge_that_do_not_own_the_table_keep_its_partitions() {
     let (outbox, mut client) = partitioned("part_role");
-    // A relay's rights but the upkeep's, as before migration 15 nothing could give it.
+    // A relay's rights but the upkeep's.
     let role = Role::new(&mut client);
     role.grant(&mut client, &outbox, Access::Relay);
     role.execute(
@@ -1958,7 +1899,7 @@ fn checks(client: &mut Client, outbox: &Outbox) -> Vec<String> {
 }
 
 #[test]
-fn migration_23_leaves_rows_without_checks_on_tables_and_partitions_made_before_it() {
+fn migration_7_leaves_rows_without_checks_on_tables_and_partitions_made_before_it() {
     let (outbox, mut client) = partitioned("part_checks");
     let plain = Outbox::new(&unique_name("part_checks_plain")).unwrap();
     plain.migrate(&mut client).unwrap();
@@ -1966,9 +1907,9 @@ fn migration_23_leaves_rows_without_checks_on_tables_and_partitions_made_before_
     assert_eq!(checks(&mut client, &outbox), Vec::<String>::new());
     assert_eq!(checks(&mut client, &plain), Vec::<String>::new());
 
-    // The checks as migrations 1, 5 and 12 left them: on a partitioned table, a copy of the
-    // table's own on each partition (made by LIKE, which copies the status check as valid,
-    // then attached) and each partition's id range. And the application's own, which are
+    // The checks as migrations 1 and 5 left them, and as builds between 0.2.0 and 0.3.0 made
+    // a partitioned table: a copy of the table's own on each partition (made by LIKE, which
+    // copies the status check as valid, then attached) and each partition's id range. And the application's own, which are
     // not the crate's to drop: on the plain table one is named as a partition's range.
     let status = "CHECK (status IN ('pending', 'sent', 'dead', 'parked'))";
     let budget = "ADD CONSTRAINT max_attempts_check CHECK (max_attempts >= 1)";
@@ -1992,7 +1933,7 @@ fn migration_23_leaves_rows_without_checks_on_tables_and_partitions_made_before_
             .batch_execute(&format!(
                 "ALTER TABLE {} ADD CONSTRAINT status {status} {valid}, {budget},
                      ADD CONSTRAINT short_topics CHECK (length(topic) < 1000){theirs};
-                 DELETE FROM {} WHERE version = 23",
+                 DELETE FROM {} WHERE version = 7",
                 common::quoted(table),
                 quoted_with(table, "_migrations")
             ))

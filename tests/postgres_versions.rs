@@ -14,7 +14,7 @@
 //! belongs in `DENIED` until the minimum is raised (then `MINIMUM`, the entries and the README
 //! change together). Needs no server: `cargo test --test postgres_versions`.
 //!
-//! What is searched: `sql/*.sql` without its `--` comments, and the string literals of every
+//! What is searched: `sql/**/*.sql` without its `--` comments, and the string literals of every
 //! `src/**/*.rs` file without the `--` comments inside them. Rust comments and Rust code are
 //! not searched, so a comment that names a construct (or `str::starts_with`) is not a use.
 

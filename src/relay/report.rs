@@ -159,7 +159,8 @@ impl Report {
         }
     }
 
-    /// Keeps a partitioned outbox's partitions: cut on time, made ahead (migration 0012).
+    /// Keeps a partitioned outbox's partitions: cut on time, made ahead (see
+    /// sql/functions/partitions.sql).
     /// On the report's cadence, which is frequent enough: partitions are made intervals
     /// ahead, and a cut a few seconds late only makes a partition a little longer. Returns
     /// why it failed, for the report.

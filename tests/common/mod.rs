@@ -396,6 +396,80 @@ pub fn drop_outbox(outbox: &Outbox, client: &mut Client) {
     }
 }
 
+/// What the catalog says of every object in `schema`, one line each, sorted: relations
+/// (kind, options, partition bounds, grants), columns (type, collation, nullability,
+/// identity, default), indexes, constraints, sequences, triggers and functions (signature,
+/// result, language, rights, settings, grants and body), so that two schemas built apart
+/// can be compared whole.
+pub fn catalog(client: &mut Client, schema: &str) -> Vec<String> {
+    client
+        .query(CATALOG, &[&schema])
+        .expect("read the catalog")
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
+/// Fails naming the lines of one catalog (see [`catalog`]) that the other does not have.
+pub fn assert_same_catalog(got: &[String], want: &[String]) {
+    let only = |a: &[String], b: &[String]| -> Vec<String> {
+        a.iter().filter(|line| !b.contains(line)).cloned().collect()
+    };
+    let (extra, missing) = (only(got, want), only(want, got));
+    assert!(
+        extra.is_empty() && missing.is_empty(),
+        "not in the reference: {extra:#?}\nmissing: {missing:#?}"
+    );
+}
+
+const CATALOG: &str = "SELECT line FROM (
+    SELECT 'relation ' || c.relname || ' kind=' || c.relkind::text
+           || ' persistence=' || c.relpersistence::text
+           || ' options=' || coalesce(array_to_string(c.reloptions, ','), '')
+           || ' bound=' || coalesce(pg_get_expr(c.relpartbound, c.oid), '')
+           || ' key=' || coalesce(pg_get_partkeydef(c.oid), '')
+           || ' acl=' || coalesce(c.relacl::text, '') AS line
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+    UNION ALL
+    SELECT 'column ' || c.relname || ' ' || a.attnum || ' ' || a.attname || ' '
+           || format_type(a.atttypid, a.atttypmod) || ' collation=' || coalesce(co.collname, '')
+           || ' notnull=' || a.attnotnull || ' identity=' || a.attidentity::text
+           || ' default=' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+    FROM pg_attribute a
+    JOIN pg_class c ON c.oid = a.attrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    LEFT JOIN pg_collation co ON co.oid = a.attcollation
+    WHERE n.nspname = $1 AND a.attnum > 0 AND NOT a.attisdropped AND c.relkind IN ('r', 'p')
+    UNION ALL
+    SELECT 'index ' || pg_get_indexdef(i.indexrelid)
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+    UNION ALL
+    SELECT 'constraint ' || c.relname || ' ' || k.conname || ' ' || pg_get_constraintdef(k.oid)
+           || ' local=' || k.conislocal || ' inherited=' || k.coninhcount
+    FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+    UNION ALL
+    SELECT 'sequence ' || s.seqrelid::regclass || ' ' || s.seqtypid::regtype || ' start='
+           || s.seqstart || ' by=' || s.seqincrement || ' max=' || s.seqmax
+    FROM pg_sequence s JOIN pg_class c ON c.oid = s.seqrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1
+    UNION ALL
+    SELECT 'trigger ' || pg_get_triggerdef(t.oid)
+    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND NOT t.tgisinternal
+    UNION ALL
+    SELECT 'function ' || p.oid::regprocedure || ' returns ' || pg_get_function_result(p.oid)
+           || ' language=' || l.lanname || ' definer=' || p.prosecdef
+           || ' volatile=' || p.provolatile::text || ' strict=' || p.proisstrict
+           || ' config=' || coalesce(p.proconfig::text, '')
+           || ' acl=' || coalesce(p.proacl::text, '')
+           || E' body:\n' || p.prosrc
+    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+    JOIN pg_language l ON l.oid = p.prolang WHERE n.nspname = $1
+) AS catalog ORDER BY line";
+
 /// A freshly migrated outbox on its own table, of this run's kind (see [`TABLES_VAR`]),
 /// cut in a run that cuts (see [`CUTS_VAR`]).
 pub fn outbox(prefix: &str) -> (Outbox, Client) {

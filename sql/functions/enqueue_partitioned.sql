@@ -1,22 +1,57 @@
--- The enqueue functions of a partitioned outbox, made with the table after
--- sql/partitioned.sql. A migration that changes them changes this file and makes them
--- again on tables partitioned before it through sql/partitioned_enqueue_again.sql, as
--- migrations 0014, 0017, 0019 and 0021 do. Each is restated whole.
+-- Enqueue on a partitioned table (enqueue.sql is a plain table's, and says why functions,
+-- and how heads are marked).
+--
+-- A unique index of a partitioned table must hold the partition key, so the key's
+-- uniqueness is in two parts: a unique index on each partition, and, for keys the caller
+-- gave, a look for the key in every partition before the insert. The look sees every key
+-- written before the last cut, because the cut waits for such producers to commit (see
+-- {partition_fn} in partitions.sql); after the cut, producers write to one partition, whose
+-- index decides. Keys the crate makes need neither: nothing else can hold them.
 --
 -- A message with an aggregate key is a head when no earlier message of its aggregate is
 -- pending or parked. That look reads only the partitions that may hold such a message,
--- those not quiet (migration 0016: a quiet partition holds sent and dead rows only, and
--- nothing may write to it again but a redrive, which marks it not quiet first): the
--- first three alone and every one from the fourth on (migration 0021; 0019 read the
--- first alone and every one from the second on). So messages held in old partitions,
--- scheduled far ahead or parked, bring no partition after them back into the look, up to
--- three of them, and the look's cost follows the backlog, not the partitions kept. The
--- partitions are a variable, so the look leaves the quiet ones out when it starts. As a
--- subquery of the same statement it gave back half of what it saves, from a function of
--- its own a fifth to a third (BENCHMARKS.md, "What each kept partition costs").
+-- those not quiet (a quiet partition holds sent and dead rows only, and nothing may write to
+-- it again but a redrive, which marks it not quiet first): the first three alone and every
+-- one from the fourth on. So messages held in old partitions, scheduled far ahead or
+-- parked, bring no partition after them back into the look, up to three of them, and the
+-- look's cost follows the backlog, not the partitions kept. The partitions are a variable,
+-- so the look leaves the quiet ones out when it starts. As a subquery of the same statement
+-- it gave back half of what it saves, from a function of its own a fifth to a third
+-- (BENCHMARKS.md, "What each kept partition costs").
 
--- The aggregates of a batch that cannot take a new head, as migration 0010's, in the
--- partitions not quiet.
+-- What an enqueue of keys the caller gave does first: hold off the next cut until this
+-- transaction ends, and look for the keys in every partition. The look is forced to probe
+-- each partition's key index: a partition still empty when a plan was made looks cheaper
+-- to read whole, and stays so in the cached plan for a while after it has filled. (The
+-- lock is written out in both functions: a call of a third cost as much as the probe.)
+--
+-- Under REPEATABLE READ and SERIALIZABLE the snapshot may predate keys committed just
+-- before the last cut, in the partition before, which the look cannot see (nor does
+-- SERIALIZABLE's conflict check, which knows no uniqueness). So a row that such a
+-- transaction writes into a partition its snapshot does not know as open (a cut came after
+-- it) is a serialization failure, to be retried, as a plain table's unique index would
+-- give; see {enqueue_fn} and {enqueue_n_fn}.
+CREATE OR REPLACE FUNCTION {key_taken_fn}(p_key text) RETURNS boolean
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({key_epoch_lock});
+    RETURN EXISTS (SELECT 1 FROM {table} t WHERE t.key = p_key);
+END
+$fn$;
+
+-- The keys of a batch that a partition holds, sorted.
+CREATE OR REPLACE FUNCTION {keys_taken_fn}(p_keys text[]) RETURNS text[]
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({key_epoch_lock});
+    RETURN ARRAY(SELECT k
+                 FROM (SELECT DISTINCT k FROM unnest(p_keys) AS k) AS keys,
+                      LATERAL (SELECT 1 FROM {table} t WHERE t.key = keys.k LIMIT 1) AS found
+                 ORDER BY k);
+END
+$fn$;
+
+-- The aggregates of a batch that cannot take a new head, in the partitions not quiet.
 CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 DECLARE

@@ -1,43 +1,10 @@
--- Heads known at enqueue.
---
--- Most ordered traffic gives every entity its own aggregate, so nearly every pending row is
--- its aggregate's head; yet the claim found each one by a skip scan of the aggregate index,
--- and workers scanning side by side all passed the same heads in flight: a third of a
--- claim's time went to claims that found nothing (measured: 153 of 355 claims on a 20,000
--- row backlog). Now an enqueue that holds its aggregate's lock (migration 0005) and sees no
--- pending or parked row of that aggregate marks its row as the head, and heads wait in
--- {ready_idx} beside the rows without an aggregate: one index of the rows a claim can take
--- as they are, locked as the claim reads them, exactly as unordered rows were.
---
--- The flag is exact when true: the producer's lock makes every earlier row of the aggregate
--- committed and visible to its check, and only an operator's redrive brings an older row
--- back, which takes the same locks and clears the flag behind it. It may be false on a head:
--- a row enqueued while its predecessor was pending or in flight, or under REPEATABLE READ or
--- SERIALIZABLE (whose snapshot may predate an earlier producer's commit). The claim's skip
--- scan finds those whose predecessors are gone: no promotion on the relay's side, so no race
--- between a promotion and a producer that has not committed yet. Rows written before this
--- migration, by hand or by a producer of 0.2.0 (whose COPY path does not set the flag) take
--- that path too.
-ALTER TABLE {table} ADD COLUMN head boolean NOT NULL DEFAULT false;
+-- The enqueue functions producers of earlier versions call, kept on a plain table so that
+-- they go on working through a rolling upgrade: 0.1's (without the park setting) and
+-- 0.2.0's, which now mark heads as today's do. A table made partitioned never had such
+-- producers, and has none of these.
 
-CREATE INDEX {ready_idx} ON {table} (available_at, id)
-    WHERE status = 'pending' AND (head OR aggregate_key IS NULL);
-
--- The rows of aggregates by flag first: the skip scan reads the unmarked ones in aggregate
--- order, a probe of the marked ones tells whether one is still ahead of them, and an enqueue
--- probes both for its own aggregate (two short scans, one index). A row waiting behind its
--- head is in no other index than the two every row is in, as before this migration, so a
--- claim of it costs the same; only a marked head is in one more, {ready_idx}.
-CREATE INDEX {ordered_idx} ON {table} (head, aggregate_key, id)
-    WHERE status IN ('pending', 'parked') AND aggregate_key IS NOT NULL;
-
--- Replaced by the two above. (A relay of 0.2.0 has no index for its skip scan from here on:
--- stop those before migrating.)
-DROP INDEX {agg_idx_qualified};
-DROP INDEX {unordered_idx_qualified};
-
--- The enqueue function of migration 0005, marking heads. One statement inserts and checks:
--- a second statement cost more than the check.
+-- 0.2.0's single enqueue, marking heads: one statement inserts and checks (a second
+-- statement cost more than the check).
 CREATE OR REPLACE FUNCTION {enqueue_fn}(
     p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
     p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
@@ -113,8 +80,20 @@ BEGIN
 END
 $fn$;
 
--- The batch enqueue function of migration 0005, marking heads: a row is one when it is the
--- first of its aggregate in the batch and the aggregate has no pending or parked row.
+-- 0.1's, through 0.2.0's.
+CREATE OR REPLACE FUNCTION {enqueue_fn}(
+    p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
+    p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
+    p_notify boolean)
+RETURNS boolean LANGUAGE sql AS $fn$
+    SELECT {enqueue_fn}(p_key, p_topic, p_aggregate_key, p_payload, p_content_type,
+                        p_headers, p_at, p_delay_us, p_max_attempts, NULL, p_notify)
+$fn$;
+
+-- 0.2.0's batch enqueue, marking heads: a row is one when it is the first of its aggregate
+-- in the batch and the aggregate has no pending or parked row, one probe of the ordered
+-- index per aggregate (a LATERAL subquery with LIMIT 1 cannot become a read of every
+-- pending row into a hash, whatever the sizes and statistics).
 CREATE OR REPLACE FUNCTION {enqueue_n_fn}(
     p_keys text[], p_topics text[], p_aggregate_keys text[], p_payloads bytea[],
     p_content_types text[], p_headers text[], p_at timestamptz[], p_delay_us bigint[],
@@ -139,11 +118,7 @@ BEGIN
                    p_headers[i.header_offset + 1 : i.header_offset + i.header_len],
                    coalesce(i.available_at, now() + i.delay_us * interval '1 microsecond'),
                    i.max_attempts, i.park,
-                   marks AND i.aggregate_key IS NOT NULL AND i.first
-                   AND NOT EXISTS (SELECT 1 FROM {table} o
-                                   WHERE o.head IN (false, true)
-                                     AND o.aggregate_key = i.aggregate_key
-                                     AND o.status IN ('pending', 'parked'))
+                   marks AND i.aggregate_key IS NOT NULL AND i.first AND busy.found IS NULL
             FROM (SELECT u.*, row_number() OVER (PARTITION BY u.aggregate_key
                                                  ORDER BY u.ord) = 1 AS first
                   FROM unnest(p_keys, p_topics, p_aggregate_keys, p_payloads,
@@ -153,6 +128,13 @@ BEGIN
                        AS u(key, topic, aggregate_key, payload, content_type, available_at,
                             delay_us, max_attempts, header_offset, header_len, park, ord)
                  ) AS i
+            -- Probed only for the rows that may be heads.
+            LEFT JOIN LATERAL (SELECT true AS found FROM {table} o
+                               WHERE marks AND i.first
+                                 AND o.head IN (false, true)
+                                 AND o.aggregate_key = i.aggregate_key
+                                 AND o.status IN ('pending', 'parked')
+                               LIMIT 1) AS busy ON true
             ORDER BY i.ord
             ON CONFLICT (key) DO NOTHING
             RETURNING ctid)
@@ -178,10 +160,21 @@ BEGIN
 END
 $fn$;
 
--- Locks a batch's aggregates as {lock_n_fn} does, then returns those that cannot take a new
--- head: the ones with a pending or parked row (every one of them outside READ COMMITTED).
--- A large batch copied in marks its heads from this.
-CREATE FUNCTION {lock_heads_fn}(p_aggregate_keys text[]) RETURNS text[]
+-- 0.1's, through 0.2.0's.
+CREATE OR REPLACE FUNCTION {enqueue_n_fn}(
+    p_keys text[], p_topics text[], p_aggregate_keys text[], p_payloads bytea[],
+    p_content_types text[], p_headers text[], p_at timestamptz[], p_delay_us bigint[],
+    p_max_attempts integer[], p_header_offsets integer[], p_header_lens integer[],
+    p_notify boolean)
+RETURNS text[] LANGUAGE sql AS $fn$
+    SELECT {enqueue_n_fn}(p_keys, p_topics, p_aggregate_keys, p_payloads, p_content_types,
+                          p_headers, p_at, p_delay_us, p_max_attempts, p_header_offsets,
+                          p_header_lens, NULL, p_notify)
+$fn$;
+
+-- The locks and busy aggregates of a batch about to be copied in, as a producer between
+-- 0.2.0 and today's {lock_heads_fn}(text[], boolean) asked for them.
+CREATE OR REPLACE FUNCTION {lock_heads_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql AS $fn$
 BEGIN
     PERFORM {lock_n_fn}(p_aggregate_keys);
@@ -189,12 +182,12 @@ BEGIN
         RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k
                      WHERE k IS NOT NULL);
     END IF;
-    -- A probe per key, each an index lookup whatever the statistics say: one scan of all
-    -- the keys at once was 3.0 against 4.3 ms for 1,000 new keys (the locks alone 1.1), but
-    -- its generic plan on a table not analysed yet filters the whole index instead.
-    RETURN ARRAY(SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k
-                 WHERE EXISTS (SELECT 1 FROM {table} o
-                               WHERE o.head IN (false, true) AND o.aggregate_key = k
-                                 AND o.status IN ('pending', 'parked')));
+    RETURN ARRAY(SELECT d.k
+                 FROM (SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k
+                       WHERE k IS NOT NULL) AS d,
+                      LATERAL (SELECT FROM {table} o
+                               WHERE o.head IN (false, true) AND o.aggregate_key = d.k
+                                 AND o.status IN ('pending', 'parked')
+                               LIMIT 1) AS busy);
 END
 $fn$;

@@ -1,68 +1,26 @@
--- Leaner enqueue.
+-- Enqueue on a plain table (enqueue_partitioned.sql is a partitioned table's).
 --
--- A producer pays for every statement an enqueue runs in its transaction, and for every
--- expression of it (plpgsql compiles each one at its first use in a transaction, which is
--- every enqueue of a transaction that writes one event). Measured against a prepared
--- INSERT of the same row, the parts of an enqueue cost (in a transaction's time): the
--- speculative insertion of ON CONFLICT about 8%, the head probe and the locks about 5%
--- each, and the bookkeeping and branches of the function about 5%.
+-- Through functions: PL/pgSQL keeps each statement's plan for the session, where a statement
+-- sent as text is parsed and planned on every call; still one round trip. A producer pays
+-- for every statement an enqueue runs in its transaction, and for every expression of it
+-- (PL/pgSQL compiles each one at its first use in a transaction). So a message whose key
+-- the crate made (a UUIDv7, the default) is inserted plainly: no key of another message can
+-- equal it, so it needs no ON CONFLICT, nor the subtransaction REPEATABLE READ needs around
+-- one.
 --
--- So a message whose key the crate made (a UUIDv7, the default) is inserted plainly: no
--- key of another message can equal it, so it needs no ON CONFLICT, nor the subtransaction
--- REPEATABLE READ needs around one. A batch of such keys needs neither the duplicate
--- clean-up of the batch function, nor the savepoint around a copy. A batch checks its
--- aggregates for pending rows with one index scan instead of a probe per aggregate (1,000
--- new aggregates beside 110,000 pending rows: 1.7 against 4.4 ms), the scan forced on the
--- planner, which would otherwise read the whole table; and locks the table's ordered
--- enqueues at once when it holds more distinct aggregates than a transaction may lock,
--- without hashing each first. A copied batch asks for its notification with its locks,
--- in the same round trip.
---
--- The functions of migrations 0007 and 0008 stay for producers of the previous version.
-
--- The aggregate locks of migration 0005, with a batch of more aggregates than a
--- transaction may lock going to the table's lock without hashing each key first.
-CREATE OR REPLACE FUNCTION {lock_n_fn}(p_aggregate_keys text[]) RETURNS void
-LANGUAGE plpgsql AS $fn$
-DECLARE
-    xact text := pg_current_xact_id()::text || ':';
-    held text := current_setting('postgres_outbox.aggregate_locks', true);
-    keys text[];
-BEGIN
-    IF held IS NULL OR NOT starts_with(held, xact) THEN
-        held := xact || ',';
-    END IF;
-    IF strpos(held, ',t{table_lock_text},') > 0 THEN
-        RETURN;
-    END IF;
-    IF cardinality(p_aggregate_keys) <= 64
-       OR (SELECT count(DISTINCT a COLLATE "C") FROM unnest(p_aggregate_keys) AS a) <= 64 THEN
-        SELECT array_agg(k ORDER BY a) INTO keys
-        FROM (SELECT a, hashtextextended(a, {lock_seed})::text AS k
-              FROM (SELECT DISTINCT a COLLATE "C" AS a FROM unnest(p_aggregate_keys) AS a
-                    WHERE a IS NOT NULL) AS distinct_keys) AS keyed
-        WHERE strpos(held, ',' || k || ',') = 0;
-        IF keys IS NULL THEN
-            RETURN;
-        END IF;
-        IF length(held) - length(replace(held, ',', '')) - 1 + cardinality(keys) <= 64 THEN
-            PERFORM pg_advisory_xact_lock_shared({table_lock} + (k::bigint & 15))
-            FROM unnest(keys) AS k;
-            PERFORM pg_advisory_xact_lock(k::bigint) FROM unnest(keys) AS k;
-            PERFORM set_config('postgres_outbox.aggregate_locks',
-                               held || array_to_string(keys, ',') || ',', false);
-            RETURN;
-        END IF;
-    END IF;
-    PERFORM pg_advisory_xact_lock({table_lock} + bucket) FROM generate_series(0, 15) AS bucket;
-    PERFORM set_config('postgres_outbox.aggregate_locks', held || 't{table_lock_text},', false);
-END
-$fn$;
+-- Heads are marked at enqueue: a message with an aggregate key whose producer holds the
+-- aggregate's lock (locks.sql) and sees no pending or parked row of it is the head, and
+-- waits in the ready index beside the rows without an aggregate, for the claim to take as
+-- they are. The flag is exact when true; it may be false on a head (a row enqueued while
+-- its predecessor was pending, or outside READ COMMITTED, whose snapshot may predate an
+-- earlier producer's commit), and the claim finds those through the ordered index.
 
 -- The aggregates of a batch that cannot take a new head (all of them outside READ
--- COMMITTED): one scan of {ordered_idx} for every key at once. Without the settings the
--- planner may take a bitmap of the index's head column alone and filter every pending row.
-CREATE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
+-- COMMITTED): one scan of the ordered index for every key at once (1,000 new aggregates
+-- beside 110,000 pending rows: 1.7 against 4.4 ms for a probe each). Without the settings
+-- the planner may take a bitmap of the index's head column alone and filter every pending
+-- row.
+CREATE OR REPLACE FUNCTION {busy_fn}(p_aggregate_keys text[]) RETURNS text[]
 LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $fn$
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -74,23 +32,13 @@ BEGIN
 END
 $fn$;
 
--- A large batch about to be copied in: its locks, its busy aggregates, and its notification.
-CREATE FUNCTION {lock_heads_fn}(p_aggregate_keys text[], p_notify boolean) RETURNS text[]
-LANGUAGE plpgsql AS $fn$
-BEGIN
-    IF p_notify THEN
-        PERFORM {notify_fn}();
-    END IF;
-    IF p_aggregate_keys IS NULL THEN
-        RETURN '{}';
-    END IF;
-    PERFORM {lock_n_fn}(p_aggregate_keys);
-    RETURN {busy_fn}(p_aggregate_keys);
-END
-$fn$;
-
--- One message. `p_key_generated`: the key is the crate's own, so nothing else can hold it.
-CREATE FUNCTION {enqueue_fn}(
+-- One message; false when its key exists. `p_at` is an absolute time, or NULL for now()
+-- plus the delay `p_delay_us`; `p_key_generated`: the key is the crate's own, so nothing
+-- else can hold it. Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed
+-- after this one's snapshot as a serialization failure: a duplicate all the same, and in a
+-- block of its own it leaves the caller's transaction usable. (Not under SERIALIZABLE,
+-- where a serialization failure may mean something else: it is the caller's to retry.)
+CREATE OR REPLACE FUNCTION {enqueue_fn}(
     p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
     p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
     p_park boolean, p_notify boolean, p_key_generated boolean)
@@ -174,8 +122,12 @@ BEGIN
 END
 $fn$;
 
--- A batch. `p_keys_generated`: every key is the crate's own.
-CREATE FUNCTION {enqueue_n_fn}(
+-- Many messages, all or nothing: NULL when every one was inserted, otherwise the keys that
+-- already exist, with this call's own rows taken out again (found by their tuple ids, so a
+-- row an earlier statement of the transaction wrote is never touched). Headers travel
+-- flattened and are sliced out by offset and length, as PostgreSQL has no ragged arrays.
+-- `p_keys_generated`: every key is the crate's own.
+CREATE OR REPLACE FUNCTION {enqueue_n_fn}(
     p_keys text[], p_topics text[], p_aggregate_keys text[], p_payloads bytea[],
     p_content_types text[], p_headers text[], p_at timestamptz[], p_delay_us bigint[],
     p_max_attempts integer[], p_header_offsets integer[], p_header_lens integer[],
