@@ -141,7 +141,14 @@ fn migrate_makes_a_partitioned_table_and_the_doctor_lists_its_partitions() {
         ),
         (&Value::from("kept"), &Value::from(1), &Value::Null)
     );
-    assert_eq!(doctor["findings"][0]["check"], "partitions");
+    let checks: Vec<&str> = doctor["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["check"].as_str().unwrap())
+        .collect();
+    // The dead letter that keeps the partition is a finding of its own.
+    assert_eq!(checks, ["dead_letters", "partitions"]);
     let output = cli(&outbox).arg("doctor").output().unwrap();
     let text = String::from_utf8(output.stdout).unwrap();
     // Seconds may have passed since it was closed two days ago.
@@ -1006,4 +1013,77 @@ fn uninstall_is_refused_while_a_relay_reports() {
         .unwrap();
     ok(&outbox, &["uninstall", "--yes"]);
     assert!(named_after(&mut client, &outbox).is_empty());
+}
+
+#[test]
+fn the_doctor_names_dead_and_parked_letters_and_stats_tell_due_from_pending() {
+    let (outbox, mut client) = outbox("cli_doctor_letters");
+    // A lone message delayed for an hour: pending, not due; nothing is wrong.
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::new("t", "p").delay(Duration::from_secs(3600)),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET created_at = now() - interval '10 minutes'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    let stats = json(&ok(&outbox, &["stats", "--json"]));
+    assert!(
+        stats["oldest_pending_age_secs"].as_f64().unwrap() >= 600.0,
+        "{stats}"
+    );
+    assert_eq!(stats["oldest_due_age_secs"], Value::Null, "{stats}");
+    let text = ok(&outbox, &["stats"]);
+    assert!(text.contains("oldest due         -"), "{text}");
+    assert!(ok(&outbox, &["doctor"]).contains("ok: nothing needs attention"));
+
+    operator_rows(&mut client, &outbox);
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    let output = cli(&outbox).arg("doctor").output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        out.contains("holds 4 dead letters: messages nobody received"),
+        "{out}"
+    );
+    assert!(out.contains("has 1 parked dead letter:"), "{out}");
+    assert!(
+        out.contains("dead --by-error") && out.contains("dead --parked"),
+        "{out}"
+    );
+    let report = json(&String::from_utf8_lossy(
+        &cli(&outbox)
+            .args(["doctor", "--json"])
+            .output()
+            .unwrap()
+            .stdout,
+    ));
+    let checks: Vec<&str> = report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["check"].as_str().unwrap())
+        .collect();
+    assert!(
+        checks.contains(&"dead_letters") && checks.contains(&"parked"),
+        "{checks:?}"
+    );
+    assert_eq!(report["parked"], 1);
 }

@@ -260,6 +260,13 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
         server.get("/", &[]).body.contains("<polyline")
     });
 
+    // The doctor's line is the alarm's colour while letters are dead or parked.
+    assert!(
+        page.body.contains("<span class=\"bad\">web_overview")
+            && page.body.contains("1 parked dead letter"),
+        "{}",
+        page.body
+    );
     let dead = server.get(&format!("/dead?table={}", a.table()), &[]);
     assert_eq!(dead.status, 200);
     assert!(dead.body.contains("timeout talking to broker"));

@@ -894,6 +894,8 @@ fn doctor(
                 "wal_bytes": s.wal_bytes, "active": s.active, "active_pid": s.active_pid,
             })).collect::<Vec<_>>(),
             "oldest_due_age_secs": secs(health.oldest_due_age),
+            "dead_letters": health.dead_letters,
+            "parked": health.parked,
             "relays": health.relays.iter().map(|r| json!({
                 "relay": r.relay, "client_addr": r.client_addr, "pid": r.pid,
                 "started_at": time(r.started_at), "last_seen_secs": r.last_seen.as_secs_f64(),
@@ -978,6 +980,11 @@ fn doctor(
         );
     }
     say!("oldest due row: {}", human(health.oldest_due_age));
+    say!(
+        "dead letters: {} ({} parked)",
+        health.dead_letters,
+        health.parked
+    );
     for r in &health.relays {
         say!(
             "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago{}",
@@ -1054,6 +1061,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
             "dead": stats.dead,
             "parked": stats.parked,
             "oldest_pending_age_secs": secs(stats.oldest_pending_age),
+            "oldest_due_age_secs": secs(stats.oldest_due_age),
             "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
             "exact": stats.exact,
             "topics": topics.as_ref().map(|topics| topics.iter().map(|t| json!({
@@ -1073,9 +1081,14 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
     say!("sent               {}", stats.sent);
     say!("dead               {}", stats.dead);
     say!("  parked           {}", stats.parked);
+    // Told apart: a row delayed for an hour is pending from its enqueue, due only after.
     say!(
-        "oldest pending     {about}{}",
+        "oldest pending     {about}{}  (since enqueued, delayed rows too)",
         human(stats.oldest_pending_age)
+    );
+    say!(
+        "oldest due         {}  (since due: growing, no relay takes rows)",
+        human(stats.oldest_due_age)
     );
     say!(
         "oldest blocked     {about}{}",

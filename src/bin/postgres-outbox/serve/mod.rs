@@ -945,6 +945,7 @@ fn counts(table_name: &str, s: &Stats) -> String {
         number(&id("dead"), s.dead),
         number(&id("parked"), s.parked),
         cell(&human(s.oldest_pending_age)),
+        cell(&human(s.oldest_due_age)),
         cell(&human(s.oldest_blocked_age)),
     ];
     let mut html = table(
@@ -957,9 +958,14 @@ fn counts(table_name: &str, s: &Stats) -> String {
             "dead",
             "parked",
             "oldest pending",
+            "oldest due",
             "oldest blocked",
         ],
         &[row],
+    );
+    html.push_str(
+        "<p class=\"note\">Oldest pending counts from enqueue, delayed rows too; oldest due \
+         from when a row could be taken: that one growing means no relay takes rows.</p>",
     );
     if !s.exact {
         html.push_str(
