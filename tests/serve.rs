@@ -1,5 +1,5 @@
 //! `postgres-outbox serve` over plain HTTP: what the pages show, what they never show, and
-//! every refusal. (tests/serve_browser.rs drives the same pages in Chromium.)
+//! every refusal. (The `#[ignore]`d browser test below drives the same pages in Chromium.)
 #![cfg(feature = "cli")]
 
 mod common;
