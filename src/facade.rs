@@ -188,7 +188,6 @@ impl OutboxMetrics {
                 "outbox_oldest_blocked_age_seconds",
                 stats.oldest_blocked_age,
             ),
-            ("outbox_oldest_due_age_seconds", stats.oldest_due_age),
         ];
         for (name, age) in ages {
             let secs = age.map_or(0.0, |a| a.as_secs_f64());
@@ -528,7 +527,6 @@ pub(crate) mod tests {
             dead: 3,
             parked: 1,
             oldest_pending_age: Some(Duration::from_secs(90)),
-            oldest_due_age: Some(Duration::from_secs(30)),
             oldest_blocked_age: None,
             exact: true,
         };

@@ -38,13 +38,9 @@ pub struct Stats {
     pub parked: u64,
     /// Age of the oldest row not yet sent or dead (pending or in flight), since it was
     /// enqueued: a row delayed for an hour (`Message::delay`) or backing off counts from its
-    /// enqueue, so this grows with nothing wrong. Alert on `oldest_due_age` for "no relay
-    /// takes rows".
+    /// enqueue, so this grows with nothing wrong. Alert on
+    /// [`Outbox::oldest_due_age`](crate::Outbox::oldest_due_age) for "no relay takes rows".
     pub oldest_pending_age: Option<Duration>,
-    /// How long the oldest row a relay could take now has been due (since its
-    /// `available_at`): delayed and backing-off rows count only once due. Growing means no
-    /// relay claims, or the relays fall behind. `None` when no row is due.
-    pub oldest_due_age: Option<Duration>,
     /// Age of the oldest message that holds others back: the head of an aggregate with
     /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying,
     /// delayed or parked); alert on it.
@@ -108,16 +104,18 @@ impl Outbox {
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
         let rows = self.read_backlog(client, &self.statements().stats, false)?;
-        let mut stats = Counted::from_rows(&rows)
+        Counted::from_rows(&rows)
             .map(|counted| counted.stats())
-            .map_err(Error::Db)?;
-        stats.oldest_due_age = self.oldest_due_age(client)?;
-        Ok(stats)
+            .map_err(Error::Db)
     }
 
-    /// How long the oldest row a relay could take now has been due: the first entry of the
-    /// ready index.
-    pub(crate) fn oldest_due_age(&self, client: &mut Client) -> Result<Option<Duration>> {
+    /// How long the oldest row a relay could take now has been due (since its
+    /// `available_at`): unlike [`Stats::oldest_pending_age`], a row delayed or backing off
+    /// counts only once due. Growing means no relay claims, or the relays fall behind;
+    /// `None` when no row is due. The first entry of the ready index; on a partitioned
+    /// table that opens every partition's (which `stats()` does not: it passes over quiet
+    /// ones), so it is apart from `stats()`.
+    pub fn oldest_due_age(&self, client: &mut Client) -> Result<Option<Duration>> {
         Ok(seconds(
             client
                 .query_one(&self.statements().health_due, &[])
@@ -137,9 +135,7 @@ impl Outbox {
             .map_err(|e| self.db_error(e))?;
         let count = |i: usize| store::count(&row, i);
         let age = |i: usize| seconds(row.get(i));
-        let oldest_due_age = self.oldest_due_age(client)?;
         Ok(Stats {
-            oldest_due_age,
             pending: count(0),
             in_flight: count(1),
             due: count(2),
@@ -391,8 +387,6 @@ impl Counted {
             .sum()
         };
         Stats {
-            // Read apart, by `Outbox::stats`.
-            oldest_due_age: None,
             pending: total(|p| p.waiting),
             due: total(|p| p.due),
             blocked: total(|p| p.blocked),

@@ -1045,6 +1045,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
     };
     // Per topic, the backlog is read whole: only when the counts are exact anyway, so that
     // `stats` costs what `Outbox::stats` does however large the backlog.
+    let due_age = outbox.oldest_due_age(client)?;
     let topics = if stats.exact {
         Some(outbox.topic_stats(client)?)
     } else {
@@ -1061,7 +1062,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
             "dead": stats.dead,
             "parked": stats.parked,
             "oldest_pending_age_secs": secs(stats.oldest_pending_age),
-            "oldest_due_age_secs": secs(stats.oldest_due_age),
+            "oldest_due_age_secs": secs(due_age),
             "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
             "exact": stats.exact,
             "topics": topics.as_ref().map(|topics| topics.iter().map(|t| json!({
@@ -1088,7 +1089,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
     );
     say!(
         "oldest due         {}  (since due: growing, no relay takes rows)",
-        human(stats.oldest_due_age)
+        human(due_age)
     );
     say!(
         "oldest blocked     {about}{}",

@@ -501,7 +501,12 @@ impl App {
         });
         match sampled {
             Some((at, stats)) => {
-                html.push_str(&counts(name, &stats));
+                // The due age as the doctor last read it (it opens every partition).
+                let due = match self.history.health(name) {
+                    Some((_, Ok(health))) => Some(health.oldest_due_age),
+                    _ => None,
+                };
+                html.push_str(&counts(name, &stats, due));
                 let _ = write!(
                     html,
                     "<p class=\"note\">Counts as of {} ago.</p>",
@@ -934,7 +939,8 @@ impl App {
 }
 
 /// The counts of `Stats` as a table, each cell with an id to read it by.
-fn counts(table_name: &str, s: &Stats) -> String {
+/// `due`: the oldest due age, once the doctor has read it.
+fn counts(table_name: &str, s: &Stats, due: Option<Option<Duration>>) -> String {
     let id = |what: &str| format!("{table_name}-{what}");
     let row = vec![
         number(&id("pending"), s.pending),
@@ -945,7 +951,7 @@ fn counts(table_name: &str, s: &Stats) -> String {
         number(&id("dead"), s.dead),
         number(&id("parked"), s.parked),
         cell(&human(s.oldest_pending_age)),
-        cell(&human(s.oldest_due_age)),
+        cell(&due.map_or_else(|| "not read yet".to_owned(), human)),
         cell(&human(s.oldest_blocked_age)),
     ];
     let mut html = table(
