@@ -46,6 +46,20 @@ pub enum Error {
         /// The database's own error.
         source: postgres::Error,
     },
+    /// The table exists but is not an outbox `migrate` made (it has no
+    /// `<table>_migrations`, or not an outbox's columns): nothing was read or changed.
+    NotAnOutbox {
+        /// The table, as configured.
+        table: String,
+    },
+    /// [`Outbox::uninstall`](crate::Outbox::uninstall) was refused: relays of the table
+    /// report that they run.
+    InUse {
+        /// The table, as configured.
+        table: String,
+        /// The relays reporting.
+        relays: usize,
+    },
     /// An error from PostgreSQL or the connection to it.
     Db(postgres::Error),
     /// No pooled connection could be had in time.
@@ -77,6 +91,11 @@ impl Error {
     /// True when the outbox table has not been created yet.
     pub fn is_not_migrated(&self) -> bool {
         matches!(self, Error::NotMigrated { .. })
+    }
+
+    /// True when the table exists but is not an outbox ([`Error::NotAnOutbox`]).
+    pub fn is_not_an_outbox(&self) -> bool {
+        matches!(self, Error::NotAnOutbox { .. })
     }
 
     /// True for input rejected before any SQL ran (bad message field or table name).
@@ -187,6 +206,15 @@ impl fmt::Display for Error {
                 fmt_db(source, f)?;
                 write!(f, ")")
             }
+            Error::NotAnOutbox { table } => write!(
+                f,
+                "table {table} is not an outbox (migrate made no {table}_migrations for it, or \
+                 it lacks an outbox's columns): check the table name"
+            ),
+            Error::InUse { table, relays } => write!(
+                f,
+                "{relays} relay(s) of outbox {table} report that they run: stop them first"
+            ),
             Error::Db(e) => {
                 write!(f, "database error: ")?;
                 fmt_db(e, f)

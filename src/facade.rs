@@ -419,6 +419,8 @@ pub(crate) mod tests {
             oldest_prepared: None,
             slots: Vec::new(),
             oldest_due_age: Some(Duration::from_millis(1500)),
+            dead_letters: 0,
+            parked: 0,
             partitions: (0..3)
                 .map(|number| Partition {
                     number,

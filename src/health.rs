@@ -32,6 +32,8 @@ pub struct HealthThresholds {
     slot_wal_bytes: u64,
     slot_xmin_age: i64,
     due_age: Duration,
+    dead_letters: u64,
+    parked: u64,
     vacuum_age: Duration,
     analyze_age: Duration,
     bloat_bytes: u64,
@@ -48,6 +50,8 @@ impl Default for HealthThresholds {
             slot_wal_bytes: 1 << 30,
             slot_xmin_age: 1_000_000,
             due_age: Duration::from_secs(60),
+            dead_letters: 1,
+            parked: 1,
             vacuum_age: Duration::from_secs(86_400),
             analyze_age: Duration::from_secs(86_400),
             bloat_bytes: 1 << 30,
@@ -57,6 +61,20 @@ impl Default for HealthThresholds {
 }
 
 impl HealthThresholds {
+    /// Dead letters not parked are a finding from `count` of them (default 1, as the
+    /// README's alerting advice: each is a message nobody received); `u64::MAX` for never.
+    pub fn dead_letters(mut self, count: u64) -> Self {
+        self.dead_letters = count;
+        self
+    }
+
+    /// Parked dead letters are a finding from `count` of them (default 1: each holds its
+    /// aggregate until an operator redrives or skips it).
+    pub fn parked(mut self, count: u64) -> Self {
+        self.parked = count;
+        self
+    }
+
     /// A table has too many dead tuples past `count` of them and `ratio` of its live ones
     /// (default 10,000 and 0.2). The same two figures of rows changed since its last analyze
     /// make its statistics worth a look (see [`analyze_age`](Self::analyze_age)).
@@ -143,6 +161,10 @@ pub struct Health {
     /// How long the oldest row a relay could take as it is has been due (rows without an
     /// aggregate key and aggregates' heads marked at enqueue).
     pub oldest_due_age: Option<Duration>,
+    /// Dead letters (parked ones included), as [`Stats::dead`](crate::Stats::dead).
+    pub dead_letters: u64,
+    /// Parked dead letters, as [`Stats::parked`](crate::Stats::parked).
+    pub parked: u64,
     /// What the relays of this outbox report of themselves (see [`Outbox::relays`]).
     pub relays: Vec<RelayReport>,
     /// A partitioned outbox's partitions, oldest first; empty for a plain table.
@@ -304,6 +326,10 @@ pub enum Check {
     ReplicationSlot,
     /// Rows due and not claimed.
     Due,
+    /// Dead letters wait for an operator: messages nobody received.
+    DeadLetters,
+    /// Parked dead letters hold their aggregates.
+    Parked,
     /// A relay reports that its publisher does not reach the destination.
     Publisher,
     /// Relays reported, and none has for a while: they stopped without saying so.
@@ -316,8 +342,8 @@ pub enum Check {
 
 impl Check {
     /// A short name: `dead_tuples`, `vacuum`, `analyze`, `bloat`, `transaction`,
-    /// `prepared_transaction`, `replication_slot`, `due`, `publisher`, `relays`,
-    /// `partitions`.
+    /// `prepared_transaction`, `replication_slot`, `due`, `dead_letters`, `parked`,
+    /// `publisher`, `relays`, `partitions`.
     pub fn name(self) -> &'static str {
         match self {
             Check::DeadTuples => "dead_tuples",
@@ -328,6 +354,8 @@ impl Check {
             Check::PreparedTransaction => "prepared_transaction",
             Check::ReplicationSlot => "replication_slot",
             Check::Due => "due",
+            Check::DeadLetters => "dead_letters",
+            Check::Parked => "parked",
             Check::Publisher => "publisher",
             Check::Relays => "relays",
             Check::Partitions => "partitions",
@@ -454,12 +482,9 @@ impl Outbox {
                     .and_then(|pid| u32::try_from(pid).ok()),
             })
             .collect();
-        let oldest_due_age = seconds(
-            client
-                .query_one(&sql.health_due, &[])
-                .map_err(|e| self.db_error(e))?
-                .get(0),
-        );
+        let oldest_due_age = self.oldest_due_age(client)?;
+        // Exact whatever the backlog (the dead-letter index and a counter).
+        let counted = self.stats(client)?;
         let relays = self.relays(client)?;
         let mut partitions: Vec<Partition> = client
             .query(&sql.partitions, &[])
@@ -504,6 +529,8 @@ impl Outbox {
             oldest_prepared,
             slots,
             oldest_due_age,
+            dead_letters: counted.dead,
+            parked: counted.parked,
             relays,
             partitions,
             findings: Vec::new(),
@@ -746,6 +773,40 @@ fn findings(outbox: &Outbox, health: &Health, limits: &HealthThresholds) -> Vec<
                     .to_owned(),
             ),
         }
+    }
+    let t = outbox.table();
+    let unparked = health.dead_letters.saturating_sub(health.parked);
+    if unparked >= limits.dead_letters {
+        finding(
+            Check::DeadLetters,
+            format!(
+                "{t} holds {unparked} dead letter{}: messages nobody received",
+                if unparked == 1 { "" } else { "s" }
+            ),
+            format!(
+                "see why (postgres-outbox --table {t} dead --by-error), fix the cause, then \
+                 redrive them, or purge them once they are not wanted"
+            ),
+        );
+    }
+    if health.parked >= limits.parked {
+        let n = health.parked;
+        finding(
+            Check::Parked,
+            format!(
+                "{t} has {n} parked dead letter{}: {} waits for an operator",
+                if n == 1 { "" } else { "s" },
+                if n == 1 {
+                    "its aggregate"
+                } else {
+                    "their aggregates"
+                }
+            ),
+            format!(
+                "postgres-outbox --table {t} dead --parked, then redrive (it goes first) or \
+                 skip (its aggregate goes on without it)"
+            ),
+        );
     }
     for relay in health.relays.iter().filter(|r| r.is_reporting()) {
         if let PublisherState::Down { since } = relay.publisher {

@@ -75,6 +75,7 @@ mod grants;
 mod health;
 #[doc(hidden)]
 pub mod hooks;
+mod install;
 mod lifecycle;
 mod message;
 mod metrics;
@@ -109,6 +110,7 @@ pub use grants::Access;
 pub use health::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };
+pub use install::{Installed, ObjectKind};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{CycleTimes, Metrics, NoMetrics};
 #[allow(deprecated)]

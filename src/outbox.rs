@@ -238,7 +238,7 @@ impl Outbox {
     /// The table's name with the schema PostgreSQL resolves it to on this connection (the
     /// schema it is in, or would be created in), so that processes spelling it differently
     /// (`orders`, `public.orders`) take the same migration lock and render the same channel.
-    fn resolved(&self, client: &mut impl GenericClient) -> Result<TableName> {
+    pub(crate) fn resolved(&self, client: &mut impl GenericClient) -> Result<TableName> {
         let table = self.statements().table();
         if table.schema().is_some() {
             return Ok(table.clone());

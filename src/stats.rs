@@ -36,7 +36,10 @@ pub struct Stats {
     /// [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead)): their later
     /// messages wait until it is redriven or skipped.
     pub parked: u64,
-    /// Age of the oldest row not yet sent or dead (pending or in flight).
+    /// Age of the oldest row not yet sent or dead (pending or in flight), since it was
+    /// enqueued: a row delayed for an hour (`Message::delay`) or backing off counts from its
+    /// enqueue, so this grows with nothing wrong. Alert on
+    /// [`Outbox::oldest_due_age`](crate::Outbox::oldest_due_age) for "no relay takes rows".
     pub oldest_pending_age: Option<Duration>,
     /// Age of the oldest message that holds others back: the head of an aggregate with
     /// blocked rows. Growing without bound means an aggregate is stuck (a head retrying,
@@ -104,6 +107,21 @@ impl Outbox {
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
             .map_err(Error::Db)
+    }
+
+    /// How long the oldest row a relay could take now has been due (since its
+    /// `available_at`): unlike [`Stats::oldest_pending_age`], a row delayed or backing off
+    /// counts only once due. Growing means no relay claims, or the relays fall behind;
+    /// `None` when no row is due. The first entry of the ready index; on a partitioned
+    /// table that opens every partition's (which `stats()` does not: it passes over quiet
+    /// ones), so it is apart from `stats()`.
+    pub fn oldest_due_age(&self, client: &mut Client) -> Result<Option<Duration>> {
+        Ok(seconds(
+            client
+                .query_one(&self.statements().health_due, &[])
+                .map_err(|e| self.db_error(e))?
+                .get(0),
+        ))
     }
 
     /// Counts rows by state exactly: reads every pending and parked row (through the two

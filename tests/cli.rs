@@ -141,7 +141,14 @@ fn migrate_makes_a_partitioned_table_and_the_doctor_lists_its_partitions() {
         ),
         (&Value::from("kept"), &Value::from(1), &Value::Null)
     );
-    assert_eq!(doctor["findings"][0]["check"], "partitions");
+    let checks: Vec<&str> = doctor["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["check"].as_str().unwrap())
+        .collect();
+    // The dead letter that keeps the partition is a finding of its own.
+    assert_eq!(checks, ["dead_letters", "partitions"]);
     let output = cli(&outbox).arg("doctor").output().unwrap();
     let text = String::from_utf8(output.stdout).unwrap();
     // Seconds may have passed since it was closed two days ago.
@@ -288,7 +295,15 @@ fn dead_lists_and_groups_what_its_filters_name() {
     assert_eq!(groups[0]["sample_key"], "d1");
     assert_eq!(groups[1]["count"], 1);
     let text = ok(&outbox, &["dead", "--by-error"]);
-    assert_eq!(text.lines().count(), 3, "{text}");
+    assert_eq!(
+        text.lines().count(),
+        4,
+        "a heading and three groups: {text}"
+    );
+    let heading = text.lines().next().unwrap_or_default();
+    for column in ["count", "first dead", "last dead", "sample key", "error"] {
+        assert!(heading.contains(column), "{heading}");
+    }
     assert!(ok(&outbox, &["dead"]).contains("timeout talking to broker"));
 }
 
@@ -319,7 +334,7 @@ fn redrive_changes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
         &outbox,
         &["redrive", "--topic", "invoices", "--older-than", "7d"],
     );
-    assert_eq!(done.trim(), "redrove 1 dead letters");
+    assert_eq!(done.trim(), "redrove 1 dead letter");
     let after = statuses(&mut client, &outbox);
     let changed: Vec<&(String, String)> =
         after.iter().filter(|row| !before.contains(row)).collect();
@@ -363,7 +378,7 @@ fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     );
     assert_eq!(
         ok(&outbox, &["purge", "sent", "--older-than", "1d"]).trim(),
-        "purged 1 sent rows"
+        "purged 1 sent row"
     );
     let left: Vec<String> = statuses(&mut client, &outbox)
         .into_iter()
@@ -372,11 +387,11 @@ fn purge_deletes_exactly_what_its_filters_name_and_a_dry_run_nothing() {
     assert_eq!(left, ["d3", "d4", "d5", "p1"]);
     assert_eq!(
         ok(&outbox, &["purge", "inbox", "--key", "m1", "--dry-run"]).trim(),
-        "would purge 1 dedupe records"
+        "would purge 1 dedupe record"
     );
     assert_eq!(
         ok(&outbox, &["purge", "inbox", "--key", "m1"]).trim(),
-        "purged 1 dedupe records"
+        "purged 1 dedupe record"
     );
     let refused = fails(
         &outbox,
@@ -428,9 +443,15 @@ fn purge_without_a_filter_or_within_the_dedupe_window_is_refused_as_bad_usage() 
         "{note}"
     );
     assert_eq!(inbox(&mut client), 1);
+    // A dry run deletes nothing, so it needs no --force.
+    assert_eq!(
+        ok(&outbox, &["purge", "inbox", "--all", "--dry-run"]).trim(),
+        "would purge 1 dedupe record"
+    );
+    assert_eq!(inbox(&mut client), 1);
     assert_eq!(
         ok(&outbox, &["purge", "inbox", "--all", "--force"]).trim(),
-        "purged 1 dedupe records"
+        "purged 1 dedupe record"
     );
     assert_eq!(
         ok(&outbox, &["purge", "dead", "--all"]).trim(),
@@ -481,6 +502,20 @@ fn bad_input_exits_1_or_2_with_a_clear_message_and_no_password() {
     assert_eq!(output.status.code(), Some(1));
     let e = String::from_utf8_lossy(&output.stderr);
     assert!(e.contains("cannot connect"), "{e}");
+    assert!(e.contains("127.0.0.1:1"), "where it could not connect: {e}");
+    assert!(!e.contains("s3cret"), "{e}");
+    // libpq's sslmode=verify-full is not the driver's: said so, as bad usage.
+    let output = cli(&outbox)
+        .env(
+            "DATABASE_URL",
+            "postgres://someone:s3cret@127.0.0.1/x?sslmode=verify-full",
+        )
+        .arg("stats")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&output.stderr);
+    assert!(e.contains("sslmode=require"), "{e}");
     assert!(!e.contains("s3cret"), "{e}");
     let e = fails(&outbox, &["--table", "no such; table", "stats"], 1);
     assert!(e.contains("no such; table"), "{e}");
@@ -671,15 +706,18 @@ fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
     assert!(e.contains("--all"), "{e}");
     assert_eq!(
         ok(&outbox, &["skip", "--all", "--dry-run"]).trim(),
-        "would skip 1 parked dead letters"
+        "would skip 1 parked dead letter"
     );
+    // A purge never deletes parked dead letters: asking it to is bad usage.
+    let e = fails(&outbox, &["purge", "dead", "--parked"], 2);
+    assert!(e.contains("never deletes parked"), "{e}");
     assert_eq!(
         ok(&outbox, &["skip", "--key", "d2"]).trim(),
         "skipped 0 parked dead letters"
     );
     assert_eq!(
         ok(&outbox, &["skip", "--key", "d1"]).trim(),
-        "skipped 1 parked dead letters"
+        "skipped 1 parked dead letter"
     );
     assert_eq!(row_state(&mut client, &outbox, "d1").0, "dead");
     assert_eq!(json(&ok(&outbox, &["stats", "--json"]))["parked"], 0);
@@ -794,4 +832,258 @@ fn a_database_that_requires_tls_is_reached_with_its_ca_and_refused_without_it() 
     let log = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{log}");
     assert!(!log.contains("s3cret"), "{log}");
+}
+
+#[test]
+fn table_and_database_url_are_taken_anywhere_on_the_line() {
+    let (outbox, _client) = outbox("cli_anywhere");
+    let output = Command::cargo_bin("postgres-outbox")
+        .unwrap()
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_TABLE")
+        .args(["stats", "--json", "--table", outbox.table()])
+        .args(["--database-url", &database_url()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        json(&String::from_utf8_lossy(&output.stdout))["table"],
+        outbox.table()
+    );
+}
+
+#[test]
+fn sql_into_a_closed_pipe_ends_quietly() {
+    let mut child = StdCommand::new(env!("CARGO_BIN_EXE_postgres-outbox"))
+        .arg("sql")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader is gone before the first line is written, as `| head -1` is soon after.
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn an_empty_dead_letter_list_says_so() {
+    let (outbox, _client) = outbox("cli_no_dead");
+    assert_eq!(ok(&outbox, &["dead"]).trim(), "no dead letters");
+    assert_eq!(
+        ok(&outbox, &["dead", "--by-error"]).trim(),
+        "no dead letters"
+    );
+    assert_eq!(
+        ok(&outbox, &["dead", "--topic", "x"]).trim(),
+        "no dead letters match"
+    );
+    assert_eq!(ok(&outbox, &["dead", "--json"]).trim(), "[]");
+}
+
+#[test]
+fn a_table_that_is_not_an_outbox_is_named_as_such() {
+    let mut client = client();
+    let name = unique_name("cli_not_outbox");
+    client
+        .batch_execute(&format!("CREATE TABLE \"{name}\" (id int)"))
+        .unwrap();
+    let other = Outbox::new(&name).unwrap();
+    for command in ["stats", "dead", "doctor"] {
+        let e = fails(&other, &[command], 1);
+        assert!(e.contains("is not an outbox"), "{command}: {e}");
+        assert!(!e.contains("lease_until"), "{command}: {e}");
+    }
+    assert!(other.check(&mut client).unwrap_err().is_not_an_outbox());
+    client
+        .batch_execute(&format!("DROP TABLE \"{name}\""))
+        .unwrap();
+}
+
+/// Everything in the catalog named after `outbox`'s table: it, or it and `_` and more.
+fn named_after(client: &mut Client, outbox: &Outbox) -> Vec<String> {
+    let pattern = format!("{}\\_%", outbox.table());
+    client
+        .query(
+            "SELECT relname::text FROM pg_class WHERE relname = $1 OR relname LIKE $2
+             UNION ALL SELECT proname::text FROM pg_proc WHERE proname LIKE $2
+             ORDER BY 1",
+            &[&outbox.table(), &pattern],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[test]
+fn uninstall_lists_then_drops_everything_migrate_made_and_nothing_else() {
+    let mut client = client();
+    for partitioned in [false, true] {
+        let name = unique_name("cli_uninstall");
+        let mut builder = Outbox::builder().table(&name);
+        if partitioned {
+            builder = builder.partition_interval(Duration::from_secs(86_400));
+        }
+        let outbox = builder.build().unwrap();
+        outbox.migrate(&mut client).unwrap();
+        // Another outbox whose name starts with this one's, which must stay.
+        let sibling = Outbox::new(&format!("{name}_eu")).unwrap();
+        sibling.migrate(&mut client).unwrap();
+        let mut tx = client.transaction().unwrap();
+        outbox.enqueue(&mut tx, Message::new("t", "p")).unwrap();
+        tx.commit().unwrap();
+        let before = named_after(&mut client, &sibling);
+
+        let listed = ok(&outbox, &["uninstall"]);
+        assert!(listed.contains("--yes"), "{listed}");
+        assert!(listed.contains(&format!(".\"{name}\"\n")), "{listed}");
+        assert!(listed.contains(&format!("{name}_enqueue(")), "{listed}");
+        assert_eq!(listed.contains("partition "), partitioned, "{listed}");
+        assert!(!listed.contains(&format!("{name}_eu")), "{listed}");
+        assert_eq!(
+            count(&mut client, &outbox, "true"),
+            1,
+            "a listing drops nothing"
+        );
+
+        let dropped = ok(&outbox, &["uninstall", "--yes"]);
+        assert!(
+            dropped.contains(&format!("uninstalled {name}")),
+            "{dropped}"
+        );
+        let left: Vec<String> = named_after(&mut client, &outbox)
+            .into_iter()
+            .filter(|n| !n.starts_with(&format!("{name}_eu")))
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        assert_eq!(
+            named_after(&mut client, &sibling),
+            before,
+            "the sibling is whole"
+        );
+        assert!(ok(&outbox, &["uninstall"]).contains("nothing of outbox"));
+        sibling.uninstall(&mut client).unwrap();
+        assert!(named_after(&mut client, &sibling).is_empty());
+    }
+}
+
+#[test]
+fn uninstall_is_refused_while_a_relay_reports() {
+    let (outbox, mut client) = outbox("cli_uninstall_busy");
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {} (relay, pid, started_at, publisher) VALUES ('r1', 4242, now(), 'up')",
+                quoted_with(&outbox, "_relays")
+            ),
+            &[],
+        )
+        .unwrap();
+    let e = fails(&outbox, &["uninstall", "--yes"], 1);
+    assert!(e.contains("relay") && e.contains("stop them"), "{e}");
+    assert!(matches!(
+        outbox.uninstall(&mut client),
+        Err(postgres_outbox::Error::InUse { relays: 1, .. })
+    ));
+    assert_eq!(
+        count(&mut client, &outbox, "true"),
+        0,
+        "the table is still there"
+    );
+    client
+        .execute(
+            &format!("DELETE FROM {}", quoted_with(&outbox, "_relays")),
+            &[],
+        )
+        .unwrap();
+    ok(&outbox, &["uninstall", "--yes"]);
+    assert!(named_after(&mut client, &outbox).is_empty());
+}
+
+#[test]
+fn the_doctor_names_dead_and_parked_letters_and_stats_tell_due_from_pending() {
+    let (outbox, mut client) = outbox("cli_doctor_letters");
+    // A lone message delayed for an hour: pending, not due; nothing is wrong.
+    let mut tx = client.transaction().unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::new("t", "p").delay(Duration::from_secs(3600)),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET created_at = now() - interval '10 minutes'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    let stats = json(&ok(&outbox, &["stats", "--json"]));
+    assert!(
+        stats["oldest_pending_age_secs"].as_f64().unwrap() >= 600.0,
+        "{stats}"
+    );
+    assert_eq!(stats["oldest_due_age_secs"], Value::Null, "{stats}");
+    let text = ok(&outbox, &["stats"]);
+    assert!(text.contains("oldest due         -"), "{text}");
+    assert!(ok(&outbox, &["doctor"]).contains("ok: nothing needs attention"));
+
+    operator_rows(&mut client, &outbox);
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
+                quoted(&outbox)
+            ),
+            &[],
+        )
+        .unwrap();
+    let output = cli(&outbox).arg("doctor").output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        out.contains("holds 4 dead letters: messages nobody received"),
+        "{out}"
+    );
+    assert!(out.contains("has 1 parked dead letter:"), "{out}");
+    assert!(
+        out.contains("dead --by-error") && out.contains("dead --parked"),
+        "{out}"
+    );
+    let report = json(&String::from_utf8_lossy(
+        &cli(&outbox)
+            .args(["doctor", "--json"])
+            .output()
+            .unwrap()
+            .stdout,
+    ));
+    let checks: Vec<&str> = report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["check"].as_str().unwrap())
+        .collect();
+    assert!(
+        checks.contains(&"dead_letters") && checks.contains(&"parked"),
+        "{checks:?}"
+    );
+    assert_eq!(report["parked"], 1);
 }

@@ -1,5 +1,5 @@
 //! `postgres-outbox serve` over plain HTTP: what the pages show, what they never show, and
-//! every refusal. (tests/serve_browser.rs drives the same pages in Chromium.)
+//! every refusal. (The `#[ignore]`d browser test below drives the same pages in Chromium.)
 #![cfg(feature = "cli")]
 
 mod common;
@@ -239,6 +239,10 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
         .unwrap();
     let server = Server::start(&database_url(), &[&a, &b], &[], None);
 
+    // The doctor runs on the server's own schedule, never for a page.
+    wait_until("the doctor has run", || {
+        server.get("/", &[]).body.contains("cannot publish")
+    });
     let page = server.get("/", &[]);
     assert_eq!(page.status, 200, "{}", page.body);
     let stats = a.stats(&mut client).unwrap();
@@ -256,6 +260,13 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
         server.get("/", &[]).body.contains("<polyline")
     });
 
+    // The doctor's line is the alarm's colour while letters are dead or parked.
+    assert!(
+        page.body.contains("<span class=\"bad\">web_overview")
+            && page.body.contains("1 parked dead letter"),
+        "{}",
+        page.body
+    );
     let dead = server.get(&format!("/dead?table={}", a.table()), &[]);
     assert_eq!(dead.status, 200);
     assert!(dead.body.contains("timeout talking to broker"));
@@ -278,6 +289,11 @@ fn the_overview_shows_each_tables_counts_and_no_page_shows_a_payload() {
     let message = server.get(&format!("/message?table={}&key=parked-1", a.table()), &[]);
     assert_eq!(message.status, 200);
     assert!(message.body.contains("tenant") && message.body.contains("acme"));
+    assert!(
+        message.body.contains("parked: dead, and holding back"),
+        "{}",
+        message.body
+    );
     assert!(message.by_id("payload").contains("Hidden"));
     let asked = server.get(
         &format!("/message?table={}&key=parked-1&payload=1", a.table()),
@@ -344,6 +360,16 @@ fn a_redrive_needs_the_token_and_a_csrf_token_and_touches_only_what_it_previewed
     let cookie = login.header("set-cookie").expect("a session cookie");
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"));
     let session = cookie.split(';').next().unwrap().to_owned();
+    // The name is this server's own, so another app on localhost cannot have set it
+    // before; and one it plants after, sent first, does not hide the session.
+    let name = session.split('=').next().unwrap().to_owned();
+    assert!(
+        name != "outbox_session" && name.starts_with("outbox_"),
+        "{name}"
+    );
+    let planted = format!("{name}=planted-by-a-neighbour; {session}");
+    let shadowed = server.get(&format!("/action?{scope}"), &[("Cookie", &planted)]);
+    assert_eq!(shadowed.status, 200, "{}", shadowed.body);
     let cookie = [("Cookie", session.as_str())];
     let preview = server.get(&format!("/action?{scope}"), &cookie);
     assert_eq!(preview.status, 200, "{}", preview.body);
@@ -382,7 +408,7 @@ fn a_redrive_needs_the_token_and_a_csrf_token_and_touches_only_what_it_previewed
     assert!(skip.by_id("done").starts_with("Skipped 1 parked"));
     let log = server.stop();
     assert!(log.contains("redrove 3 dead letters"), "{log}");
-    assert!(log.contains("skipped 1 parked dead letters"), "{log}");
+    assert!(log.contains("skipped 1 parked dead letter "), "{log}");
     assert!(!log.contains(TOKEN), "the token in the log");
 }
 
@@ -661,4 +687,236 @@ fn the_token_can_come_from_a_file() {
         303
     );
     std::fs::remove_file(&file).unwrap();
+}
+
+#[test]
+fn idle_connections_do_not_lock_others_out() {
+    let (outbox, _client) = outbox("web_idle");
+    let server = Server::start(&database_url(), &[&outbox], &[], None);
+    // More than the handlers and their queue: each sends the start of a request, then
+    // nothing.
+    let idle: Vec<TcpStream> = (0..48)
+        .map(|_| {
+            let mut stream = TcpStream::connect(server.addr).expect("connect");
+            stream.write_all(b"GET / HTTP/1.1\r\n").expect("send");
+            stream
+        })
+        .collect();
+    let page = server.get("/", &[]);
+    assert_eq!(page.status, 200, "{}", page.body);
+    drop(idle);
+}
+
+#[test]
+fn headers_that_could_smuggle_a_request_are_refused() {
+    let (outbox, _client) = outbox("web_strict");
+    let server = Server::start(&database_url(), &[&outbox], &[], None);
+    let host = format!("Host: {}\r\n", server.addr);
+    for (what, extra) in [
+        ("two lengths", "Content-Length: 0\r\nContent-Length: 5\r\n"),
+        (
+            "the same length twice",
+            "Content-Length: 0\r\nContent-Length: 0\r\n",
+        ),
+        ("a signed length", "Content-Length: +0\r\n"),
+        ("two hosts", "Host: localhost\r\n"),
+    ] {
+        let request = format!("GET / HTTP/1.1\r\n{host}{extra}\r\n");
+        assert_eq!(server.raw(request.as_bytes()).status, 400, "{what}");
+    }
+    // HEAD is GET without the body.
+    let head = server.raw(format!("HEAD / HTTP/1.1\r\n{host}\r\n").as_bytes());
+    assert_eq!(head.status, 200);
+    assert!(head.body.is_empty(), "{}", head.body);
+    assert_ne!(head.header("content-length"), Some("0"));
+}
+
+#[test]
+fn a_change_older_than_nothing_is_refused_not_taken_for_all() {
+    let (outbox, mut client) = outbox_with_dead_letters("web_zero_age");
+    let server = Server::start(
+        &database_url(),
+        &[&outbox],
+        &["--allow-changes"],
+        Some(TOKEN),
+    );
+    let bearer = format!("Bearer {TOKEN}");
+    let auth = [("Authorization", bearer.as_str())];
+    let form = format!("table={}&kind=purge&older_than=0s", outbox.table());
+    assert_eq!(server.get(&format!("/action?{form}"), &auth).status, 400);
+    assert_eq!(server.post("/action", &auth, &form).status, 400);
+    assert_eq!(count(&mut client, &outbox, "status = 'dead'"), 5);
+}
+
+#[test]
+fn the_log_says_once_where_it_serves_and_escapes_what_a_client_sent() {
+    let (outbox, _client) = outbox_with_dead_letters("web_log");
+    let server = Server::start(
+        &database_url(),
+        &[&outbox],
+        &["--allow-changes"],
+        Some(TOKEN),
+    );
+    let bearer = format!("Bearer {TOKEN}");
+    let forged = format!(
+        "table={}&kind=purge&topic=x%0A[2026-01-01T00:00:00Z+INFO++forged]%1B[2J",
+        outbox.table()
+    );
+    let done = server.post("/action", &[("Authorization", &bearer)], &forged);
+    assert_eq!(done.status, 200, "{}", done.body);
+    let log = server.stop();
+    assert!(log.contains("purged 0 dead letters"), "{log}");
+    assert!(!log.contains('\u{1b}'), "{log:?}");
+    assert!(
+        !log.lines().any(|line| line.starts_with("[2026-01-01")),
+        "a forged line: {log}"
+    );
+    // The address is on stdout, where scripts read it; the log does not repeat it.
+    assert!(!log.contains("http://"), "{log}");
+}
+
+/// Runs `command`, which must refuse to serve: a server that starts instead is killed, and
+/// the test fails rather than hangs.
+fn exits_at_start(mut command: Command) -> std::process::Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run serve");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while child.try_wait().expect("its status").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("serve started instead of refusing to");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("its output")
+}
+
+#[test]
+fn an_unknown_table_is_refused_at_start() {
+    let missing = Outbox::new(&unique_name("web_missing")).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_postgres-outbox"));
+    command
+        .env("DATABASE_URL", database_url())
+        .env_remove("OUTBOX_WEB_TOKEN")
+        .args(["--table", missing.table(), "serve", "--bind", "127.0.0.1:0"]);
+    let output = exits_at_start(command);
+    assert_eq!(output.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&output.stderr);
+    assert!(e.contains(missing.table()) && e.contains("migrate"), "{e}");
+}
+
+#[test]
+fn wrong_tokens_are_slowed_and_their_log_lines_bounded_and_a_weak_token_refused() {
+    let (outbox, _client) = outbox("web_guess");
+    let server = Server::start(&database_url(), &[&outbox], &[], Some(TOKEN));
+    let tries = 60;
+    let statuses: Vec<u16> = (0..tries)
+        .map(|i| {
+            server
+                .post("/login", &[], &format!("token=guess-number-{i:04}-xyz"))
+                .status
+        })
+        .collect();
+    assert!(
+        statuses.iter().all(|s| [401, 429].contains(s)),
+        "{statuses:?}"
+    );
+    assert!(statuses.contains(&429), "never slowed: {statuses:?}");
+    // Throttled, even the right token is not compared.
+    assert_eq!(
+        server.post("/login", &[], &format!("token={TOKEN}")).status,
+        429
+    );
+    let log = server.stop();
+    let lines = log.lines().filter(|l| l.contains("token")).count();
+    assert!(
+        lines < tries / 2,
+        "{lines} log lines for {tries} tries: {log}"
+    );
+
+    let mut command = Command::new(env!("CARGO_BIN_EXE_postgres-outbox"));
+    command
+        .env("DATABASE_URL", database_url())
+        .env("OUTBOX_WEB_TOKEN", "a".repeat(16))
+        .args(["--table", outbox.table(), "serve", "--bind", "127.0.0.1:0"]);
+    let output = exits_at_start(command);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("different characters"));
+}
+
+#[test]
+fn the_doctor_runs_on_the_servers_schedule_not_per_page() {
+    let (outbox, mut client) = outbox("web_doctor_cache");
+    let relays = quoted_with(&outbox, "_relays");
+    client
+        .execute(
+            &format!(
+                "INSERT INTO {relays} (relay, pid, started_at, publisher, down_since)
+                 VALUES ('r1', 4242, now(), 'down', now())"
+            ),
+            &[],
+        )
+        .unwrap();
+    let server = Server::start(&database_url(), &[&outbox], &[], None);
+    wait_until("the doctor has run", || {
+        server.get("/", &[]).body.contains("cannot publish")
+    });
+    client
+        .execute(&format!("DELETE FROM {relays}"), &[])
+        .unwrap();
+    // The next loads show what the doctor found, not a new run of it (it runs every 30 s).
+    for _ in 0..3 {
+        let page = server.get("/", &[]);
+        assert!(page.body.contains("cannot publish"), "{}", page.body);
+        assert!(page.body.contains("Doctor as of"), "{}", page.body);
+    }
+}
+
+#[test]
+fn a_long_error_makes_links_the_server_takes() {
+    let (outbox, mut client) = outbox_with_dead_letters("web_long_error");
+    let long = format!("broker said {}", "e".repeat(30_000));
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET last_error = $1 WHERE key = 'd4'",
+                quoted(&outbox)
+            ),
+            &[&long],
+        )
+        .unwrap();
+    let server = Server::start(
+        &database_url(),
+        &[&outbox],
+        &["--allow-changes"],
+        Some(TOKEN),
+    );
+    let dead = server.get(&format!("/dead?table={}", outbox.table()), &[]);
+    assert_eq!(dead.status, 200);
+    let links: Vec<String> = dead
+        .body
+        .split("href=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .map(|href| href.replace("&amp;", "&"))
+        .collect();
+    let group = links
+        .iter()
+        .find(|l| l.starts_with("/dead/group") && l.contains("broker+said"))
+        .expect("a link to the long error's group");
+    assert!(links.iter().all(|l| l.len() < 1024), "an unbounded link");
+    let page = server.get(group, &[]);
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(page.body.contains(">d4<"), "the group's message");
+    let bearer = format!("Bearer {TOKEN}");
+    let action = links
+        .iter()
+        .find(|l| l.starts_with("/action") && l.contains("broker+said"))
+        .expect("a link to redrive or purge it");
+    let preview = server.get(action, &[("Authorization", &bearer)]);
+    assert_eq!(preview.status, 200, "{}", preview.body);
+    assert_eq!(preview.by_id("would"), "1");
 }

@@ -4,9 +4,21 @@
 
 #![forbid(unsafe_code)]
 
+/// `println!` that hands back an error instead of panicking when stdout is closed
+/// (`postgres-outbox sql | head -1`); `main` ends quietly on a broken pipe.
+macro_rules! say {
+    () => {
+        writeln!(std::io::stdout())?
+    };
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout(), $($arg)*)?
+    };
+}
+
 mod serve;
 
 use std::error::Error;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +32,8 @@ use postgres::Client;
 use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, PublisherConfig};
 use postgres_outbox::{
-    Access, Connections, Filter, HealthThresholds, HeldBack, Outbox, Relay, RelayConfig, Rows,
+    Access, Connections, Filter, HealthThresholds, HeldBack, ObjectKind, Outbox, Relay,
+    RelayConfig, Rows,
 };
 use serde_json::{json, Value};
 
@@ -35,15 +48,15 @@ struct Cli {
     /// sslmode=require the server's certificate and name are verified (system roots and
     /// --database-ca); with prefer (the default), TLS when the server offers it, verified only
     /// with --database-ca; disable: none.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
     /// A CA certificate (PEM; a bundle may hold several) to verify the server's certificate
     /// with, besides the system's roots; `system`: the system's roots only. Given, the
     /// certificate is verified under sslmode=prefer too.
-    #[arg(long, env = "PGSSLROOTCERT", value_name = "FILE")]
+    #[arg(long, env = "PGSSLROOTCERT", value_name = "FILE", global = true)]
     database_ca: Option<PathBuf>,
     /// The outbox table (`name` or `schema.name`); `serve` takes it repeated, for several.
-    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox", action = ArgAction::Append)]
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox", action = ArgAction::Append, global = true)]
     table: Vec<String>,
     #[command(subcommand)]
     command: Command,
@@ -58,6 +71,14 @@ enum Command {
         /// "Retention"). On a partitioned table, sets the interval from the open partition on.
         #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
         partition_interval: Option<Duration>,
+    },
+    /// List everything `migrate` made for the table (it, its partitions, its companion
+    /// tables and functions), and drop it all, rows included, with --yes. Refused while
+    /// relays of the table report that they run.
+    Uninstall {
+        /// Drop what is listed.
+        #[arg(long)]
+        yes: bool,
     },
     /// Print the DDL `migrate` would apply.
     Sql {
@@ -306,6 +327,8 @@ fn main() -> ExitCode {
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of stdout went away (`| head -1`): it has what it wanted.
+        Err(e) if broken_pipe(e.as_ref()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("postgres-outbox: error: {}", one_line(e.as_ref()));
             ExitCode::from(1)
@@ -347,6 +370,47 @@ fn one_line(error: &(dyn Error + 'static)) -> String {
     text.replace('\n', " ")
 }
 
+fn broken_pipe(error: &(dyn Error + 'static)) -> bool {
+    error
+        .downcast_ref::<std::io::Error>()
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+}
+
+/// Ends the process as clap does on bad usage: the message, the usage line, exit 2.
+fn usage(kind: ErrorKind, text: impl std::fmt::Display) -> ! {
+    Cli::command().error(kind, text).exit()
+}
+
+/// Where the database is, for an error: host(s) and port(s), never the user or password.
+fn database_at(config: &postgres::Config) -> String {
+    let ports = config.get_ports();
+    config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+            match host {
+                postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                postgres::config::Host::Unix(dir) => format!("{}:{port}", dir.display()),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Connects the command's own client, naming where it failed to.
+fn connect(config: &postgres::Config, tls: MakeTlsConnector) -> Result<Client> {
+    config.connect(tls).map_err(|e| {
+        format!(
+            "cannot connect to the database at {}: {}",
+            database_at(config),
+            one_line(&e)
+        )
+        .into()
+    })
+}
+
 /// Whether a server certificate that did not verify is behind `error`.
 fn certificate_failed(error: &(dyn Error + 'static)) -> bool {
     let mut cause = Some(error);
@@ -360,8 +424,18 @@ fn certificate_failed(error: &(dyn Error + 'static)) -> bool {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    let config = database_config(&cli.database_url)?;
+    // `sql` and `grants` only print: they need no database.
+    let config = || {
+        let Some(url) = &cli.database_url else {
+            usage(
+                ErrorKind::MissingRequiredArgument,
+                "the database is needed: --database-url URL, or DATABASE_URL",
+            );
+        };
+        database_config(url)
+    };
     if let Command::Serve(args) = cli.command {
+        let config = config();
         let options = serve_options(args)?;
         let outboxes = cli
             .table
@@ -369,15 +443,27 @@ fn run(cli: Cli) -> Result<()> {
             .map(|t| Outbox::new(t))
             .collect::<Result<Vec<_>, _>>()?;
         let tls = database_tls(&config, cli.database_ca.as_deref())?;
+        // Every table must be an outbox, as for any other command; a database that is
+        // down at start is said on the pages instead.
+        match config.connect(tls.clone()) {
+            Ok(mut client) => {
+                for outbox in &outboxes {
+                    outbox.check(&mut client)?;
+                }
+            }
+            Err(e) => log::warn!(
+                "serve: the database at {} is not answering ({}); serving anyway",
+                database_at(&config),
+                one_line(&e)
+            ),
+        }
         return serve::serve(outboxes, config, tls, options);
     }
     let [table] = cli.table.as_slice() else {
-        Cli::command()
-            .error(
-                ErrorKind::ArgumentConflict,
-                "--table is taken once, except by serve",
-            )
-            .exit();
+        usage(
+            ErrorKind::ArgumentConflict,
+            "--table is taken once, except by serve",
+        );
     };
     let partition_interval = match cli.command {
         Command::Migrate { partition_interval } | Command::Sql { partition_interval } => {
@@ -393,25 +479,52 @@ fn run(cli: Cli) -> Result<()> {
         None => Outbox::new(table)?,
     };
     if let Command::Sql { .. } = cli.command {
-        print!("{}", outbox.sql());
+        write!(std::io::stdout(), "{}", outbox.sql())?;
         return Ok(());
     }
     if let Command::Grants { access, role } = &cli.command {
-        print!("{}", outbox.grants(access.access(), role)?);
+        write!(
+            std::io::stdout(),
+            "{}",
+            outbox.grants(access.access(), role)?
+        )?;
         return Ok(());
     }
+    if let Command::Purge { what, filter, .. } = &cli.command {
+        if filter.parked {
+            usage(
+                ErrorKind::ArgumentConflict,
+                match what {
+                    What::Dead => {
+                        "purge dead never deletes parked dead letters (their aggregates wait \
+                         on them): skip or redrive them first"
+                    }
+                    What::Sent | What::Inbox => "--parked names dead letters only",
+                },
+            );
+        }
+    }
+    let config = config();
     let tls = database_tls(&config, cli.database_ca.as_deref())?;
+    let mut client = connect(&config, tls.clone())?;
+    // What reads the table, after it is known to be an outbox (not some other table that
+    // would fail on a column the outbox has).
+    if !matches!(
+        cli.command,
+        Command::Migrate { .. } | Command::Uninstall { .. }
+    ) {
+        outbox.check(&mut client)?;
+    }
     if let Command::Relay(args) = cli.command {
+        drop(client);
         return relay(outbox, config, tls, args);
     }
-    let mut client = config
-        .connect(tls)
-        .map_err(|e| format!("cannot connect to the database: {}", one_line(&e)))?;
     match cli.command {
         Command::Migrate { .. } => {
             outbox.migrate(&mut client)?;
-            println!("migrated {}", outbox.table());
+            say!("migrated {}", outbox.table());
         }
+        Command::Uninstall { yes } => uninstall(&outbox, &mut client, yes)?,
         Command::Stats { json, exact } => stats(&outbox, &mut client, json, exact)?,
         Command::Doctor { due_age, json } => {
             let thresholds = HealthThresholds::default().due_age(due_age);
@@ -443,7 +556,7 @@ fn run(cli: Cli) -> Result<()> {
                 outbox.redrive(&mut client, filter)?
             };
             let verb = if dry_run { "would redrive" } else { "redrove" };
-            println!("{verb} {n} dead letters");
+            say!("{verb} {}", counted(n, "dead letter"));
         }
         Command::Skip {
             filter, dry_run, ..
@@ -455,7 +568,7 @@ fn run(cli: Cli) -> Result<()> {
                 outbox.skip(&mut client, filter)?
             };
             let verb = if dry_run { "would skip" } else { "skipped" };
-            println!("{verb} {n} parked dead letters");
+            say!("{verb} {}", counted(n, "parked dead letter"));
         }
         Command::Purge {
             what,
@@ -465,12 +578,12 @@ fn run(cli: Cli) -> Result<()> {
             ..
         } => {
             if let What::Inbox = what {
-                check_inbox_window(&filter, force);
+                check_inbox_window(&filter, force, dry_run);
             }
             let (rows, noun) = match what {
-                What::Sent => (Rows::Sent, "sent rows"),
-                What::Dead => (Rows::Dead, "dead letters"),
-                What::Inbox => (Rows::Inbox, "dedupe records"),
+                What::Sent => (Rows::Sent, "sent row"),
+                What::Dead => (Rows::Dead, "dead letter"),
+                What::Inbox => (Rows::Inbox, "dedupe record"),
             };
             let rows = rows.matching(filter.build());
             let n = if dry_run {
@@ -479,10 +592,51 @@ fn run(cli: Cli) -> Result<()> {
                 outbox.purge(&mut client, rows)?
             };
             let verb = if dry_run { "would purge" } else { "purged" };
-            println!("{verb} {n} {noun}");
+            say!("{verb} {}", counted(n, noun));
         }
         Command::Sql { .. } | Command::Grants { .. } | Command::Relay(_) | Command::Serve(_) => {}
     }
+    Ok(())
+}
+
+/// `n` and `noun`, made plural unless `n` is 1: "1 dead letter", "3 dead letters".
+fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// Lists what `migrate` made for the table; drops it with `yes`.
+fn uninstall(outbox: &Outbox, client: &mut Client, yes: bool) -> Result<()> {
+    let kind = |k: ObjectKind| match k {
+        ObjectKind::Table => "table",
+        ObjectKind::Partition => "partition",
+        _ => "function",
+    };
+    if !yes {
+        let found = outbox.installed(client)?;
+        if found.is_empty() {
+            say!("nothing of outbox {} is installed", outbox.table());
+            return Ok(());
+        }
+        say!("would drop, with every row:");
+        for o in &found {
+            say!("  {} {}", kind(o.kind), o.name);
+        }
+        say!("run again with --yes to drop them (stop the relays first)");
+        return Ok(());
+    }
+    let dropped = outbox.uninstall(client)?;
+    for o in &dropped {
+        say!("dropped {} {}", kind(o.kind), o.name);
+    }
+    say!(
+        "uninstalled {}: {}",
+        outbox.table(),
+        counted(dropped.len() as u64, "object")
+    );
     Ok(())
 }
 
@@ -510,6 +664,17 @@ fn serve_options(args: ServeArgs) -> Result<serve::Options> {
             serve::MIN_TOKEN
         ));
     }
+    let distinct = |t: &String| t.chars().collect::<std::collections::HashSet<_>>().len();
+    if token
+        .as_ref()
+        .is_some_and(|t| distinct(t) < serve::MIN_DISTINCT)
+    {
+        usage(format!(
+            "the token must have at least {} different characters: make a random one, e.g. \
+             openssl rand -hex 16",
+            serve::MIN_DISTINCT
+        ));
+    }
     if token.is_none() && !args.bind.ip().is_loopback() {
         usage(format!(
             "--bind {} is beyond loopback: set a token (--token-file or OUTBOX_WEB_TOKEN)",
@@ -530,14 +695,26 @@ fn serve_options(args: ServeArgs) -> Result<serve::Options> {
 
 /// The database settings, with a connect timeout unless the URL sets one, so an unreachable
 /// host fails within seconds. The URL itself is never echoed: it may hold a password.
-fn database_config(url: &str) -> Result<postgres::Config> {
-    let mut config: postgres::Config = url
-        .parse()
-        .map_err(|e| format!("invalid --database-url (not shown, it may hold a password): {e}"))?;
+fn database_config(url: &str) -> postgres::Config {
+    let mut config: postgres::Config = match url.parse() {
+        Ok(config) => config,
+        // The driver knows disable, prefer and require, and says only "invalid
+        // connection string" of libpq's other modes.
+        Err(_) if url.contains("sslmode=verify-") => usage(
+            ErrorKind::ValueValidation,
+            "--database-url: sslmode=verify-ca and verify-full are not understood here: use \
+             sslmode=require, which verifies the server's certificate and its host name (add \
+             --database-ca FILE for a private CA)",
+        ),
+        Err(e) => usage(
+            ErrorKind::ValueValidation,
+            format!("invalid --database-url (not shown, it may hold a password): {e}"),
+        ),
+    };
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(Duration::from_secs(10));
     }
-    Ok(config)
+    config
 }
 
 /// The TLS connector for every connection to the database (the commands' client, the relay's
@@ -591,12 +768,20 @@ fn read_ca(path: &Path) -> Result<Vec<native_tls::Certificate>> {
 /// Says which dedupe records `purge inbox` deletes and what that means, and refuses, as bad
 /// usage, to delete records younger than an hour without `--force` (unless it is given the
 /// keys to delete): a message whose ack was lost comes again, and finds its record gone.
-fn check_inbox_window(filter: &FilterArgs, force: bool) {
+/// A dry run deletes nothing, so it only says what the real one would need.
+fn check_inbox_window(filter: &FilterArgs, force: bool, dry_run: bool) {
     if !filter.keys.is_empty() {
         return;
     }
     let window = filter.older_than.unwrap_or(Duration::ZERO);
     let shown = humantime::format_duration(window);
+    if window < INBOX_WINDOW && !force && dry_run {
+        eprintln!(
+            "purge inbox: a dry run; the purge itself would need --force or --older-than 1h \
+             or more (messages delivered again after their record is gone are processed twice)"
+        );
+        return;
+    }
     if window < INBOX_WINDOW && !force {
         Cli::command()
             .error(
@@ -709,6 +894,8 @@ fn doctor(
                 "wal_bytes": s.wal_bytes, "active": s.active, "active_pid": s.active_pid,
             })).collect::<Vec<_>>(),
             "oldest_due_age_secs": secs(health.oldest_due_age),
+            "dead_letters": health.dead_letters,
+            "parked": health.parked,
             "relays": health.relays.iter().map(|r| json!({
                 "relay": r.relay, "client_addr": r.client_addr, "pid": r.pid,
                 "started_at": time(r.started_at), "last_seen_secs": r.last_seen.as_secs_f64(),
@@ -741,11 +928,11 @@ fn doctor(
                 "check": f.check.name(), "problem": f.problem, "remedy": f.remedy,
             })).collect::<Vec<_>>(),
         });
-        println!("{value}");
+        say!("{value}");
         return Ok(health.is_healthy());
     }
     for t in tables {
-        println!(
+        say!(
             "{}: {} live, {} dead tuples, {} rows changed since analyzed; vacuumed {} ago, \
              analyzed {} ago{}; {} MiB with indexes, its rows {} MiB{}",
             t.table,
@@ -773,7 +960,7 @@ fn doctor(
     ];
     for (what, holder) in holders {
         if let Some(h) = holder {
-            println!("{what} {} ({}), open {}", h.id, h.what, human(Some(h.age)));
+            say!("{what} {} ({}), open {}", h.id, h.what, human(Some(h.age)));
         }
     }
     for s in &health.slots {
@@ -785,14 +972,21 @@ fn doctor(
         let xmin = s.xmin_age.map_or(String::new(), |age| {
             format!(", an xmin {age} transactions old")
         });
-        println!(
+        say!(
             "replication slot {} ({}, {state}): {} bytes of WAL{xmin}",
-            s.name, s.kind, s.wal_bytes
+            s.name,
+            s.kind,
+            s.wal_bytes
         );
     }
-    println!("oldest due row: {}", human(health.oldest_due_age));
+    say!("oldest due row: {}", human(health.oldest_due_age));
+    say!(
+        "dead letters: {} ({} parked)",
+        health.dead_letters,
+        health.parked
+    );
     for r in &health.relays {
-        println!(
+        say!(
             "relay {} (pid {}{}): publisher {}, {} published, last seen {} ago{}",
             r.relay,
             r.pid,
@@ -808,7 +1002,7 @@ fn doctor(
             ))
         );
         if let Some(error) = &r.upkeep_error {
-            println!("  its upkeep of the partitions fails: {error}");
+            say!("  its upkeep of the partitions fails: {error}");
         }
     }
     for p in &health.partitions {
@@ -826,7 +1020,7 @@ fn doctor(
             (Some(opened), None, _) => format!("open for {}", human(Some(opened))),
             (None, _, _) => "ahead".to_owned(),
         };
-        println!(
+        say!(
             "partition {} ({} each): {state}, ~{} rows",
             p.number,
             human(Some(p.every)),
@@ -834,11 +1028,11 @@ fn doctor(
         );
     }
     if health.is_healthy() {
-        println!("ok: nothing needs attention");
+        say!("ok: nothing needs attention");
     }
     for finding in &health.findings {
-        println!("problem: {}", finding.problem);
-        println!("  remedy: {}", finding.remedy);
+        say!("problem: {}", finding.problem);
+        say!("  remedy: {}", finding.remedy);
     }
     Ok(health.is_healthy())
 }
@@ -851,6 +1045,7 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
     };
     // Per topic, the backlog is read whole: only when the counts are exact anyway, so that
     // `stats` costs what `Outbox::stats` does however large the backlog.
+    let due_age = outbox.oldest_due_age(client)?;
     let topics = if stats.exact {
         Some(outbox.topic_stats(client)?)
     } else {
@@ -867,45 +1062,51 @@ fn stats(outbox: &Outbox, client: &mut Client, as_json: bool, exact: bool) -> Re
             "dead": stats.dead,
             "parked": stats.parked,
             "oldest_pending_age_secs": secs(stats.oldest_pending_age),
+            "oldest_due_age_secs": secs(due_age),
             "oldest_blocked_age_secs": secs(stats.oldest_blocked_age),
             "exact": stats.exact,
             "topics": topics.as_ref().map(|topics| topics.iter().map(|t| json!({
                 "topic": t.topic, "pending": t.pending, "dead": t.dead,
             })).collect::<Vec<_>>()),
         });
-        println!("{value}");
+        say!("{value}");
         return Ok(());
     }
     // Estimates read as such: "~1000000".
     let about = if stats.exact { "" } else { "~" };
-    println!("table              {}", outbox.table());
-    println!("pending            {about}{}", stats.pending);
-    println!("  due              {about}{}", stats.due);
-    println!("  blocked          {about}{}", stats.blocked);
-    println!("in flight          {about}{}", stats.in_flight);
-    println!("sent               {}", stats.sent);
-    println!("dead               {}", stats.dead);
-    println!("  parked           {}", stats.parked);
-    println!(
-        "oldest pending     {about}{}",
+    say!("table              {}", outbox.table());
+    say!("pending            {about}{}", stats.pending);
+    say!("  due              {about}{}", stats.due);
+    say!("  blocked          {about}{}", stats.blocked);
+    say!("in flight          {about}{}", stats.in_flight);
+    say!("sent               {}", stats.sent);
+    say!("dead               {}", stats.dead);
+    say!("  parked           {}", stats.parked);
+    // Told apart: a row delayed for an hour is pending from its enqueue, due only after.
+    say!(
+        "oldest pending     {about}{}  (since enqueued, delayed rows too)",
         human(stats.oldest_pending_age)
     );
-    println!(
+    say!(
+        "oldest due         {}  (since due: growing, no relay takes rows)",
+        human(due_age)
+    );
+    say!(
         "oldest blocked     {about}{}",
         human(stats.oldest_blocked_age)
     );
     match topics {
         Some(topics) if !topics.is_empty() => {
-            println!();
-            println!("{:<32} {:>10} {:>10}", "topic", "pending", "dead");
+            say!();
+            say!("{:<32} {:>10} {:>10}", "topic", "pending", "dead");
             for t in &topics {
-                println!("{:<32} {:>10} {:>10}", t.topic, t.pending, t.dead);
+                say!("{:<32} {:>10} {:>10}", t.topic, t.pending, t.dead);
             }
         }
         Some(_) => {}
         None => {
-            println!();
-            println!("per topic          with --exact (reads the whole backlog)");
+            say!();
+            say!("per topic          with --exact (reads the whole backlog)");
         }
     }
     Ok(())
@@ -933,11 +1134,18 @@ fn dead(
                 })
             })
             .collect();
-        println!("{}", Value::Array(rows));
+        say!("{}", Value::Array(rows));
+        return Ok(());
+    }
+    if letters.is_empty() {
+        say!(
+            "no dead letters{}",
+            if filter.is_empty() { "" } else { " match" }
+        );
         return Ok(());
     }
     for d in &letters {
-        println!(
+        say!(
             "{}  {}  {}  attempts={}  {}",
             time(d.dead_at),
             d.record.key,
@@ -969,11 +1177,25 @@ fn dead_by_error(
                 })
             })
             .collect();
-        println!("{}", Value::Array(rows));
+        say!("{}", Value::Array(rows));
         return Ok(());
     }
+    if groups.is_empty() {
+        say!(
+            "no dead letters{}",
+            if filter.is_empty() { "" } else { " match" }
+        );
+        return Ok(());
+    }
+    say!(
+        "{:>8}  {:<20}  {:<20}  {}  error",
+        "count",
+        "first dead",
+        "last dead",
+        "sample key"
+    );
     for g in &groups {
-        println!(
+        say!(
             "{:>8}  {}  {}  {}  {}",
             g.count,
             time(g.first_dead_at),

@@ -1,6 +1,18 @@
 //! Who may change rows: a client that shows the token, as `Authorization: Bearer <token>`,
 //! or a browser holding a session cookie from the login form. A session's forms carry its
 //! CSRF token, which a page of another site cannot read, so it cannot post them for you.
+//!
+//! Cookies ignore ports: every web app on the same host name receives ours, and can set
+//! one of the same name. The name is therefore this server's own (random, made at start),
+//! so nothing set before it ran shadows it, and every cookie of that name is tried, so one
+//! planted later cannot break a session either. That a neighbour on the same host name
+//! receives the cookie no cookie attribute prevents over plain HTTP (`__Host-` and
+//! `Secure` need HTTPS); an operator who runs other web apps on localhost opens this one
+//! under an address of its own (`--bind 127.0.0.2:8080`), whose cookies go nowhere else.
+//!
+//! Wrong tokens, by a login or a header, draw on one budget that refills slowly, so
+//! guessing runs at about one try a second whatever the attacker sends, and the log gets
+//! a line per counted try and one when the budget runs out, not one per request.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -10,13 +22,18 @@ use rand::RngCore;
 
 use super::http::{Fields, Request, Response};
 
-pub const COOKIE: &str = "outbox_session";
+/// The wrong tokens taken at once, and how often one more is taken: past them, every
+/// token is refused unchecked until the budget refills.
+const WRONG_BURST: f64 = 10.0;
+const WRONG_REFILL: Duration = Duration::from_secs(1);
 /// How long a login lasts.
 const SESSION_LIFE: Duration = Duration::from_secs(12 * 3600);
 /// Logins held at once; past it, expired ones go first, then logins are refused.
 const MAX_SESSIONS: usize = 1024;
 /// The shortest token taken: guessing 16 random characters is out of reach.
 pub const MIN_TOKEN: usize = 16;
+/// The fewest distinct characters a token may have: sixteen `a`s are not random.
+pub const MIN_DISTINCT: usize = 8;
 
 struct Session {
     csrf: String,
@@ -51,6 +68,24 @@ impl Who {
 pub struct Auth {
     token: Option<String>,
     sessions: Mutex<HashMap<String, Session>>,
+    /// This server's cookie name.
+    cookie: String,
+    wrong: Mutex<Budget>,
+}
+
+/// Wrong tokens still taken (a token bucket), as of `at`; `spent` once said in the log.
+struct Budget {
+    left: f64,
+    at: Instant,
+    said: bool,
+}
+
+/// Why a token was not taken.
+#[derive(Debug, PartialEq)]
+pub enum Refusal {
+    Wrong,
+    /// Too many wrong ones lately: not even compared.
+    Throttled,
 }
 
 impl Auth {
@@ -58,7 +93,45 @@ impl Auth {
         Auth {
             token,
             sessions: Mutex::new(HashMap::new()),
+            cookie: format!("outbox_{}", &random_hex()[..16]),
+            wrong: Mutex::new(Budget {
+                left: WRONG_BURST,
+                at: Instant::now(),
+                said: false,
+            }),
         }
+    }
+
+    /// Whether `offered` is the token; a wrong one spends the budget, and while it is
+    /// spent nothing is compared.
+    fn check(&self, offered: &str) -> Result<(), Refusal> {
+        let Some(token) = &self.token else {
+            return Err(Refusal::Wrong);
+        };
+        let Ok(mut budget) = self.wrong.lock() else {
+            return Err(Refusal::Throttled);
+        };
+        let now = Instant::now();
+        let refilled = now.duration_since(budget.at).as_secs_f64() / WRONG_REFILL.as_secs_f64();
+        budget.left = (budget.left + refilled).min(WRONG_BURST);
+        budget.at = now;
+        if budget.left < 1.0 {
+            if !budget.said {
+                budget.said = true;
+                log::warn!(
+                    "serve: too many wrong tokens; every token is refused unchecked for a \
+                     while (one more is tried each second)"
+                );
+            }
+            return Err(Refusal::Throttled);
+        }
+        if same(offered.trim().as_bytes(), token.as_bytes()) {
+            return Ok(());
+        }
+        budget.left -= 1.0;
+        budget.said = false;
+        log::warn!("serve: a wrong token was refused");
+        Err(Refusal::Wrong)
     }
 
     pub fn has_token(&self) -> bool {
@@ -66,44 +139,49 @@ impl Auth {
     }
 
     pub fn who(&self, request: &Request) -> Who {
-        let Some(token) = &self.token else {
+        if self.token.is_none() {
             return Who::Nobody;
-        };
+        }
         if let Some(offered) = request
             .header("authorization")
             .and_then(|v| v.strip_prefix("Bearer "))
         {
-            if same(offered.trim().as_bytes(), token.as_bytes()) {
+            if self.check(offered).is_ok() {
                 return Who::Bearer;
             }
         }
-        let Some(id) = request.cookie(COOKIE) else {
-            return Who::Nobody;
-        };
         let Ok(sessions) = self.sessions.lock() else {
             return Who::Nobody;
         };
-        match sessions.get(id) {
-            Some(s) if s.expires > Instant::now() => Who::Session {
+        let now = Instant::now();
+        request
+            .cookies(&self.cookie)
+            .find_map(|id| sessions.get(id).filter(|s| s.expires > now))
+            .map_or(Who::Nobody, |s| Who::Session {
                 csrf: s.csrf.clone(),
-            },
-            _ => Who::Nobody,
-        }
+            })
     }
 
     /// A new session for a client that offered the right token: its cookie's value.
-    pub fn login(&self, offered: &str) -> Result<String, &'static str> {
-        let Some(token) = &self.token else {
-            return Err("this server has no token: it takes no changes");
-        };
-        if !same(offered.trim().as_bytes(), token.as_bytes()) {
-            return Err("wrong token");
+    pub fn login(&self, offered: &str) -> Result<String, (u16, &'static str)> {
+        if self.token.is_none() {
+            return Err((401, "this server has no token: it takes no changes"));
         }
-        let mut sessions = self.sessions.lock().map_err(|_| "sessions unavailable")?;
+        match self.check(offered) {
+            Ok(()) => {}
+            Err(Refusal::Wrong) => return Err((401, "wrong token")),
+            Err(Refusal::Throttled) => {
+                return Err((429, "too many wrong tokens lately: try again in a minute"))
+            }
+        }
+        let mut sessions = self
+            .sessions
+            .lock()
+            .map_err(|_| (503, "sessions unavailable"))?;
         let now = Instant::now();
         sessions.retain(|_, s| s.expires > now);
         if sessions.len() >= MAX_SESSIONS {
-            return Err("too many sessions: try again later");
+            return Err((503, "too many sessions: try again later"));
         }
         let id = random_hex();
         sessions.insert(
@@ -117,8 +195,10 @@ impl Auth {
     }
 
     pub fn logout(&self, request: &Request) {
-        if let (Some(id), Ok(mut sessions)) = (request.cookie(COOKIE), self.sessions.lock()) {
-            sessions.remove(id);
+        if let Ok(mut sessions) = self.sessions.lock() {
+            for id in request.cookies(&self.cookie) {
+                sessions.remove(id);
+            }
         }
     }
 
@@ -143,10 +223,19 @@ impl Auth {
 
     /// The cookie that holds session `id`: not for scripts, and never sent along by
     /// another site's request.
-    pub fn cookie(id: &str) -> String {
+    pub fn cookie(&self, id: &str) -> String {
         format!(
-            "{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
+            "{}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
+            self.cookie,
             SESSION_LIFE.as_secs()
+        )
+    }
+
+    /// The cookie that ends this server's session in the browser.
+    pub fn expired_cookie(&self) -> String {
+        format!(
+            "{}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0",
+            self.cookie
         )
     }
 }
@@ -179,5 +268,24 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.len(), 64);
         assert!(Auth::new(None).login("anything").is_err());
+    }
+
+    #[test]
+    fn wrong_tokens_past_the_burst_are_refused_unchecked_even_the_right_one() {
+        let auth = Auth::new(Some("0123456789abcdef".into()));
+        let mut wrong = 0;
+        while auth.check("not-the-token-xx") == Err(Refusal::Wrong) {
+            wrong += 1;
+        }
+        assert!(
+            wrong <= WRONG_BURST as usize + 1,
+            "{wrong} wrong tries taken"
+        );
+        assert_eq!(auth.check("0123456789abcdef"), Err(Refusal::Throttled));
+    }
+
+    #[test]
+    fn each_server_has_a_cookie_name_of_its_own() {
+        assert_ne!(Auth::new(None).cookie, Auth::new(None).cookie);
     }
 }

@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use postgres_outbox::Stats;
+use postgres_outbox::{Health, Stats};
 
 /// How far back the charts look.
 pub const WINDOW: Duration = Duration::from_secs(3600);
@@ -26,9 +26,14 @@ struct Series {
     latest: Option<(Instant, Stats)>,
 }
 
+/// The doctor's last result for one table, and when it ran.
+pub type Checked = (Instant, Result<Health, String>);
+
 #[derive(Default)]
 pub struct History {
     tables: Mutex<HashMap<String, Series>>,
+    /// The doctor's last result of each table: the overview shows it rather than run it.
+    health: Mutex<HashMap<String, Checked>>,
 }
 
 impl History {
@@ -73,6 +78,18 @@ impl History {
         {
             series.points.pop_front();
         }
+    }
+
+    /// Keeps the doctor's result for `table`.
+    pub fn record_health(&self, table: &str, health: Result<Health, String>) {
+        if let Ok(mut checked) = self.health.lock() {
+            checked.insert(table.to_owned(), (Instant::now(), health));
+        }
+    }
+
+    /// The doctor's last result for `table`, and when it ran.
+    pub fn health(&self, table: &str) -> Option<Checked> {
+        self.health.lock().ok()?.get(table).cloned()
     }
 
     /// The last stats of `table` that could be read, and when.

@@ -33,6 +33,14 @@ impl Request {
             .map(|(_, v)| v.as_str())
     }
 
+    /// How many times header `name` was sent.
+    fn count(&self, name: &str) -> usize {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+            .count()
+    }
+
     /// The query string's fields, decoded.
     pub fn query(&self) -> Fields {
         Fields::parse(self.query.as_bytes())
@@ -43,14 +51,16 @@ impl Request {
         Fields::parse(&self.body)
     }
 
-    /// The value of cookie `name`.
-    pub fn cookie(&self, name: &str) -> Option<&str> {
+    /// Every value of cookie `name`: a browser sends several of one name when another
+    /// site on the same host planted its own (cookies ignore ports), and it may send that
+    /// one first.
+    pub fn cookies<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
         self.headers
             .iter()
             .filter(|(n, _)| n.eq_ignore_ascii_case("cookie"))
             .flat_map(|(_, v)| v.split(';'))
             .filter_map(|pair| pair.trim().split_once('='))
-            .find(|(n, _)| *n == name)
+            .filter(move |(n, _)| *n == name)
             .map(|(_, v)| v)
     }
 }
@@ -159,11 +169,21 @@ pub fn read_request(stream: &mut TcpStream, deadline: Instant) -> Result<Request
     if request.header("transfer-encoding").is_some() {
         return Err(ReadError::Malformed("chunked bodies are not taken"));
     }
+    // RFC 9112: a request with more than one Host, or a Content-Length that is not one
+    // number of digits alone, is answered 400; two lengths are how requests are smuggled
+    // past a proxy that reads the other one.
+    if request.count("host") > 1 {
+        return Err(ReadError::Malformed("more than one Host header"));
+    }
+    if request.count("content-length") > 1 {
+        return Err(ReadError::Malformed("more than one Content-Length header"));
+    }
     let length = match request.header("content-length") {
         None => 0,
-        Some(n) => n
+        Some(n) if !n.is_empty() && n.len() <= 9 && n.bytes().all(|b| b.is_ascii_digit()) => n
             .parse::<usize>()
             .map_err(|_| ReadError::Malformed("bad Content-Length"))?,
+        Some(_) => return Err(ReadError::Malformed("bad Content-Length")),
     };
     if length > MAX_BODY {
         return Err(ReadError::BodyTooLarge);
@@ -270,8 +290,13 @@ impl Response {
     }
 
     /// Writes the response and ends the connection, giving up on a client that does not
-    /// take it within `timeout`.
-    pub fn write(&self, stream: &mut TcpStream, timeout: Duration) -> io::Result<()> {
+    /// take it within `timeout`; to a HEAD request, the head alone.
+    pub fn write(
+        &self,
+        stream: &mut TcpStream,
+        timeout: Duration,
+        head_only: bool,
+    ) -> io::Result<()> {
         stream.set_write_timeout(Some(timeout))?;
         let mut head = format!(
             "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\
@@ -289,7 +314,9 @@ impl Response {
         }
         head.push_str("\r\n");
         stream.write_all(head.as_bytes())?;
-        stream.write_all(&self.body)?;
+        if !head_only {
+            stream.write_all(&self.body)?;
+        }
         stream.flush()
     }
 }
@@ -327,6 +354,27 @@ pub fn esc(text: &str) -> String {
     out
 }
 
+/// `text` for a log line: control characters (a newline would start a forged line, ESC
+/// drives the terminal) escaped, and at most `LOGGED` characters of it.
+pub fn loggable(text: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in text.chars().enumerate() {
+        if i == LOGGED {
+            out.push_str("...");
+            break;
+        }
+        if c.is_control() || c == '\\' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The most of one value a log line carries.
+const LOGGED: usize = 200;
+
 /// `text` encoded for a query string's value.
 pub fn query_value(text: &str) -> String {
     url::form_urlencoded::byte_serialize(text.as_bytes()).collect()
@@ -342,6 +390,15 @@ mod tests {
             esc(r#"<a href="x">'&'</a>"#),
             "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
         );
+    }
+
+    #[test]
+    fn logged_values_cannot_start_a_line_or_drive_a_terminal() {
+        assert_eq!(
+            loggable("a\nINFO forged\u{1b}[2J"),
+            "a\\nINFO forged\\u{1b}[2J"
+        );
+        assert_eq!(loggable(&"x".repeat(1000)).len(), LOGGED + 3);
     }
 
     #[test]

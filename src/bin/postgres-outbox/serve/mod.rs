@@ -9,6 +9,7 @@
 
 mod auth;
 mod chart;
+mod gate;
 mod history;
 mod http;
 mod page;
@@ -27,10 +28,11 @@ use postgres_outbox::{Filter, Outbox, Rows, Stats};
 use r2d2_postgres::PostgresConnectionManager;
 
 use crate::{human, time};
-pub use auth::MIN_TOKEN;
 use auth::{Auth, Who};
+pub use auth::{MIN_DISTINCT, MIN_TOKEN};
+use gate::{Gate, Place};
 use history::History;
-use http::{esc, query_value, Fields, Request, Response};
+use http::{esc, loggable, query_value, Fields, Request, Response};
 use page::{cell, number, page, table};
 
 type Pool = r2d2::Pool<PostgresConnectionManager<MakeTlsConnector>>;
@@ -38,12 +40,21 @@ type Client = r2d2::PooledConnection<PostgresConnectionManager<MakeTlsConnector>
 /// A handler's answer; an early `Err` is an answer too (a refusal).
 type Answer = Result<Response, Response>;
 
-/// Threads answering requests; a connection that finds them all busy and the queue full
-/// gets a 503 at once.
+/// Threads answering requests; a request that finds them all busy and the queue full gets
+/// a 503 at once.
 const HANDLERS: usize = 4;
 const QUEUED: usize = 32;
-/// The whole request must arrive within this; the answer must be taken within as long.
+/// The whole request must arrive within this of the connection's acceptance; the answer
+/// must be taken within as long.
 const READ_DEADLINE: Duration = Duration::from_secs(10);
+/// A reader's stack: it holds a request's head and a read buffer, no more.
+const READER_STACK: usize = 256 * 1024;
+/// How often the doctor runs for the overview: it reads the server's statistics (about a
+/// second of database work on a busy server), so a page load never runs it.
+const DOCTOR_EVERY: Duration = Duration::from_secs(30);
+/// The most of an error's text a link carries (the header cap is 16 KiB, and an error
+/// may be any length): a filter by its start finds the group.
+const LINKED_ERROR: usize = 200;
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Dead letters listed on one page.
 const LIST_LIMIT: usize = 200;
@@ -92,17 +103,18 @@ pub fn serve(
         private: !bound.ip().is_loopback(),
         bound,
         history: History::default(),
+        gate: Arc::new(Gate::default()),
     });
     let sampler = app.clone();
     thread::Builder::new()
         .name("sampler".into())
         .spawn(move || sampler.sample_forever(options.sample_interval))?;
-    let (tx, rx) = bounded::<TcpStream>(QUEUED);
+    let (tx, rx) = bounded::<Job>(QUEUED);
     for n in 0..HANDLERS {
         let (app, rx) = (app.clone(), rx.clone());
         thread::Builder::new()
             .name(format!("handler-{n}"))
-            .spawn(move || rx.iter().for_each(|stream| app.answer(stream)))?;
+            .spawn(move || rx.iter().for_each(|job| app.answer(job)))?;
     }
     if app.private {
         log::warn!(
@@ -110,10 +122,11 @@ pub fn serve(
              the network unencrypted; put a TLS proxy in front"
         );
     }
-    // Tests and scripts read the address from here (with --bind 127.0.0.1:0, the port).
+    // Tests and scripts read the address from here (with --bind 127.0.0.1:0, the port); the
+    // log says the rest, not the address again.
     println!("serving http://{bound}/");
     log::info!(
-        "serving {} table(s) on http://{bound}/ ({}{})",
+        "serve: {} table(s), {}{}",
         app.outboxes.len(),
         if app.allow_changes {
             "changes allowed with the token"
@@ -128,12 +141,7 @@ pub fn serve(
     );
     for stream in listener.incoming() {
         match stream {
-            Ok(stream) => {
-                if let Err(TrySendError::Full(mut stream)) = tx.try_send(stream) {
-                    let busy = Response::text(503, "busy: try again in a moment");
-                    let _ = busy.write(&mut stream, Duration::from_secs(1));
-                }
-            }
+            Ok(stream) => app.admit(stream, &tx),
             // Out of file descriptors, most likely: let some close.
             Err(e) => {
                 log::warn!("serve: cannot accept a connection: {e}");
@@ -154,6 +162,23 @@ struct App {
     private: bool,
     bound: SocketAddr,
     history: History,
+    gate: Arc<Gate>,
+}
+
+/// A request read whole, for a handler.
+struct Job {
+    stream: TcpStream,
+    request: Request,
+    _place: Place,
+}
+
+/// Says the server is busy, without waiting on a client that does not read.
+fn busy(mut stream: TcpStream) {
+    let _ = Response::text(503, "busy: try again in a moment").write(
+        &mut stream,
+        Duration::from_secs(1),
+        false,
+    );
 }
 
 /// What a change does, and to which rows.
@@ -194,10 +219,12 @@ impl Kind {
         }
     }
 
-    fn noun(self) -> &'static str {
-        match self {
-            Kind::Skip => "parked dead letters",
-            Kind::Redrive | Kind::Purge => "dead letters",
+    fn noun(self, n: u64) -> &'static str {
+        match (self, n) {
+            (Kind::Skip, 1) => "parked dead letter",
+            (Kind::Skip, _) => "parked dead letters",
+            (Kind::Redrive | Kind::Purge, 1) => "dead letter",
+            (Kind::Redrive | Kind::Purge, _) => "dead letters",
         }
     }
 }
@@ -219,24 +246,36 @@ impl Scope {
         let mut said = Vec::new();
         let keys = fields.all("key");
         if !keys.is_empty() {
-            said.push(format!("key in {}", keys.join(", ")));
+            said.push(format!(
+                "key in {}",
+                keys.iter()
+                    .map(|k| loggable(k))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
             kept.extend(keys.iter().map(|k| ("key", k.clone())));
             filter = filter.keys(keys);
         }
         if let Some(topic) = fields.get("topic") {
-            said.push(format!("topic = {topic}"));
+            said.push(format!("topic = {}", loggable(topic)));
             kept.push(("topic", topic.to_owned()));
             filter = filter.topic(topic);
         }
         if let Some(error) = fields.get("error") {
-            said.push(format!("error contains {error:?}"));
+            said.push(format!("error contains \"{}\"", loggable(error)));
             kept.push(("error", error.to_owned()));
             filter = filter.error_contains(error);
         }
         if let Some(older) = fields.get("older_than") {
             let age = humantime::parse_duration(older)
                 .map_err(|e| bad(format!("older_than {older:?}: {e}")))?;
-            said.push(format!("dead more than {older} ago"));
+            // Every dead letter is older than nothing: that is all=1, which must be said.
+            if age.is_zero() {
+                return Err(bad(
+                    "older_than must be more than 0s (or say all=1)".to_owned()
+                ));
+            }
+            said.push(format!("dead more than {} ago", loggable(older)));
             kept.push(("older_than", older.to_owned()));
             filter = filter.older_than(age);
         }
@@ -265,39 +304,86 @@ impl Scope {
 impl App {
     /// Samples every table's stats every `interval`, or less often when they take long (a
     /// database under load): sampling keeps to a twentieth of one backend's time.
+    /// The doctor runs with them every `DOCTOR_EVERY`.
     fn sample_forever(&self, interval: Duration) {
+        let mut doctor_due = Instant::now();
         loop {
             let mut client = self.pool.get().ok();
             // Timed from here: waiting for a database that is down is not its load.
             let started = Instant::now();
+            let doctor = started >= doctor_due && client.is_some();
             for outbox in &self.outboxes {
                 let stats = client.as_mut().and_then(|c| outbox.stats(c).ok());
                 self.history.record(outbox.table(), stats.as_ref());
+                if let (true, Some(c)) = (doctor, client.as_mut()) {
+                    let health = outbox.health(c).map_err(|e| e.to_string());
+                    self.history.record_health(outbox.table(), health);
+                }
+            }
+            if doctor {
+                doctor_due = Instant::now() + DOCTOR_EVERY;
             }
             drop(client);
             thread::sleep(interval.max(started.elapsed() * 19));
         }
     }
 
-    /// Reads one request from `stream` and answers it; a handler that panics answers 500
-    /// and the thread goes on.
-    fn answer(&self, mut stream: TcpStream) {
+    /// Admits a connection just accepted and reads its request on a thread of its own,
+    /// by a deadline from now, then queues it for a handler.
+    fn admit(&self, stream: TcpStream, queue: &crossbeam_channel::Sender<Job>) {
         let deadline = Instant::now() + READ_DEADLINE;
-        match http::read_request(&mut stream, deadline) {
-            Ok(request) => {
-                let response = catch_unwind(AssertUnwindSafe(|| self.route(&request)))
-                    .unwrap_or_else(|_| {
-                        Response::text(500, "the page failed; see the server's log")
-                    });
-                let _ = response.write(&mut stream, WRITE_TIMEOUT);
-            }
-            Err(e) => {
-                if let Some(response) = e.response() {
-                    let _ = response.write(&mut stream, WRITE_TIMEOUT);
-                    http::linger(&mut stream);
+        let place = stream
+            .peer_addr()
+            .ok()
+            .and_then(|peer| self.gate.admit(peer.ip()));
+        let Some(place) = place else {
+            return busy(stream);
+        };
+        let queue = queue.clone();
+        let read = move || {
+            let mut stream = stream;
+            match http::read_request(&mut stream, deadline) {
+                Ok(request) => {
+                    let job = Job {
+                        stream,
+                        request,
+                        _place: place,
+                    };
+                    if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) =
+                        queue.try_send(job)
+                    {
+                        busy(job.stream);
+                    }
+                }
+                Err(e) => {
+                    if let Some(response) = e.response() {
+                        let _ = response.write(&mut stream, WRITE_TIMEOUT, false);
+                        http::linger(&mut stream);
+                    }
                 }
             }
+        };
+        // Out of threads: the connection is dropped (and its place given back).
+        if let Err(e) = thread::Builder::new()
+            .name("reader".into())
+            .stack_size(READER_STACK)
+            .spawn(read)
+        {
+            log::warn!("serve: cannot start a reader: {e}");
         }
+    }
+
+    /// Answers a request read whole; a handler that panics answers 500 and the thread
+    /// goes on.
+    fn answer(&self, job: Job) {
+        let Job {
+            mut stream,
+            request,
+            _place,
+        } = job;
+        let response = catch_unwind(AssertUnwindSafe(|| self.route(&request)))
+            .unwrap_or_else(|_| Response::text(500, "the page failed; see the server's log"));
+        let _ = response.write(&mut stream, WRITE_TIMEOUT, request.method == "HEAD");
     }
 
     fn route(&self, request: &Request) -> Response {
@@ -306,13 +392,18 @@ impl App {
         }
         let who = self.auth.who(request);
         let path = request.path.as_str();
+        // HEAD is GET without the body (Response::write leaves it out).
+        let method = match request.method.as_str() {
+            "HEAD" => "GET",
+            method => method,
+        };
         if self.private && !who.is_known() && path != "/login" {
-            return match request.method.as_str() {
+            return match method {
                 "GET" => Response::redirect("/login"),
                 _ => Response::text(401, "log in first"),
             };
         }
-        let answer = match (request.method.as_str(), path) {
+        let answer = match (method, path) {
             ("GET", "/") => self.overview(&who),
             ("GET", "/dead") => self.dead(request, &who),
             ("GET", "/dead/group") => self.group(request, &who),
@@ -398,18 +489,24 @@ impl App {
         Ok(self.frame("Overview", &body, who))
     }
 
-    /// One table on the overview. Its counts are the sampler's latest (a page load adds no
-    /// load however often it is reloaded), or read now before the first sample.
-    fn card(&self, outbox: &Outbox, mut client: Option<&mut postgres::Client>) -> String {
+    /// One table on the overview. Its counts and the doctor's findings are the sampler's
+    /// latest (a page load adds no load however often it is reloaded); the counts are read
+    /// now before the first sample.
+    fn card(&self, outbox: &Outbox, client: Option<&mut postgres::Client>) -> String {
         let name = outbox.table();
         let mut html = format!("<section class=\"card\"><h2>{}</h2>", esc(name));
         let sampled = self.history.latest(name).or_else(|| {
-            let stats = outbox.stats(client.as_deref_mut()?).ok()?;
+            let stats = outbox.stats(client?).ok()?;
             Some((Instant::now(), stats))
         });
         match sampled {
             Some((at, stats)) => {
-                html.push_str(&counts(name, &stats));
+                // The due age as the doctor last read it (it opens every partition).
+                let due = match self.history.health(name) {
+                    Some((_, Ok(health))) => Some(health.oldest_due_age),
+                    _ => None,
+                };
+                html.push_str(&counts(name, &stats, due));
                 let _ = write!(
                     html,
                     "<p class=\"note\">Counts as of {} ago.</p>",
@@ -418,19 +515,25 @@ impl App {
             }
             None => html.push_str("<p class=\"note\">No counts read yet.</p>"),
         }
-        match client.map(|c| outbox.health(c)) {
-            Some(Ok(health)) => {
+        // The doctor's, as the sampler last ran it.
+        match self.history.health(name) {
+            Some((at, Ok(health))) => {
                 html.push_str(&relays(name, &health.relays));
                 html.push_str(&findings(&health));
+                let _ = write!(
+                    html,
+                    "<p class=\"note\">Doctor as of {} ago.</p>",
+                    human(Some(at.elapsed()))
+                );
             }
-            Some(Err(e)) => {
+            Some((_, Err(e))) => {
                 let _ = write!(
                     html,
                     "<p class=\"note\">Doctor unavailable: {}</p>",
-                    esc(&e.to_string())
+                    esc(&e)
                 );
             }
-            None => {}
+            None => html.push_str("<p class=\"note\" id=\"health\">Doctor: not run yet.</p>"),
         }
         let now = Instant::now();
         let points = self.history.points(name);
@@ -465,7 +568,7 @@ impl App {
                     let scope = if error.is_empty() {
                         format!("&amp;key={}", query_value(&g.sample_key))
                     } else {
-                        format!("&amp;error={}", query_value(error))
+                        format!("&amp;error={}", query_value(linked(error)))
                     };
                     let actions = if error.is_empty() {
                         String::new()
@@ -544,7 +647,7 @@ impl App {
         let mut scope = String::new();
         if let Some(error) = query.get("error") {
             filter = filter.error_contains(error);
-            scope = format!("&amp;error={}", query_value(error));
+            scope = format!("&amp;error={}", query_value(linked(error)));
         }
         let keys = query.all("key");
         if !keys.is_empty() {
@@ -610,8 +713,18 @@ impl App {
         let dead = found
             .first()
             .ok_or_else(|| page::message(404, "Not found", "no dead letter has that key"))?;
+        let parked = !outbox
+            .dead_letters(&mut client, Filter::new().key(key).parked().limit(1))
+            .map_err(db_failed)?
+            .is_empty();
         let r = &dead.record;
+        let state = if parked {
+            "parked: dead, and holding back the later messages of its aggregate"
+        } else {
+            "dead"
+        };
         let facts = [
+            ("state", state.to_owned()),
             ("key", r.key.clone()),
             ("topic", r.topic.clone()),
             ("aggregate", r.aggregate_key.clone().unwrap_or_default()),
@@ -729,7 +842,7 @@ impl App {
              <form method=\"post\" action=\"/action\">{hidden}<button id=\"confirm\">{} {n}</button></form>\
              <p><a href=\"/dead?table={}\">Cancel</a></p>",
             kind.name(),
-            kind.noun(),
+            kind.noun(n),
             esc(outbox.table()),
             esc(&scope.describe),
             kind.name(),
@@ -772,7 +885,7 @@ impl App {
         log::info!(
             "serve: {} {n} {} of {} ({})",
             kind.done(),
-            kind.noun(),
+            kind.noun(n),
             outbox.table(),
             scope.describe
         );
@@ -780,7 +893,7 @@ impl App {
             "<p id=\"done\">{} {n} {} of {} ({}).</p><p><a href=\"/dead?table={}\">Back to \
              the dead letters</a></p>",
             capitalised(kind.done()),
-            kind.noun(),
+            kind.noun(n),
             esc(outbox.table()),
             esc(&scope.describe),
             query_value(outbox.table()),
@@ -812,29 +925,22 @@ impl App {
     fn login(&self, request: &Request) -> Response {
         let form = request.form();
         match self.auth.login(form.get("token").unwrap_or("")) {
-            Ok(id) => Response::redirect("/").with("Set-Cookie", Auth::cookie(&id)),
-            Err(why) => {
-                log::warn!("serve: a login was refused: {why}");
-                self.login_form(401, Some(why))
-            }
+            Ok(id) => Response::redirect("/").with("Set-Cookie", self.auth.cookie(&id)),
+            // A wrong token is logged where it is counted (auth.rs), boundedly.
+            Err((status, why)) => self.login_form(status, Some(why)),
         }
     }
 
     fn logout(&self, request: &Request) -> Answer {
         self.auth.allow_change(request, &request.form())?;
         self.auth.logout(request);
-        Ok(Response::redirect("/").with(
-            "Set-Cookie",
-            format!(
-                "{}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0",
-                auth::COOKIE
-            ),
-        ))
+        Ok(Response::redirect("/").with("Set-Cookie", self.auth.expired_cookie()))
     }
 }
 
 /// The counts of `Stats` as a table, each cell with an id to read it by.
-fn counts(table_name: &str, s: &Stats) -> String {
+/// `due`: the oldest due age, once the doctor has read it.
+fn counts(table_name: &str, s: &Stats, due: Option<Option<Duration>>) -> String {
     let id = |what: &str| format!("{table_name}-{what}");
     let row = vec![
         number(&id("pending"), s.pending),
@@ -845,6 +951,7 @@ fn counts(table_name: &str, s: &Stats) -> String {
         number(&id("dead"), s.dead),
         number(&id("parked"), s.parked),
         cell(&human(s.oldest_pending_age)),
+        cell(&due.map_or_else(|| "not read yet".to_owned(), human)),
         cell(&human(s.oldest_blocked_age)),
     ];
     let mut html = table(
@@ -857,9 +964,14 @@ fn counts(table_name: &str, s: &Stats) -> String {
             "dead",
             "parked",
             "oldest pending",
+            "oldest due",
             "oldest blocked",
         ],
         &[row],
+    );
+    html.push_str(
+        "<p class=\"note\">Oldest pending counts from enqueue, delayed rows too; oldest due \
+         from when a row could be taken: that one growing means no relay takes rows.</p>",
     );
     if !s.exact {
         html.push_str(
@@ -940,6 +1052,14 @@ fn refused(e: postgres_outbox::Error) -> Response {
         page::message(400, "Bad request", &e.to_string())
     } else {
         db_failed(e)
+    }
+}
+
+/// The start of an error's text, for a link: at most `LINKED_ERROR` characters.
+fn linked(error: &str) -> &str {
+    match error.char_indices().nth(LINKED_ERROR) {
+        Some((at, _)) => &error[..at],
+        None => error,
     }
 }
 
