@@ -19,6 +19,7 @@ const TABLES: &[&str] = &[
     "_relays",
     "_partitions",
     "_migrations",
+    "_functions",
 ];
 /// The functions of the migrations, by suffix (every overload of each).
 const FUNCTIONS: &[&str] = &[
