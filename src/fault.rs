@@ -43,6 +43,7 @@ impl Fault {
 /// run the statement itself. `None` when no database error is in the chain (the
 /// application's own verdict then stands). A handler that wraps a statement timeout or a
 /// revoked grant as its own failure must not make the message pay for the database.
+#[cfg(feature = "rabbitmq")]
 pub(crate) fn in_chain(error: &(dyn std::error::Error + 'static)) -> Option<Fault> {
     let mut next = Some(error);
     while let Some(error) = next {
@@ -186,6 +187,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "rabbitmq")]
     fn a_database_error_anywhere_in_a_chain_decides_and_none_leaves_the_verdict_open() {
         use crate::publish::HandlerError;
         let timeout = HandlerError::transient(Error::invalid("key", "contains a NUL character"));
