@@ -313,6 +313,7 @@ struct Msg {
     owner: Option<usize>,
 }
 
+#[derive(Clone)]
 struct ClaimState {
     records: Vec<Record>,
     /// Its lease has not run out.
@@ -626,24 +627,22 @@ impl Sut {
     }
 
     fn claim(&mut self, rows: u8, small_bytes: bool, ready_only: bool, workers: u8, park: bool) {
-        let request = claim_request(rows, small_bytes, ready_only, workers, park);
-        let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
-        if let Err(violation) = self.check_claim(&taken(&claimed)) {
-            panic!("{violation}");
-        }
-        self.claimed(claimed, park);
+        self.claim_with(&claim_request(rows, small_bytes, ready_only, workers, park));
     }
 
     fn claim_after(&mut self, rows: u8, after: u8) {
-        let request = Claim {
+        self.claim_with(&Claim {
             after: Some(format!("a{after}")),
             ..claim_request(rows, false, false, 1, false)
-        };
-        let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
-        if let Err(violation) = self.check_claim(&taken(&claimed)) {
-            panic!("{violation} (a claim from a cursor)");
+        });
+    }
+
+    /// One claim, alone: what it took is what the model allows.
+    fn claim_with(&mut self, request: &Claim) {
+        let claimed = hooks::claim(&mut self.client, &self.outbox, request).expect("claim");
+        if let Err(violation) = self.took(&claimed, request.park) {
+            panic!("{violation} (claimed with {request:?})");
         }
-        self.claimed(claimed, false);
     }
 
     /// Two relays claim at once, on connections of their own: each takes what is
@@ -668,12 +667,12 @@ impl Sut {
             .into_iter()
             .map(|r| r.join().expect("a relay's claim"))
             .collect();
-        for (claimed, request) in claims.into_iter().zip(requests) {
-            if let Err(violation) = self.check_claim(&taken(&claimed)) {
-                panic!("{violation} (claims at once)");
-            }
-            self.claimed(claimed, request.park);
-        }
+        let [first, second] = [0, 1].map(|i| (&claims[i], requests[i].park));
+        self.either_order(
+            "two claims at once",
+            &|sut| sut.took(first.0, first.1),
+            &|sut| sut.took(second.0, second.1),
+        );
     }
 
     /// A relay claims while an operator redrives: the claim is what either order allows.
@@ -700,31 +699,34 @@ impl Sut {
         let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
         let n = operator.join().expect("the operator");
         assert_eq!(n, ids.len() as u64, "rows redriven");
-        let taken = taken(&claimed);
-        if self.check_claim(&taken).is_ok() {
-            self.claimed(claimed, false);
-            self.redriven(&ids);
-        } else {
-            self.redriven(&ids);
-            if let Err(violation) = self.check_claim(&taken) {
-                panic!("{violation} (a claim during a redrive, in either order)");
-            }
-            self.claimed(claimed, false);
-        }
+        self.either_order(
+            "a claim during a redrive",
+            &|sut| sut.took(&claimed, false),
+            &|sut| {
+                sut.redriven(&ids);
+                Ok(())
+            },
+        );
     }
 
-    /// The model after a claim the checks allowed.
-    fn claimed(&mut self, claimed: hooks::Claimed, park: bool) {
+    /// What a claim took (I1, I2: see `check_claim`; I4: the claims and the attempt of each
+    /// row), applied to the model; an error, and the model half changed, when the claim
+    /// could not follow it.
+    fn took(&mut self, claimed: &hooks::Claimed, park: bool) -> Result<(), String> {
+        self.check_claim(&taken(claimed))?;
         let n = self.claims.len();
         let mut ended = HashSet::new();
         for record in &claimed.dead {
-            let msg = self.msgs.get_mut(&record.id).expect("known row");
-            assert!(
-                msg.claims + 1 > MAX_CLAIMS as i32,
-                "I4: {} died at a claim after {} claims",
-                msg.key,
-                msg.claims
-            );
+            let msg = self
+                .msgs
+                .get_mut(&record.id)
+                .ok_or("claimed an unknown row")?;
+            if msg.claims < MAX_CLAIMS as i32 {
+                return Err(format!(
+                    "I4: {} died at a claim after {} claims",
+                    msg.key, msg.claims
+                ));
+            }
             msg.claims += 1;
             msg.owner = None;
             msg.status = if msg.aggregate.is_some() && msg.park.unwrap_or(park) {
@@ -735,27 +737,53 @@ impl Sut {
             ended.extend(msg.aggregate.clone());
         }
         for record in &claimed.records {
-            let msg = self.msgs.get_mut(&record.id).expect("known row");
-            assert_eq!(
-                record.payload,
-                msg.key.as_bytes(),
-                "the payload handed over"
-            );
+            let msg = self
+                .msgs
+                .get_mut(&record.id)
+                .ok_or("claimed an unknown row")?;
+            if record.payload != msg.key.as_bytes() {
+                return Err(format!(
+                    "the payload of {} handed over is not its own",
+                    msg.key
+                ));
+            }
+            if record.attempt as i32 != msg.attempts + 1 {
+                return Err(format!(
+                    "I4: {} handed over as attempt {}, after {} attempts",
+                    msg.key, record.attempt, msg.attempts
+                ));
+            }
             msg.claims += 1;
             msg.owner = Some(n);
-            assert_eq!(
-                record.attempt as i32,
-                msg.attempts + 1,
-                "I4: the attempt handed over"
-            );
         }
         self.claims.push(ClaimState {
-            records: claimed.records,
+            records: claimed.records.clone(),
             live: true,
             finished: false,
             park,
             ended,
         });
+        Ok(())
+    }
+
+    /// Two steps that ran at once, applied to the model in the order what the database
+    /// returned shows: `a` then `b`, or else `b` then `a` (each returns an error when
+    /// what it saw cannot follow the model's state). Panics when neither order explains it.
+    fn either_order(
+        &mut self,
+        what: &str,
+        a: &dyn Fn(&mut Sut) -> Result<(), String>,
+        b: &dyn Fn(&mut Sut) -> Result<(), String>,
+    ) {
+        let saved = (self.msgs.clone(), self.claims.clone());
+        let first = a(self).and_then(|()| b(self));
+        let Err(first) = first else {
+            return;
+        };
+        (self.msgs, self.claims) = saved;
+        if let Err(second) = b(self).and_then(|()| a(self)) {
+            panic!("{what}, in neither order: {first}; {second}");
+        }
     }
 
     /// Publishes and records as a worker does (see `Worker::publish` and `attempt`).
@@ -793,19 +821,16 @@ impl Sut {
         barrier.wait();
         let claimed = hooks::claim(&mut self.client, &self.outbox, &request).expect("claim");
         let changed = recorder.join().expect("the recorder");
-        let taken = taken(&claimed);
-        let expected = if self.check_claim(&taken).is_ok() {
-            self.claimed(claimed, false);
-            self.recorded(c, &outcomes)
-        } else {
-            let expected = self.recorded(c, &outcomes);
-            if let Err(violation) = self.check_claim(&taken) {
-                panic!("{violation} (a claim during an outcome, in either order)");
-            }
-            self.claimed(claimed, false);
-            expected
-        };
-        assert_eq!(changed, expected, "I5: rows an outcome call changed");
+        self.either_order(
+            "a claim during an outcome",
+            &|sut| sut.took(&claimed, false),
+            &|sut| match sut.recorded(c, &outcomes) {
+                expected if expected == changed => Ok(()),
+                expected => Err(format!(
+                    "I5: the outcome call changed {changed} rows, not {expected}"
+                )),
+            },
+        );
     }
 
     /// The outcomes a worker reaches for an open claim (the `claim`-th, modulo), as it
