@@ -1,6 +1,6 @@
-//! The rights each side of an outbox needs under a role that owns nothing (README, "Roles
-//! and grants"), as GRANT statements: the list changes with the migrations, so it is kept
-//! here, beside them, and not in each deployment's scripts.
+//! The rights each side of an outbox needs under a role that owns nothing (docs/grants.md),
+//! as GRANT statements: the list changes with the migrations, so it is kept here, beside
+//! them, and not in each deployment's scripts.
 
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;

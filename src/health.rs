@@ -62,7 +62,7 @@ impl Default for HealthThresholds {
 
 impl HealthThresholds {
     /// Dead letters not parked are a finding from `count` of them (default 1, as the
-    /// README's alerting advice: each is a message nobody received); `u64::MAX` for never.
+    /// alerting advice of docs/operations.md: each is a message nobody received); `u64::MAX` for never.
     pub fn dead_letters(mut self, count: u64) -> Self {
         self.dead_letters = count;
         self
@@ -385,7 +385,7 @@ impl fmt::Display for Finding {
 fn run_upkeep(outbox: &Outbox) -> String {
     format!(
         "run a relay on {0} as its owner, or as a role given `postgres-outbox --table {0} \
-         grants relay <role>` (README, \"Roles and grants\")",
+         grants relay <role>` (docs/grants.md)",
         outbox.table()
     )
 }

@@ -128,7 +128,8 @@ pub use relays::{PublisherState, RelayReport};
 pub use retry::Retry;
 pub use stats::{Stats, TopicStats};
 
-// The README's Rust examples are compiled as doc tests, so they cannot drift from the API.
+// The Rust examples of the README and the docs pages are compiled as doc tests, so they
+// cannot drift from the API.
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
@@ -136,3 +137,15 @@ struct ReadmeDoctests;
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../docs/guarantees.md")]
 struct GuaranteesDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/operations.md")]
+struct OperationsDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/partitions.md")]
+struct PartitionsDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/upgrading.md")]
+struct UpgradingDoctests;

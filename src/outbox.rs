@@ -169,7 +169,7 @@ impl OutboxBuilder {
     /// whole, once every row in it is sent, instead of deleting rows one by one. Relays
     /// keep partitions ready ahead of time. Default: a plain table. On a table already
     /// partitioned, `migrate` sets the interval of the open and later partitions; a plain
-    /// table that holds rows is not converted (the README's "Retention" section says how).
+    /// table that holds rows is not converted (docs/partitions.md says how).
     pub fn partition_interval(mut self, every: Duration) -> OutboxBuilder {
         self.partition_interval = Some(every);
         self
@@ -362,7 +362,7 @@ impl Outbox {
                 if tx.query_one(&sql.has_rows, &[])?.get::<_, bool>(0) {
                     return Err(Error::InvalidConfig(format!(
                         "outbox {} holds rows, and only an empty table is made partitioned: \
-                         see the README's \"Retention\" section to convert one",
+                         see docs/partitions.md to convert one",
                         self.table()
                     )));
                 }

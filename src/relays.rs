@@ -60,7 +60,7 @@ pub struct RelayReport {
     /// Rows it published since it started.
     pub published: u64,
     /// Why its last upkeep of a partitioned table's partitions failed (a role not granted
-    /// it, say; see the README's "Roles and grants"): the server's SQLSTATE in brackets,
+    /// it, say; see docs/grants.md): the server's SQLSTATE in brackets,
     /// then the error's text; none once one works.
     pub upkeep_error: Option<String>,
     /// How long ago its workers last had a claim answered, taking rows or not, as its last

@@ -1428,7 +1428,7 @@ END
 $grant$;
 ";
 
-/// What each side needs (README, "Roles and grants"; tests/core.rs and tests/partitions.rs
+/// What each side needs (docs/grants.md; tests/core.rs and tests/partitions.rs
 /// run each side with these and no other rights). `{role}` is the quoted role.
 fn grant_template(access: Access) -> &'static str {
     match access {

@@ -2286,8 +2286,8 @@ fn dry_runs_count_what_skip_and_purge_would_change_and_refuse_as_they_do() -> Te
     Ok(())
 }
 
-/// Each side works with the rights `Outbox::grants` gives it (the README's "Roles and
-/// grants"), under a role of its own that owns nothing: a producer enqueues one message with an aggregate and a
+/// Each side works with the rights `Outbox::grants` gives it (docs/grants.md),
+/// under a role of its own that owns nothing: a producer enqueues one message with an aggregate and a
 /// key of its own, and a batch; a relay sends them, and `process` with its rights handles
 /// another; a consumer dedupes one.
 #[test]

@@ -1,5 +1,5 @@
 //! The names 0.2.0 deprecated still work, for one release, exactly as the names that
-//! replace them: one test per deprecated item (see the README's "Upgrading").
+//! replace them: one test per deprecated item (see docs/upgrading.md).
 #![allow(deprecated)]
 
 mod common;

@@ -67,8 +67,8 @@ enum Command {
     /// Create or upgrade the outbox's tables (safe to run again).
     Migrate {
         /// Make the table, still empty, partitioned by time: a partition per interval (`1d`),
-        /// dropped whole by `purge sent` once all its rows are sent (see the README's
-        /// "Retention"). On a partitioned table, sets the interval from the open partition on.
+        /// dropped whole by `purge sent` once all its rows are sent (see
+        /// docs/partitions.md). On a partitioned table, sets the interval from the open partition on.
         #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
         partition_interval: Option<Duration>,
     },
@@ -87,7 +87,7 @@ enum Command {
         partition_interval: Option<Duration>,
     },
     /// Print the GRANT statements that give a role what one side of the outbox needs, and
-    /// no more (README, "Roles and grants"); run them as the table's owner, after migrate.
+    /// no more (docs/grants.md); run them as the table's owner, after migrate.
     Grants {
         /// The side the role plays.
         #[arg(value_enum)]
