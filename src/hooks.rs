@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use postgres::Client;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::record::Record;
 use crate::retry::Outcome;
@@ -76,7 +76,18 @@ pub fn claim(client: &mut Client, outbox: &Outbox, claim: &Claim) -> Result<Clai
     };
     let mut conn = Conn::uncached(client);
     let mut claimed = store::claim(&mut conn, outbox, &request)?;
-    store::read_all_payloads(&mut conn, outbox, &mut claimed)?;
+    // Every payload the reply left out, as a worker reads them, without its deadline.
+    let deferred = std::mem::take(&mut claimed.deferred);
+    for read in store::payload_reads(&deferred) {
+        let pieces = store::read_payloads(&mut conn, outbox, &read)?;
+        store::append_payloads(&mut claimed.records, pieces);
+    }
+    if !store::take_incomplete(&mut claimed.records, &deferred).is_empty() {
+        return Err(Error::invalid(
+            "claim",
+            "a payload left out of the claim's reply could not be read whole",
+        ));
+    }
     Ok(Claimed {
         records: claimed.records,
         dead: claimed.dead.into_iter().map(|(record, _)| record).collect(),

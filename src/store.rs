@@ -354,27 +354,6 @@ pub(crate) fn take_incomplete(records: &mut Vec<Record>, deferred: &[(i64, usize
     back
 }
 
-/// Every payload the claim left out, read on the caller's connection.
-pub(crate) fn read_all_payloads(
-    conn: &mut Conn<'_, impl GenericClient>,
-    outbox: &Outbox,
-    claimed: &mut Claimed,
-) -> Result<()> {
-    let deferred = std::mem::take(&mut claimed.deferred);
-    for read in payload_reads(&deferred) {
-        let pieces = read_payloads(conn, outbox, &read)?;
-        append_payloads(&mut claimed.records, pieces);
-    }
-    if take_incomplete(&mut claimed.records, &deferred).is_empty() {
-        Ok(())
-    } else {
-        Err(Error::invalid(
-            "claim",
-            "a payload left out of the claim's reply could not be read whole",
-        ))
-    }
-}
-
 /// What one `record` call changed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Recorded {

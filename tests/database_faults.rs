@@ -543,18 +543,16 @@ fn a_consumer_whose_commit_stalls_gives_the_connection_up_and_the_effect_happens
     broker.delete_queue(&queue);
 }
 
-/// Issue 49, item 4: a claim whose reply takes longer than the relay's deadline for a
-/// statement (large payloads over a slow link, which a pooler buffers: the server commits
-/// the claim at once) was given up as stalled although it committed, every claim again,
-/// until `max_claims` made the rows dead letters. The reply now carries what crosses the
-/// slowest link in time, and the rest of the payloads come in statements of their own.
-#[test]
-fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
+/// Six messages of 1 MiB of random bytes (stored as they are, not compressed to nothing),
+/// sent by a relay of one worker, `max_claims` 2 and a 12 s lease (a 5 s deadline for a
+/// statement, `statement_bound`), whose connection to the database passes replies at
+/// `rate` bytes a second from the moment the payloads are committed. Returns the
+/// payloads, in key order, and what the relay published, once every message is sent or
+/// dead; every one must be sent, charged nothing.
+fn over_a_slow_link(rate: usize) -> (Vec<Vec<u8>>, Held) {
     const ROWS: usize = 6;
     const PAYLOAD: usize = 1 << 20;
     let node = PgNode::start();
-    // A 12 s lease: the relay waits 5 s for a statement (`statement_bound`); the claim's
-    // reply of 6 MiB at 1 MB/s would take 6 s.
     let (outbox, mut client) = outbox_on(&node, Duration::from_secs(12));
     let proxy = Faulty::to(&node.address());
     let publisher = Held::new();
@@ -575,8 +573,7 @@ fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
     wait_until("the first message is sent", || {
         count(&mut client, "status = 'sent'") == 1
     });
-    proxy.set(Mode::Throttle(1_000_000));
-    // Random bytes: stored as they are, not compressed to nothing.
+    proxy.set(Mode::Throttle(rate));
     let payloads: Vec<Vec<u8>> = (0..ROWS)
         .map(|_| (0..PAYLOAD).map(|_| rand::random::<u8>()).collect())
         .collect();
@@ -591,6 +588,18 @@ fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
     });
     relay.shutdown(Duration::from_secs(10)).expect("shutdown");
     assert_all_sent_once(&mut client, 1 + ROWS);
+    (payloads, publisher)
+}
+
+/// Issue 49, item 4: a claim whose reply takes longer than the relay's deadline for a
+/// statement (large payloads over a slow link, which a pooler buffers: the server commits
+/// the claim at once) was given up as stalled although it committed, every claim again,
+/// until `max_claims` made the rows dead letters. The reply now carries what crosses the
+/// slowest link in time, and the rest of the payloads come in statements of their own.
+#[test]
+fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
+    // The claim's reply of 6 MiB at 1 MB/s would take 6 s.
+    let (payloads, publisher) = over_a_slow_link(1_000_000);
     for (i, payload) in payloads.iter().enumerate() {
         let key = format!("big-{i}");
         let published = publisher
@@ -612,41 +621,8 @@ fn large_payloads_over_a_slow_link_are_published_and_charged_nothing() {
 /// claim, and nothing was ever published).
 #[test]
 fn payloads_slower_than_half_the_lease_go_out_over_several_claims() {
-    const ROWS: usize = 6;
-    const PAYLOAD: usize = 1 << 20;
-    let node = PgNode::start();
-    // A 12 s lease, 6 s for the payloads: about two of the six at 400 kB/s.
-    let (outbox, mut client) = outbox_on(&node, Duration::from_secs(12));
-    let proxy = Faulty::to(&node.address());
-    let publisher = Held::new();
-    publisher.gate.open();
-    let relay = Relay::spawn(
-        relay_to(
-            &format!("postgres://postgres@{}/postgres", proxy.address()),
-            &outbox,
-            publisher.clone(),
-        )
-        .max_claims(2)
-        .concurrency(1),
-    )
-    .expect("spawn the relay");
-    enqueue(&mut client, &outbox, 1);
-    wait_until("the first message is sent", || {
-        count(&mut client, "status = 'sent'") == 1
-    });
-    proxy.set(Mode::Throttle(400_000));
-    let mut tx = client.transaction().expect("begin");
-    for i in 0..ROWS {
-        let payload: Vec<u8> = (0..PAYLOAD).map(|_| rand::random::<u8>()).collect();
-        let message = Message::new("t", payload).key(format!("big-{i}"));
-        outbox.enqueue(&mut tx, message).expect("enqueue");
-    }
-    tx.commit().expect("commit");
-    wait_until("every message is sent or dead", || {
-        count(&mut client, "status <> 'pending'") == 1 + ROWS as i64
-    });
-    relay.shutdown(Duration::from_secs(10)).expect("shutdown");
-    assert_all_sent_once(&mut client, 1 + ROWS);
+    // 6 s for the payloads: about two of the six at 400 kB/s.
+    let (_, publisher) = over_a_slow_link(400_000);
     assert!(
         publisher.began() > 2,
         "the payloads went out over several claims"

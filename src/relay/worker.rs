@@ -328,14 +328,8 @@ impl<'a> Worker<'a> {
                      back and retrying in {pause:?}: {e}",
                     config.outbox.table()
                 );
-                control.released(claimed.records.len());
-                config.metrics.released(claimed.records.len());
-                outcomes.extend(
-                    claimed
-                        .records
-                        .iter()
-                        .map(|r| (r.fence(), Outcome::Release)),
-                );
+                let fences = claimed.records.iter().map(Record::fence).collect();
+                hand_back(config, control, fences, &mut outcomes);
                 self.record(&outcomes, control)?;
                 return Ok(Cycle::Pause(pause, e));
             }
@@ -347,9 +341,12 @@ impl<'a> Worker<'a> {
                 config.outbox.table(),
                 back.len()
             );
-            control.released(back.len());
-            config.metrics.released(back.len());
-            outcomes.extend(back.iter().map(|r| (r.fence(), Outcome::Release)));
+            hand_back(
+                config,
+                control,
+                back.iter().map(Record::fence).collect(),
+                &mut outcomes,
+            );
         }
         let published_at = Instant::now();
         let claim_took = published_at - claimed_at;
@@ -570,9 +567,7 @@ impl<'a> Worker<'a> {
         }
         if !release.is_empty() {
             log::debug!("outbox {table}: handing {} rows back", release.len());
-            control.released(release.len());
-            config.metrics.released(release.len());
-            outcomes.extend(release.into_iter().map(|fence| (fence, Outcome::Release)));
+            hand_back(config, control, release, outcomes);
         }
         pause
     }
@@ -702,6 +697,19 @@ impl<'a> Worker<'a> {
             }
         }
     }
+}
+
+/// Claimed rows handed back unpublished and uncharged: told to the control and the
+/// metrics, and added to the outcomes to record.
+fn hand_back(
+    config: &RelayConfig,
+    control: &dyn Control,
+    fences: Vec<Fence>,
+    outcomes: &mut Vec<(Fence, Outcome)>,
+) {
+    control.released(fences.len());
+    config.metrics.released(fences.len());
+    outcomes.extend(fences.into_iter().map(|fence| (fence, Outcome::Release)));
 }
 
 /// How writing outcomes ended.
