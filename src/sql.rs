@@ -11,9 +11,9 @@ use std::time::Duration;
 use postgres::error::SqlState;
 
 use crate::error::Error;
-use crate::grants::Access;
-use crate::render::{render, RenderError, Values};
-use crate::table::{quote, TableName};
+use crate::schema::grants::Access;
+use crate::schema::render::{render, RenderError, Values};
+use crate::schema::table::{quote, TableName};
 
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
 /// `n << PARTITION_ID_BITS` (migration 0012, whose functions spell out the width).
@@ -1550,7 +1550,7 @@ pub(crate) fn checked<T>(rendered: Result<T, RenderError>) -> T {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::render::placeholders;
+    use crate::schema::render::placeholders;
 
     /// A name of every kind the crate accepts: plain, schema-qualified, mixed case, the
     /// longest table part, and one too long for its channel (which becomes a hash).

@@ -13,7 +13,7 @@ mod error;
 mod publisher;
 mod publisher_config;
 
-pub use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+pub use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 pub use connect::Endpoints;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]

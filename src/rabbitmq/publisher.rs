@@ -13,10 +13,12 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::connect::{close_within, Endpoint, Endpoints};
 use super::error::Error;
-use crate::message::MAX_SHORT_STRING;
-use crate::publish::{PublishError, Publisher};
-use crate::record::Record;
-use crate::wire::{fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX};
+use crate::producer::message::MAX_SHORT_STRING;
+use crate::publish::publisher::{PublishError, Publisher};
+use crate::publish::record::Record;
+use crate::runtime::wire::{
+    fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX,
+};
 
 /// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
@@ -347,7 +349,7 @@ impl RabbitPublisher {
         tags: &mut BTreeMap<u64, V>,
         settle: &mut dyn FnMut(V, Result<(), &'static str>),
     ) {
-        let deadline = crate::clock::deadline(self.confirm_timeout);
+        let deadline = crate::runtime::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
             // A plain wait: a hot aggregate waits here once per message, and a select over
             // the block notifications and a timer cost a fifth of its rate. Whether the
@@ -811,7 +813,7 @@ impl Publisher for RabbitPublisher {
             // keeps being confirmed may take longer as a whole.
             match self
                 .confirms
-                .recv_deadline(crate::clock::deadline(self.confirm_timeout))
+                .recv_deadline(crate::runtime::clock::deadline(self.confirm_timeout))
             {
                 Ok(confirm) => {
                     // A return comes before the confirm of its message.

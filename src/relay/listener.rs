@@ -9,10 +9,10 @@ use fallible_iterator::FallibleIterator;
 
 use super::shared::Shared;
 use super::worker::statement_bound;
-use crate::clock;
 use crate::error::{Error, Result};
-use crate::retry::reconnect_delay;
-use crate::session::{sql_setup, Session};
+use crate::publish::retry::reconnect_delay;
+use crate::runtime::clock;
+use crate::runtime::session::{sql_setup, Session};
 use crate::sql;
 
 /// How often the wait is cut short to see whether the relay is stopping.
@@ -126,7 +126,7 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
 /// Waits up to `STOP_CHECK` for a notification, then takes whatever else has arrived
 /// without waiting again, and calls `on_notified` once if any came.
 fn notified(
-    conn: &mut crate::store::Conn<'_, postgres::Client>,
+    conn: &mut crate::runtime::conn::Conn<'_, postgres::Client>,
     on_notified: impl Fn(),
 ) -> Result<()> {
     let client = &mut *conn.client;

@@ -16,8 +16,10 @@
 mod config;
 mod health;
 mod listener;
+pub(crate) mod process;
 mod report;
 mod shared;
+pub(crate) mod store;
 mod waiting;
 mod worker;
 
@@ -31,12 +33,11 @@ use rand::Rng;
 
 pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 
-use crate::clock;
 use crate::error::{Error, Result};
-use crate::lifecycle::Threads;
-use crate::retry::reconnect_delay;
-use crate::session::{sql_setup, Session};
-use crate::store;
+use crate::publish::retry::reconnect_delay;
+use crate::runtime::clock;
+use crate::runtime::lifecycle::Threads;
+use crate::runtime::session::{sql_setup, Session};
 use shared::{Shared, Wake};
 use worker::{Alone, Cycle, Worker};
 

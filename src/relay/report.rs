@@ -13,7 +13,7 @@ use postgres::error::SqlState;
 
 use super::health::Health;
 use super::worker::{Param, Worker};
-use crate::relays::{PublisherState, REPORT_EVERY};
+use crate::operations::relays::{PublisherState, REPORT_EVERY};
 use crate::sql::Statements;
 
 pub(crate) struct Report {

@@ -13,7 +13,7 @@ use super::report::Report;
 use super::waiting::Waiting;
 use super::worker::{Control, Worker};
 use crate::error::Error;
-use crate::lifecycle::StopSignal;
+use crate::runtime::lifecycle::StopSignal;
 use crate::sql::Statements;
 
 /// Why an idle worker was woken.

@@ -17,15 +17,15 @@ use postgres::Client;
 use super::config::RelayConfig;
 use super::health::Access;
 use crate::error::{describe, Result};
-use crate::fault::Fault;
-use crate::metrics::CycleTimes;
-use crate::publish::{fewer_outcomes, PublishError, Publisher};
-use crate::record::{Fence, Record};
-use crate::retry::{reconnect_delay, Outcome};
-use crate::rounds::in_round_order;
-use crate::session::{Session, Setup};
+use crate::publish::metrics::CycleTimes;
+use crate::publish::publisher::{fewer_outcomes, PublishError, Publisher};
+use crate::publish::record::{Fence, Record};
+use crate::publish::retry::{reconnect_delay, Outcome};
+use crate::publish::rounds::in_round_order;
+use crate::relay::store::{self, ClaimRequest, Claimed};
+use crate::runtime::fault::Fault;
+use crate::runtime::session::{Session, Setup};
 use crate::sql;
-use crate::store::{self, ClaimRequest, Claimed};
 
 /// A statement parameter a worker's connection thread can take.
 pub(crate) type Param = Box<dyn ToSql + Send + Sync>;

@@ -9,12 +9,12 @@ use postgres::Socket;
 
 use super::dead_letter::QueueType;
 use super::metrics::{ConsumerMetrics, NoConsumerMetrics};
-use crate::message::MAX_SHORT_STRING;
-use crate::pool::{connector, Connect};
+use crate::producer::message::MAX_SHORT_STRING;
+use crate::publish::retry::check_retry;
+use crate::publish::retry::Retry;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::error::Error;
-use crate::retry::check_retry;
-use crate::retry::Retry;
+use crate::runtime::pool::{connector, Connect};
 
 /// How a [`Consumer`](crate::rabbitmq::Consumer) runs.
 ///

@@ -38,10 +38,10 @@ pub use metrics::ConsumerMetrics;
 
 use super::connect::{close_within, Endpoints};
 use super::error::Error;
-use crate::lifecycle::{StopSignal, Threads};
-use crate::outbox::Outbox;
-use crate::pool::{Connections, Source};
-use crate::publish::HandlerError;
+use crate::producer::outbox::Outbox;
+use crate::publish::publisher::HandlerError;
+use crate::runtime::lifecycle::{StopSignal, Threads};
+use crate::runtime::pool::{Connections, Source};
 use dispatch::Dispatcher;
 use shared::{Counters, Shared, FATAL_GRACE};
 use worker::Worker;
@@ -281,7 +281,9 @@ impl Consumer {
     fn stop(&mut self, timeout: Duration) {
         // A stop before (the consumer's own, or `shutdown` before `Drop`) set the deadline
         // that stands.
-        self.shared.stop.send_by(crate::clock::deadline(timeout));
+        self.shared
+            .stop
+            .send_by(crate::runtime::clock::deadline(timeout));
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }

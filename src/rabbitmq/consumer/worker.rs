@@ -16,13 +16,13 @@ use super::delivery::Delivery;
 use super::lanes::Tag;
 use super::shared::Shared;
 use crate::error::describe;
-use crate::fault::{self, Fault};
-use crate::metrics::NoMetrics;
-use crate::publish::HandlerError;
-use crate::retry::reconnect_delay;
-use crate::session::{Session, Setup, Watch};
+use crate::publish::metrics::NoMetrics;
+use crate::publish::publisher::HandlerError;
+use crate::publish::retry::reconnect_delay;
+use crate::relay::store::storable;
+use crate::runtime::fault::{self, Fault};
+use crate::runtime::session::{Session, Setup, Watch};
 use crate::sql;
-use crate::store::storable;
 
 /// What a worker is asked to do.
 pub(super) enum Task {

@@ -6,11 +6,11 @@ use std::time::Duration;
 use postgres::types::{ToSql, Type};
 use postgres::{Client, IsolationLevel, Row};
 
-use crate::clock::seconds;
 use crate::error::{Error, Result};
-use crate::outbox::Outbox;
+use crate::producer::outbox::Outbox;
+use crate::runtime::clock::seconds;
+use crate::runtime::conn::{self, count};
 use crate::sql::{self, BACKLOG_RANGES, DEAD_RANGES, STATS_COUNTED};
-use crate::store::{self, count};
 
 /// A snapshot of an outbox's state, from [`Outbox::stats`] or [`Outbox::stats_exact`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,7 +133,7 @@ impl Outbox {
         let row = client
             .query_one(&self.statements().stats_exact, &[])
             .map_err(|e| self.db_error(e))?;
-        let count = |i: usize| store::count(&row, i);
+        let count = |i: usize| conn::count(&row, i);
         let age = |i: usize| seconds(row.get(i));
         Ok(Stats {
             pending: count(0),

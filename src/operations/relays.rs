@@ -5,10 +5,10 @@ use std::time::{Duration, SystemTime};
 
 use postgres::Client;
 
-use crate::clock::seconds;
 use crate::error::Result;
-use crate::outbox::Outbox;
-use crate::store::count;
+use crate::producer::outbox::Outbox;
+use crate::runtime::clock::seconds;
+use crate::runtime::conn::count;
 
 /// How often a relay writes its report, and at once when its publisher goes up or down.
 pub(crate) const REPORT_EVERY: Duration = Duration::from_secs(5);

@@ -7,12 +7,13 @@ use std::time::Instant;
 use postgres::{Client, IsolationLevel, Transaction};
 
 use crate::error::{describe, Error, Result};
-use crate::fault::Fault;
-use crate::outbox::Outbox;
-use crate::publish::{HandlerError, PublishError};
-use crate::record::{Fence, Record};
-use crate::retry::Outcome;
-use crate::store::{self, ClaimRequest, Conn};
+use crate::producer::outbox::Outbox;
+use crate::publish::publisher::{HandlerError, PublishError};
+use crate::publish::record::{Fence, Record};
+use crate::publish::retry::Outcome;
+use crate::relay::store::{self, ClaimRequest};
+use crate::runtime::conn::Conn;
+use crate::runtime::fault::Fault;
 
 /// The most rows one [`Outbox::process`] call claims, as for a relay's batch.
 const MAX_LIMIT: usize = 10_000;

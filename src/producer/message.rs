@@ -4,7 +4,8 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
-use crate::wire::{fits_one_frame, properties_size, FRAME_MAX};
+use crate::publish::retry::MAX_DELAY;
+use crate::runtime::wire::{fits_one_frame, properties_size, FRAME_MAX};
 
 /// AMQP short strings (routing key, message id, content type, header names) carry at most
 /// this many bytes; a longer one makes the broker close the whole connection.
@@ -19,9 +20,6 @@ pub const MAX_INDEXED_KEY: usize = 1024;
 /// in one AMQP frame (128 KiB by default) with the message's other properties, and count
 /// against the relay's byte budget.
 pub const MAX_HEADER_BYTES: usize = 64 << 10;
-
-/// The longest delay accepted: beyond it a value is almost certainly a unit mistake.
-pub const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// An event to enqueue: a topic (the routing key), a payload and optional metadata.
 ///

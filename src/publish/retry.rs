@@ -5,8 +5,12 @@ use std::time::Duration;
 use rand::Rng;
 
 use crate::error::{describe, Error, Result};
-use crate::publish::PublishError;
-use crate::record::Record;
+use crate::publish::publisher::PublishError;
+use crate::publish::record::Record;
+
+/// The longest delay accepted, of a message or a retry: beyond it a value is almost
+/// certainly a unit mistake, and a timestamp would overflow in SQL.
+pub const MAX_DELAY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// What happens to a claimed row after its attempt.
 #[derive(Debug, Clone)]
@@ -171,7 +175,7 @@ impl Retry {
             .min(self.backoff_max)
             .max(self.backoff_min);
         // Past the longest delay a message may have, a timestamp would overflow in SQL.
-        let full = full.min(crate::message::MAX_DELAY);
+        let full = full.min(MAX_DELAY);
         let half = full / 2;
         let jitter = rand::thread_rng().gen_range(0..=half.as_micros().max(1) as u64);
         half + Duration::from_micros(jitter)

@@ -12,9 +12,9 @@ use postgres::{Client, IsolationLevel};
 use rand::Rng;
 
 use crate::error::{Error, Result};
-use crate::message::micros;
-use crate::outbox::Outbox;
-use crate::record::Record;
+use crate::producer::message::micros;
+use crate::producer::outbox::Outbox;
+use crate::publish::record::Record;
 use crate::sql::PURGE_BATCH;
 
 /// A row that will not be published unless redriven.
@@ -172,7 +172,7 @@ impl Filter {
         }
         if self
             .older_than
-            .is_some_and(|age| age > crate::message::MAX_DELAY)
+            .is_some_and(|age| age > crate::publish::retry::MAX_DELAY)
         {
             return Err(Error::invalid("age", "is beyond what a timestamp can hold"));
         }

@@ -14,12 +14,12 @@ use std::time::{Duration, SystemTime};
 use postgres::error::SqlState;
 use postgres::Client;
 
-use crate::clock::seconds;
 use crate::error::Result;
-use crate::outbox::Outbox;
-use crate::relays::{PublisherState, RelayReport};
+use crate::operations::relays::{PublisherState, RelayReport};
+use crate::producer::outbox::Outbox;
+use crate::runtime::clock::seconds;
+use crate::runtime::conn::count;
 use crate::sql;
-use crate::store::count;
 
 /// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
 /// hear sooner.

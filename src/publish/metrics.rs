@@ -5,8 +5,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use crate::publish::PublishError;
-use crate::record::Record;
+use crate::publish::publisher::PublishError;
+use crate::publish::record::Record;
 
 /// Observes the relay. Every method has a no-op default, so implement only what you export,
 /// and new events can be added without breaking you. Called from relay threads: keep it quick.

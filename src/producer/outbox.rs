@@ -9,13 +9,13 @@ use postgres::error::SqlState;
 use postgres::types::{ToSql, Type};
 use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 
-use crate::batch::Batch;
 use crate::error::{Error, Result};
-use crate::message::{at_most, micros, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-use crate::migrate::{self, Form, Schema, MIGRATIONS};
-use crate::retry::{check_lease, check_retry, Retry};
+use crate::producer::batch::Batch;
+use crate::producer::message::{at_most, micros, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
+use crate::publish::retry::{check_lease, check_retry, Retry};
+use crate::schema::migrate::{self, Form, Schema, MIGRATIONS};
+use crate::schema::table::TableName;
 use crate::sql::Statements;
-use crate::table::TableName;
 
 /// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
 ///

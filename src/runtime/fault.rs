@@ -189,7 +189,7 @@ mod tests {
     #[test]
     #[cfg(feature = "rabbitmq")]
     fn a_database_error_anywhere_in_a_chain_decides_and_none_leaves_the_verdict_open() {
-        use crate::publish::HandlerError;
+        use crate::publish::publisher::HandlerError;
         let timeout = HandlerError::transient(Error::invalid("key", "contains a NUL character"));
         assert_eq!(in_chain(&timeout), Some(Fault::Input));
         let stalled = HandlerError::permanent(Error::Stalled(std::time::Duration::from_secs(1)));

@@ -12,8 +12,8 @@ use postgres::types::{ToSql, Type};
 use postgres::Transaction;
 
 use crate::error::{Error, Result};
-use crate::message::Message;
-use crate::outbox::Outbox;
+use crate::producer::message::Message;
+use crate::producer::outbox::Outbox;
 use crate::sql::Statements;
 
 /// From this many messages a batch due at once goes by `COPY`: its extra round trips

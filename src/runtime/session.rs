@@ -24,11 +24,11 @@ use fallible_iterator::FallibleIterator;
 use postgres::Client;
 
 use crate::error::{Error, Result};
-use crate::lifecycle;
-use crate::metrics::Metrics;
-use crate::pool::{Pooled, Source};
+use crate::publish::metrics::Metrics;
+use crate::runtime::conn::{Conn, StatementCache};
+use crate::runtime::lifecycle;
+use crate::runtime::pool::{Pooled, Source};
 use crate::sql;
-use crate::store::{Conn, StatementCache};
 
 /// How long dropping a session waits for its thread to close the connection (or return it
 /// to the pool) before leaving it to finish alone.
@@ -173,7 +173,7 @@ impl Session {
                 self.name
             )));
         }
-        let mut deadline = Some(crate::clock::deadline(bound));
+        let mut deadline = Some(crate::runtime::clock::deadline(bound));
         let mut phases = Some(phases);
         let outcome = loop {
             let timer = match deadline {
@@ -186,7 +186,7 @@ impl Session {
                 recv(watched) -> phase => match phase {
                     // Code of the application's runs: no bound until our statements again.
                     Ok(false) => deadline = None,
-                    Ok(true) => deadline = Some(crate::clock::deadline(self.bound)),
+                    Ok(true) => deadline = Some(crate::runtime::clock::deadline(self.bound)),
                     Err(_) => phases = None,
                 },
                 recv(timer) -> _ => {

@@ -21,12 +21,12 @@ use std::time::Duration;
 
 use postgres::{GenericClient, Transaction};
 
-use crate::render::{render, RenderError, Values};
+use crate::schema::render::{render, RenderError, Values};
+use crate::schema::table::TableName;
 use crate::sql::{
     bigint, borrowed, checked, in_look, objects, Statements, LOOK_PARTITIONS, LOOK_RANGES,
     PARTITIONS_AHEAD, PARTITION_ID_BITS,
 };
-use crate::table::TableName;
 
 /// A migration file, embedded in the binary.
 pub(crate) struct Migration {
@@ -41,37 +41,37 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_create_outbox",
-        template: include_str!("../sql/0001_create_outbox.sql"),
+        template: include_str!("../../sql/0001_create_outbox.sql"),
     },
     Migration {
         version: 2,
         name: "0002_claim_heads",
-        template: include_str!("../sql/0002_claim_heads.sql"),
+        template: include_str!("../../sql/0002_claim_heads.sql"),
     },
     Migration {
         version: 3,
         name: "0003_consumer_failures",
-        template: include_str!("../sql/0003_consumer_failures.sql"),
+        template: include_str!("../../sql/0003_consumer_failures.sql"),
     },
     Migration {
         version: 4,
         name: "0004_enqueue_functions",
-        template: include_str!("../sql/0004_enqueue_functions.sql"),
+        template: include_str!("../../sql/0004_enqueue_functions.sql"),
     },
     Migration {
         version: 5,
         name: "0005_aggregate_locks_and_parking",
-        template: include_str!("../sql/0005_aggregate_locks_and_parking.sql"),
+        template: include_str!("../../sql/0005_aggregate_locks_and_parking.sql"),
     },
     Migration {
         version: 6,
         name: "0006_dead_decisions_and_channel",
-        template: include_str!("../sql/0006_dead_decisions_and_channel.sql"),
+        template: include_str!("../../sql/0006_dead_decisions_and_channel.sql"),
     },
     Migration {
         version: 7,
         name: "0007_since_0_2_0",
-        template: include_str!("../sql/0007_since_0_2_0.sql"),
+        template: include_str!("../../sql/0007_since_0_2_0.sql"),
     },
 ];
 
@@ -122,43 +122,43 @@ pub(crate) const FUNCTIONS: &[Functions] = &[
         name: "notify",
         revision: 1,
         form: Form::Any,
-        template: include_str!("../sql/functions/notify.sql"),
+        template: include_str!("../../sql/functions/notify.sql"),
     },
     Functions {
         name: "locks",
         revision: 1,
         form: Form::Any,
-        template: include_str!("../sql/functions/locks.sql"),
+        template: include_str!("../../sql/functions/locks.sql"),
     },
     Functions {
         name: "partitions",
         revision: 1,
         form: Form::Any,
-        template: include_str!("../sql/functions/partitions.sql"),
+        template: include_str!("../../sql/functions/partitions.sql"),
     },
     Functions {
         name: "enqueue",
         revision: 1,
         form: Form::Plain,
-        template: include_str!("../sql/functions/enqueue.sql"),
+        template: include_str!("../../sql/functions/enqueue.sql"),
     },
     Functions {
         name: "earlier_producers",
         revision: 1,
         form: Form::Plain,
-        template: include_str!("../sql/functions/earlier_producers.sql"),
+        template: include_str!("../../sql/functions/earlier_producers.sql"),
     },
     Functions {
         name: "enqueue_partitioned",
         revision: 1,
         form: Form::Partitioned,
-        template: include_str!("../sql/functions/enqueue_partitioned.sql"),
+        template: include_str!("../../sql/functions/enqueue_partitioned.sql"),
     },
 ];
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
 /// `Outbox::migrate` and `OutboxBuilder::partition_interval`).
-const PARTITIONED: &str = include_str!("../sql/partitioned.sql");
+const PARTITIONED: &str = include_str!("../../sql/partitioned.sql");
 
 /// `<table>_functions`: what each function file made, as it was rendered.
 const FUNCTIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {functions} (
@@ -569,7 +569,7 @@ fn names_of(form: Form) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::render::placeholders;
+    use crate::schema::render::placeholders;
     use crate::sql::tests::tables;
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::record::Record;
+use crate::publish::record::Record;
 
 /// The confirm rounds of a batch in id order, as indices into it: round `k` holds the `k`-th
 /// record of every aggregate's run (and round 0 also every record without an aggregate

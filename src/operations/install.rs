@@ -8,7 +8,8 @@
 
 use postgres::{Client, GenericClient};
 
-use crate::{Error, Outbox, Result};
+use crate::error::{Error, Result};
+use crate::producer::outbox::Outbox;
 
 /// The companion tables of the migrations, by suffix.
 const TABLES: &[&str] = &[

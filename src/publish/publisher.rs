@@ -5,8 +5,8 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::record::Record;
-use crate::rounds::rounds_of;
+use crate::publish::record::Record;
+use crate::publish::rounds::rounds_of;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 

@@ -3,9 +3,9 @@
 //! them, and not in each deployment's scripts.
 
 use crate::error::{Error, Result};
-use crate::outbox::Outbox;
+use crate::producer::outbox::Outbox;
+use crate::schema::table;
 use crate::sql;
-use crate::table;
 
 /// A side of an outbox, for [`Outbox::grants`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,6 @@
+//! The producer's side: the `Outbox` handle, the message it enqueues, batches of them,
+//! and the consumer-side deduplication in the caller's transaction.
+
+pub(crate) mod batch;
+pub(crate) mod message;
+pub(crate) mod outbox;
