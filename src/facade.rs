@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::operations::health::Health;
+use crate::operations::health::report::Health;
 use crate::operations::relays::PublisherState;
 use crate::operations::stats::Stats;
 use crate::producer::outbox::Outbox;
@@ -393,7 +393,7 @@ pub(crate) mod tests {
 
     #[test]
     fn health_becomes_gauges() {
-        use crate::operations::health::{Check, Finding, Holder, Partition, TableHealth};
+        use crate::operations::health::report::{Check, Finding, Holder, Partition, TableHealth};
         use crate::operations::relays::{PublisherState, RelayReport};
         use std::time::SystemTime;
         let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());

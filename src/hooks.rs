@@ -10,9 +10,9 @@ use postgres::Client;
 use crate::error::{Error, Result};
 use crate::producer::outbox::Outbox;
 use crate::publish::record::Record;
-use crate::publish::retry::Outcome;
 use crate::relay::store::{self, ClaimRequest};
 use crate::runtime::conn::Conn;
+use crate::runtime::retry::Outcome;
 
 /// What one claim asks for; the fields are the relay's settings of the same names.
 #[derive(Debug, Clone)]

@@ -76,7 +76,6 @@ mod publish;
 mod relay;
 mod runtime;
 mod schema;
-mod sql;
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
@@ -86,7 +85,7 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
-pub use operations::health::{
+pub use operations::health::report::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };
 pub use operations::install::{Installed, ObjectKind};
@@ -101,13 +100,13 @@ pub use producer::outbox::{Outbox, OutboxBuilder};
 pub use publish::metrics::{CycleTimes, Metrics, NoMetrics};
 pub use publish::publisher::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
 pub use publish::record::Record;
-pub use publish::retry::{Retry, MAX_DELAY};
 #[cfg(all(feature = "metrics", feature = "rabbitmq"))]
 #[cfg_attr(docsrs, doc(cfg(all(feature = "metrics", feature = "rabbitmq"))))]
 pub use rabbitmq::QueueMetrics;
 pub use relay::process::ProcessReport;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
 pub use runtime::pool::Connections;
+pub use runtime::retry::{Retry, MAX_DELAY};
 pub use schema::grants::Access;
 
 // The Rust examples of the README and the docs pages are compiled as doc tests, so they

@@ -5,4 +5,5 @@ pub(crate) mod health;
 pub(crate) mod install;
 pub(crate) mod operate;
 pub(crate) mod relays;
+pub(crate) mod sql;
 pub(crate) mod stats;

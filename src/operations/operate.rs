@@ -12,10 +12,11 @@ use postgres::{Client, IsolationLevel};
 use rand::Rng;
 
 use crate::error::{Error, Result};
+use crate::operations::sql::letters::{LettersSql, PURGE_BATCH};
 use crate::producer::message::micros;
 use crate::producer::outbox::Outbox;
+use crate::producer::sql::ProducerSql;
 use crate::publish::record::Record;
-use crate::sql::PURGE_BATCH;
 
 /// A row that will not be published unless redriven.
 #[derive(Debug, Clone)]
@@ -172,7 +173,7 @@ impl Filter {
         }
         if self
             .older_than
-            .is_some_and(|age| age > crate::publish::retry::MAX_DELAY)
+            .is_some_and(|age| age > crate::runtime::retry::MAX_DELAY)
         {
             return Err(Error::invalid("age", "is beyond what a timestamp can hold"));
         }
@@ -202,7 +203,7 @@ impl Filter {
         only_age.then(|| self.older_than.unwrap_or(Duration::ZERO))
     }
 
-    /// The five parameters of the SQL filter (`sql::FILTER`) over rows in `states`;
+    /// The five parameters of the SQL filter (`FILTER`) over rows in `states`;
     /// `parked` narrows dead letters to one kind.
     fn params<'a>(&'a self, states: &'static [&'static str]) -> FilterParams<'a> {
         let states: &'static [&'static str] = match self.parked {
@@ -416,7 +417,7 @@ impl Outbox {
             .map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
         let rows = client
             .query(
-                &self.statements().dead_where,
+                &self.statements::<LettersSql>().dead_where,
                 &[&keys, &topic, &error, &age, &states, &limit],
             )
             .map_err(|e| self.db_error(e))?;
@@ -455,7 +456,7 @@ impl Outbox {
         let (keys, topic, error, age, states) = filter.params(DEAD_LETTERS);
         let rows = client
             .query(
-                &self.statements().dead_errors,
+                &self.statements::<LettersSql>().dead_errors,
                 &[&keys, &topic, &error, &age, &states],
             )
             .map_err(|e| self.db_error(e))?;
@@ -493,7 +494,7 @@ impl Outbox {
     pub fn redrive(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
         let filter = filter.into();
         filter.check_unlimited("redrive")?;
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let redrive = if self.partitioned(client)? {
             &sql.redrive_partitioned
         } else {
@@ -542,7 +543,7 @@ impl Outbox {
     /// ```
     pub fn skip(&self, client: &mut Client, filter: impl Into<Filter>) -> Result<u64> {
         let filter = skipped(filter.into())?;
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let n = self.update_where(client, &filter, None, &sql.skip_where)?;
         if n > 0 {
             log::info!("outbox {}: skipped {n} parked dead letters", self.table());
@@ -578,7 +579,7 @@ impl Outbox {
     /// redriven rows go ahead of (`hold`, given them as `$6`, returns the aggregates, the
     /// first redriven id of each and when what is in flight of each ends), then updates
     /// (given those as `$6`, `$7` and `$8`); see
-    /// `sql::redrive_hold` for why in three statements. READ COMMITTED whatever the
+    /// `redrive_hold` (operations/sql/letters.rs) for why in three statements. READ COMMITTED whatever the
     /// session's default: each statement's snapshot must come after the one before it, to
     /// see what the aggregates' producers and claims committed meanwhile.
     fn update_where(
@@ -631,7 +632,7 @@ impl Outbox {
         }
         .map_err(|e| self.db_error(e))?;
         if n > 0 {
-            tx.execute(&self.statements().notify_if_waiting, &[])
+            tx.execute(&self.statements::<ProducerSql>().notify_if_waiting, &[])
                 .map_err(|e| self.db_error(e))?;
         }
         tx.commit()?;
@@ -645,7 +646,7 @@ impl Outbox {
         let Selection { rows, filter } = rows.into();
         filter.check_unlimited("count")?;
         check_parking(rows, &filter)?;
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let n: i64 = match rows {
             Rows::Sent | Rows::Dead => {
                 let states = if rows == Rows::Sent {
@@ -684,7 +685,7 @@ impl Outbox {
             Rows::Sent => SENT,
             Rows::Dead => &["dead"],
             Rows::Inbox => {
-                let sql = self.statements();
+                let sql: &LettersSql = self.statements();
                 return match inbox_params(&filter)? {
                     (Some(keys), age) => client
                         .execute(&sql.purge_inbox_keys, &[&keys, &age])
@@ -700,7 +701,7 @@ impl Outbox {
             return self.retire(client, age, false);
         }
         let (keys, topic, error, age, states) = filter.params(states);
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let purge = if self.partitioned(client)? {
             &sql.purge_partitioned
         } else {
@@ -751,7 +752,7 @@ impl Outbox {
     /// over the ones it keeps (one statement and transaction each, see `<table>_retire` in
     /// sql/functions/partitions.sql), and returns how many rows they held; with `dry_run`, how many they hold.
     fn retire(&self, client: &mut Client, age: Duration, dry_run: bool) -> Result<u64> {
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let age = micros(age);
         let mut total = 0;
         loop {
@@ -802,7 +803,7 @@ impl Outbox {
     /// The inbox has no index on processed_at (every dedupe would pay for one): walk the
     /// primary key, a batch per statement. Then the consumers' stray failure counts.
     fn purge_inbox(&self, client: &mut Client, older_than: Duration) -> Result<u64> {
-        let sql = self.statements();
+        let sql: &LettersSql = self.statements();
         let age = micros(older_than);
         let mut total = 0;
         let mut cursor = (String::new(), String::new());

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 use postgres::Client;
 
 use crate::error::Result;
+use crate::operations::sql::health::HealthSql;
 use crate::producer::outbox::Outbox;
 use crate::runtime::clock::seconds;
 use crate::runtime::conn::count;
@@ -94,7 +95,7 @@ impl Outbox {
     /// those that stopped without saying so in the last day.
     pub fn relays(&self, client: &mut Client) -> Result<Vec<RelayReport>> {
         let rows = client
-            .query(&self.statements().relays, &[])
+            .query(&self.statements::<HealthSql>().relays, &[])
             .map_err(|e| self.db_error(e))?;
         Ok(rows
             .iter()

@@ -7,10 +7,11 @@ use postgres::types::{ToSql, Type};
 use postgres::{Client, IsolationLevel, Row};
 
 use crate::error::{Error, Result};
+use crate::operations::sql::stats::{StatsSql, BACKLOG_RANGES, DEAD_RANGES, STATS_COUNTED};
 use crate::producer::outbox::Outbox;
 use crate::runtime::clock::seconds;
 use crate::runtime::conn::{self, count};
-use crate::sql::{self, BACKLOG_RANGES, DEAD_RANGES, STATS_COUNTED};
+use crate::schema::statements::first_id;
 
 /// A snapshot of an outbox's state, from [`Outbox::stats`] or [`Outbox::stats_exact`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,7 +104,7 @@ impl Outbox {
     /// # }
     /// ```
     pub fn stats(&self, client: &mut Client) -> Result<Stats> {
-        let rows = self.read_backlog(client, &self.statements().stats, false)?;
+        let rows = self.read_backlog(client, &self.statements::<StatsSql>().stats, false)?;
         Counted::from_rows(&rows)
             .map(|counted| counted.stats())
             .map_err(Error::Db)
@@ -118,7 +119,7 @@ impl Outbox {
     pub fn oldest_due_age(&self, client: &mut Client) -> Result<Option<Duration>> {
         Ok(seconds(
             client
-                .query_one(&self.statements().health_due, &[])
+                .query_one(&self.statements::<StatsSql>().health_due, &[])
                 .map_err(|e| self.db_error(e))?
                 .get(0),
         ))
@@ -131,7 +132,7 @@ impl Outbox {
     /// for an operator's question or a test, not for a gauge; see [`stats`](Outbox::stats).
     pub fn stats_exact(&self, client: &mut Client) -> Result<Stats> {
         let row = client
-            .query_one(&self.statements().stats_exact, &[])
+            .query_one(&self.statements::<StatsSql>().stats_exact, &[])
             .map_err(|e| self.db_error(e))?;
         let count = |i: usize| conn::count(&row, i);
         let age = |i: usize| seconds(row.get(i));
@@ -153,7 +154,7 @@ impl Outbox {
     /// are not read, nor are a partitioned table's settled partitions, nor its quiet ones
     /// but for their dead letters).
     pub fn topic_stats(&self, client: &mut Client) -> Result<Vec<TopicStats>> {
-        let rows = self.read_backlog(client, &self.statements().topic_stats, true)?;
+        let rows = self.read_backlog(client, &self.statements::<StatsSql>().topic_stats, true)?;
         Ok(rows
             .iter()
             .map(|row| TopicStats {
@@ -166,7 +167,7 @@ impl Outbox {
 
     /// Runs `query`, which reads the backlog in the ranges of ids from `$2` on (see
     /// `BACKLOG_RANGES`) and counts the dead letters of the quiet partitions from `$1` on
-    /// left out (see `Statements::stats`), or, `with_ranges`, reads those in the ranges
+    /// left out (see `StatsSql::stats`), or, `with_ranges`, reads those in the ranges
     /// after (see `DEAD_RANGES`). On a partitioned table, `$1` is the first id of the
     /// oldest partition not settled (sql/functions/partitions.sql), and the ranges those of
     /// the partitions that may hold a pending or parked row, up to the partition of the last
@@ -210,7 +211,7 @@ impl Outbox {
             .read_only(true)
             .start()?;
         let bounds = tx
-            .query_typed_one(&self.statements().backlog_bounds, &[])
+            .query_typed_one(&self.statements::<StatsSql>().backlog_bounds, &[])
             .map_err(|e| self.db_error(e))?;
         let backlog: Vec<i64> = bounds.get(1);
         let counted: Vec<i64> = bounds.get(2);
@@ -249,11 +250,11 @@ fn ranges(numbers: &[i64], most: usize) -> Vec<(i64, i64)> {
         }
     }
     runs.into_iter()
-        .map(|(first, last)| (sql::first_id(first), sql::first_id(last + 1) - 1))
+        .map(|(first, last)| (first_id(first), first_id(last + 1) - 1))
         .collect()
 }
 
-/// What one bounded read of the backlog counted (see `Statements::stats`).
+/// What one bounded read of the backlog counted (see `StatsSql::stats`).
 #[derive(Debug, Clone, Copy, Default)]
 struct Part {
     read: u64,
@@ -272,7 +273,7 @@ impl Part {
     }
 }
 
-/// What `Statements::stats` read.
+/// What `StatsSql::stats` read.
 #[derive(Debug, Clone, Default)]
 struct Counted {
     /// Ready rows due now.
@@ -294,7 +295,7 @@ struct Counted {
 }
 
 impl Counted {
-    /// The rows of `Statements::stats`: one per part read, each with the totals.
+    /// The rows of `StatsSql::stats`: one per part read, each with the totals.
     fn from_rows(rows: &[Row]) -> Result<Counted, postgres::Error> {
         let mut counted = Counted::default();
         for row in rows {
@@ -410,14 +411,14 @@ mod tests {
     #[test]
     fn ranges_take_runs_of_neighbours_and_the_rest_in_the_last() {
         // From partition `first` to the end of partition `last`.
-        let span = |first: i64, last: i64| (sql::first_id(first), sql::first_id(last + 1) - 1);
+        let span = |first: i64, last: i64| (first_id(first), first_id(last + 1) - 1);
         assert_eq!(ranges(&[], 4), []);
         assert_eq!(ranges(&[3, 4, 5, 9], 4), [span(3, 5), span(9, 9)]);
         assert_eq!(
             ranges(&[1, 3, 5, 7, 9, 10, 12], 4),
             [span(1, 1), span(3, 3), span(5, 5), span(7, 12)]
         );
-        assert_eq!(ranges(&[0, 2], 1), [(0, sql::first_id(3) - 1)]);
+        assert_eq!(ranges(&[0, 2], 1), [(0, first_id(3) - 1)]);
     }
 
     const LIMIT: u64 = STATS_COUNTED;

@@ -1,8 +1,9 @@
 //! `enqueue_all`'s batches: validated messages as columns, written by the batch enqueue
 //! function, or by a binary `COPY` when the batch is large and due at once.
 //!
-//! `Outbox::enqueue_all` hands a batch the outbox's statements and its notify setting, so
-//! this module depends on `sql.rs`, not on `outbox.rs`.
+//! `Outbox::enqueue_all` hands a batch the producer's statements, the table and its notify
+//! setting, and says whether it may be copied in: this module depends on `sql.rs`, not on
+//! `outbox.rs`.
 
 use std::collections::HashSet;
 
@@ -13,8 +14,9 @@ use postgres::Transaction;
 
 use crate::error::{Error, Result};
 use crate::producer::message::Message;
-use crate::producer::outbox::Outbox;
-use crate::sql::Statements;
+use crate::producer::sql::ProducerSql;
+use crate::schema::statements::db_error;
+use crate::schema::table::TableName;
 
 /// From this many messages a batch due at once goes by `COPY`: its extra round trips
 /// (savepoint, copy start, release, notify) cost about what `COPY` saves on some fifty rows.
@@ -102,30 +104,51 @@ impl Batch {
             .collect()
     }
 
-    /// Writes the batch, all or nothing, and returns its keys in order; an existing key
-    /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
-    /// woken at commit.
-    pub(crate) fn write(self, outbox: &Outbox, tx: &mut Transaction<'_>) -> Result<Vec<String>> {
-        let (sql, notify) = (outbox.statements(), outbox.notifies());
+    /// Whether the batch may go in by `COPY` whatever the table: large and due at once.
+    pub(crate) fn copies(&self) -> bool {
         let due_now =
             self.available_at.iter().all(Option::is_none) && self.delays.iter().all(|d| *d == 0);
-        // The caller's keys in a partitioned table are unique across partitions by the
-        // batch function's look into each (see `sql/partitioned.sql`), which COPY skips.
-        if due_now && self.keys.len() >= COPY_FROM && (self.generated || !outbox.partitioned(tx)?) {
-            self.copy(sql, notify, tx)?;
+        due_now && self.keys.len() >= COPY_FROM
+    }
+
+    /// Whether every key is the crate's own.
+    pub(crate) fn generated(&self) -> bool {
+        self.generated
+    }
+
+    /// Writes the batch, all or nothing, and returns its keys in order; an existing key
+    /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
+    /// woken at commit; with `copy`, a batch that [`copies`](Batch::copies) goes in by
+    /// `COPY`.
+    pub(crate) fn write(
+        self,
+        target: (&ProducerSql, &TableName),
+        notify: bool,
+        copy: bool,
+        tx: &mut Transaction<'_>,
+    ) -> Result<Vec<String>> {
+        let (sql, table) = target;
+        if copy && self.copies() {
+            self.copy(sql, table, notify, tx)?;
         } else {
-            self.insert(sql, notify, tx)?;
+            self.insert(sql, table, notify, tx)?;
         }
         log::trace!(
             "outbox {}: enqueued {} messages",
-            sql.table().as_str(),
+            table.as_str(),
             self.keys.len()
         );
         Ok(self.keys)
     }
 
     /// One round trip: the batch enqueue function.
-    fn insert(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
+    fn insert(
+        &self,
+        sql: &ProducerSql,
+        table: &TableName,
+        notify: bool,
+        tx: &mut Transaction<'_>,
+    ) -> Result<()> {
         let params: [(&(dyn ToSql + Sync), Type); 14] = [
             (&self.keys, Type::TEXT_ARRAY),
             (&self.topics, Type::TEXT_ARRAY),
@@ -145,7 +168,7 @@ impl Batch {
         // NULL when all went in; otherwise the keys that exist, with nothing written.
         let existing: Option<Vec<String>> = tx
             .query_typed_one(&sql.enqueue_all, &params)
-            .map_err(|e| sql.db_error(e))?
+            .map_err(|e| db_error(table, e))?
             .get(0);
         match existing {
             None => Ok(()),
@@ -158,9 +181,17 @@ impl Batch {
     /// head. Keys the caller gave go in inside a savepoint, so an existing one (which fails
     /// the whole copy) rolls back only the copy, its locks and its notification; keys of
     /// the crate's own cannot exist, and need none.
-    fn copy(&self, sql: &Statements, notify: bool, tx: &mut Transaction<'_>) -> Result<()> {
+    fn copy(
+        &self,
+        sql: &ProducerSql,
+        table: &TableName,
+        notify: bool,
+        tx: &mut Transaction<'_>,
+    ) -> Result<()> {
         if self.generated {
-            return self.copy_in(sql, notify, tx).map_err(|e| sql.db_error(e));
+            return self
+                .copy_in(sql, notify, tx)
+                .map_err(|e| db_error(table, e));
         }
         let mut savepoint = tx.savepoint("outbox_enqueue_all")?;
         match self.copy_in(sql, notify, &mut savepoint) {
@@ -169,7 +200,7 @@ impl Batch {
                 savepoint.rollback()?;
                 let mut existing: Vec<String> = tx
                     .query_typed(&sql.existing_keys, &[(&self.keys, Type::TEXT_ARRAY)])
-                    .map_err(|e| sql.db_error(e))?
+                    .map_err(|e| db_error(table, e))?
                     .iter()
                     .map(|row| row.get(0))
                     .collect();
@@ -183,7 +214,7 @@ impl Batch {
             }
             Err(e) => {
                 let _ = savepoint.rollback();
-                return Err(sql.db_error(e));
+                return Err(db_error(table, e));
             }
         }
         Ok(())
@@ -192,7 +223,7 @@ impl Batch {
     /// The locks, the notification and the copy itself (see [`Batch::copy`]).
     fn copy_in(
         &self,
-        sql: &Statements,
+        sql: &ProducerSql,
         notify: bool,
         tx: &mut Transaction<'_>,
     ) -> std::result::Result<(), postgres::Error> {

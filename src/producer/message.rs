@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
-use crate::publish::retry::MAX_DELAY;
+use crate::runtime::retry::MAX_DELAY;
 use crate::runtime::wire::{fits_one_frame, properties_size, FRAME_MAX};
 
 /// AMQP short strings (routing key, message id, content type, header names) carry at most

@@ -4,3 +4,4 @@
 pub(crate) mod batch;
 pub(crate) mod message;
 pub(crate) mod outbox;
+pub(crate) mod sql;

@@ -12,10 +12,13 @@ use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 use crate::error::{Error, Result};
 use crate::producer::batch::Batch;
 use crate::producer::message::{at_most, micros, Message, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-use crate::publish::retry::{check_lease, check_retry, Retry};
+use crate::producer::sql::ProducerSql;
+use crate::runtime::retry::{check_lease, check_retry, Retry};
+use crate::schema::grants::{self, Access};
+use crate::schema::migrate::MigrateSql;
 use crate::schema::migrate::{self, Form, Schema, MIGRATIONS};
-use crate::schema::table::TableName;
-use crate::sql::Statements;
+use crate::schema::statements::{self, Rendered, Statements};
+use crate::schema::table::{check_role, quote, TableName};
 
 /// A validated outbox table and the SQL for it. Cheap to clone; share one per table.
 ///
@@ -47,7 +50,8 @@ struct Inner {
     lease: Duration,
     retry: Retry,
     park: bool,
-    sql: Statements,
+    /// Each part's statements, rendered on its first use.
+    sql: Rendered,
 }
 
 impl fmt::Debug for Outbox {
@@ -195,7 +199,7 @@ impl OutboxBuilder {
                 lease: self.lease,
                 retry: self.retry,
                 park: self.park,
-                sql: Statements::new(&table),
+                sql: Rendered::new(table),
             }),
         })
     }
@@ -223,14 +227,14 @@ impl Outbox {
 
     /// The table name as configured.
     pub fn table(&self) -> &str {
-        self.statements().table().as_str()
+        self.table_name().as_str()
     }
 
     /// The NOTIFY channel producers notify on and relays LISTEN on, as the migrations
     /// rendered it (from the table's schema-qualified name).
     pub fn channel(&self, client: &mut Client) -> Result<String> {
         let row = client
-            .query_one(&self.statements().channel, &[])
+            .query_one(&self.statements::<MigrateSql>().channel, &[])
             .map_err(|e| self.db_error(e))?;
         Ok(row.get(0))
     }
@@ -239,12 +243,15 @@ impl Outbox {
     /// schema it is in, or would be created in), so that processes spelling it differently
     /// (`orders`, `public.orders`) take the same migration lock and render the same channel.
     pub(crate) fn resolved(&self, client: &mut impl GenericClient) -> Result<TableName> {
-        let table = self.statements().table();
+        let table = self.table_name();
         if table.schema().is_some() {
             return Ok(table.clone());
         }
         let schema: Option<String> = client
-            .query_one(&self.statements().schema_of, &[&table.quoted()])?
+            .query_one(
+                &self.statements::<MigrateSql>().schema_of,
+                &[&table.quoted()],
+            )?
             .get(0);
         Ok(schema
             .and_then(|schema| TableName::parse(&format!("{schema}.{}", table.as_str())).ok())
@@ -256,8 +263,14 @@ impl Outbox {
         self.inner.notify
     }
 
-    pub(crate) fn statements(&self) -> &Statements {
-        &self.inner.sql
+    /// The statements of part `S` for this table, rendered on the first call of any clone.
+    pub(crate) fn statements<S: Statements>(&self) -> &S {
+        self.inner.sql.get()
+    }
+
+    /// The table, as validated.
+    pub(crate) fn table_name(&self) -> &TableName {
+        self.inner.sql.table()
     }
 
     pub(crate) fn lease(&self) -> Duration {
@@ -273,9 +286,9 @@ impl Outbox {
         self.inner.park
     }
 
-    /// See [`Statements::db_error`].
+    /// See [`statements::db_error`].
     pub(crate) fn db_error(&self, e: postgres::Error) -> Error {
-        self.statements().db_error(e)
+        statements::db_error(self.table_name(), e)
     }
 
     /// Creates or upgrades the outbox's tables, indexes and functions.
@@ -311,7 +324,7 @@ impl Outbox {
     }
 
     fn migrate_once(&self, client: &mut Client) -> Result<()> {
-        let sql = self.statements();
+        let sql: &MigrateSql = self.statements();
         // READ COMMITTED whatever the session's default: a snapshot taken before the lock
         // (as REPEATABLE READ's is) misses what the migration ahead of it committed, and
         // this one would apply it again.
@@ -409,7 +422,7 @@ impl Outbox {
             return Ok(partitioned);
         }
         let partitioned: bool = client
-            .query_one(&self.statements().is_partitioned, &[])?
+            .query_one(&self.statements::<MigrateSql>().is_partitioned, &[])?
             .get(0);
         self.learned(partitioned);
         Ok(partitioned)
@@ -426,7 +439,37 @@ impl Outbox {
     /// its text, and records it, so a later `migrate` finds nothing to do either. Use
     /// a schema-qualified table name here, as `migrate` resolves it to its schema first.
     pub fn sql(&self) -> String {
-        migrate::script(self.statements(), self.inner.partition_interval)
+        migrate::script(
+            self.table_name(),
+            self.statements(),
+            self.inner.partition_interval,
+        )
+    }
+
+    /// The GRANT statements that give `role` what `access` needs on this outbox's tables
+    /// and functions, USAGE on its schema included, and nothing more. Run them as the
+    /// owner (the role that ran `migrate`), after `migrate`, and again after an upgrade
+    /// whose notes say the rights changed; running them twice is harmless.
+    ///
+    /// `role` is taken as written (quoted): a role created as `CREATE ROLE relay` is
+    /// `relay`. It may hold ASCII letters, digits and `_ - . @` (which takes in the names
+    /// cloud databases give their IAM users), up to 63 bytes, and is never `public`, which
+    /// PostgreSQL reads as every role: anything else is refused, so a name never needs
+    /// escaping in the statements. On a plain table a relay is given EXECUTE on the
+    /// partition upkeep too, which it never calls there.
+    ///
+    /// ```
+    /// use postgres_outbox::{Access, Outbox};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let outbox = Outbox::new("app.orders_outbox")?;
+    /// let grants = outbox.grants(Access::Relay, "relay")?;
+    /// assert!(grants.contains(r#"GRANT SELECT, UPDATE ON "app"."orders_outbox" TO "relay";"#));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn grants(&self, access: Access, role: &str) -> Result<String> {
+        check_role(role).map_err(|why| Error::invalid("role", why))?;
+        Ok(grants::grants(self.table_name(), access, &quote(role)))
     }
 
     /// Enqueues a message in the caller's transaction and returns its key; it is published
@@ -472,7 +515,7 @@ impl Outbox {
             (&generated, Type::BOOL),
         ];
         let inserted: bool = tx
-            .query_typed_one(&self.statements().enqueue, &params)
+            .query_typed_one(&self.statements::<ProducerSql>().enqueue, &params)
             .map_err(|e| self.db_error(e))?
             .get(0);
         if !inserted {
@@ -498,7 +541,12 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        Batch::new(messages)?.write(self, tx)
+        let batch = Batch::new(messages)?;
+        // The caller's keys in a partitioned table are unique across partitions by the
+        // batch function's look into each (see `sql/partitioned.sql`), which COPY skips.
+        let copy = batch.copies() && (batch.generated() || !self.partitioned(tx)?);
+        let target = (self.statements::<ProducerSql>(), self.table_name());
+        batch.write(target, self.notifies(), copy, tx)
     }
 
     /// Records that `consumer` has processed the message `key`, in the consumer's own
@@ -539,7 +587,7 @@ impl Outbox {
         }
         let n = tx
             .execute_typed(
-                &self.statements().dedupe,
+                &self.statements::<ProducerSql>().dedupe,
                 &[(&consumer, Type::TEXT), (&key, Type::TEXT)],
             )
             .map_err(|e| self.db_error(e))?;

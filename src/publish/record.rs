@@ -76,7 +76,7 @@ impl Record {
         }
     }
 
-    /// Reads the columns `sql::RECORD_COLUMNS` lists, in that order.
+    /// Reads the columns `RECORD_TEMPLATE` (schema/statements.rs) lists, in that order.
     pub(crate) fn from_row(row: &Row) -> Result<Record, postgres::Error> {
         let flat: Vec<String> = row.try_get(6)?;
         let mut headers = Vec::with_capacity(flat.len() / 2);
@@ -105,7 +105,7 @@ impl Record {
 
     /// Whether this record parks its aggregate if it dies: only a record with an aggregate
     /// does, by its own setting or else `default`. (The statements that record a death
-    /// decide the same way, in SQL: `sql::PARKS`.)
+    /// decide the same way, in SQL: `PARKS` in schema/statements.rs.)
     pub(crate) fn parks(&self, default: bool) -> bool {
         self.aggregate_key.is_some() && self.park.unwrap_or(default)
     }

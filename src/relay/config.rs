@@ -12,8 +12,8 @@ use crate::error::{Error, Result};
 use crate::producer::outbox::Outbox;
 use crate::publish::metrics::{Guarded, Metrics, NoMetrics};
 use crate::publish::publisher::Publisher;
-use crate::publish::retry::{check_lease, check_retry, Retry};
 use crate::runtime::pool::{connector, Connect, Connections, Source};
+use crate::runtime::retry::{check_lease, check_retry, Retry};
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;

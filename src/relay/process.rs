@@ -10,10 +10,10 @@ use crate::error::{describe, Error, Result};
 use crate::producer::outbox::Outbox;
 use crate::publish::publisher::{HandlerError, PublishError};
 use crate::publish::record::{Fence, Record};
-use crate::publish::retry::Outcome;
 use crate::relay::store::{self, ClaimRequest};
 use crate::runtime::conn::Conn;
 use crate::runtime::fault::Fault;
+use crate::runtime::retry::Outcome;
 
 /// The most rows one [`Outbox::process`] call claims, as for a relay's batch.
 const MAX_LIMIT: usize = 10_000;

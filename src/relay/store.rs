@@ -12,12 +12,13 @@ use crate::error::{Error, Result};
 use crate::producer::message::micros;
 use crate::producer::outbox::Outbox;
 use crate::publish::record::{Fence, Record};
-use crate::publish::retry::Outcome;
+use crate::relay::sql::RelaySql;
 use crate::runtime::conn::{count, Conn};
+use crate::runtime::retry::Outcome;
 
 /// Fails with `Error::NotMigrated` when the outbox table is missing.
 pub(crate) fn probe(conn: &mut Conn<'_, impl GenericClient>, outbox: &Outbox) -> Result<()> {
-    conn.query(&outbox.statements().probe, &[])
+    conn.query(&outbox.statements::<RelaySql>().probe, &[])
         .map_err(|e| outbox.db_error(e))?;
     Ok(())
 }
@@ -41,11 +42,11 @@ pub(crate) struct ClaimRequest {
     pub(crate) max_claims: u32,
     /// Whether a row that dies here parks its aggregate, unless it says.
     pub(crate) park: bool,
-    /// Only the ready rows, with no aggregate scan (see `sql::claim_ready`); `after` and
+    /// Only the ready rows, with no aggregate scan (see `claim_ready` in relay/sql.rs); `after` and
     /// `seen` are then ignored, and the result carries no cursor.
     pub(crate) ready_only: bool,
     /// Payload bytes the claim's reply carries at most; the rest is left out, for
-    /// [`read_payloads`] (see `sql::CLAIM_REPLY`).
+    /// [`read_payloads`] (see `CLAIM_REPLY` in relay/sql.rs).
     pub(crate) inline_bytes: usize,
 }
 
@@ -106,7 +107,7 @@ impl Claimed {
 /// are leased or backing off.
 const MAX_HEADS_VISITED: i32 = 2_000;
 
-/// Claims due rows under a lease; see `sql::claim` for which.
+/// Claims due rows under a lease; see `claim` in relay/sql.rs for which.
 pub(crate) fn claim(
     conn: &mut Conn<'_, impl GenericClient>,
     outbox: &Outbox,
@@ -118,7 +119,7 @@ pub(crate) fn claim(
     let workers = i32::try_from(request.workers).unwrap_or(i32::MAX).max(1);
     let max_claims = i32::try_from(request.max_claims).unwrap_or(i32::MAX);
     let inline = i64::try_from(request.inline_bytes).unwrap_or(i64::MAX);
-    let sql = outbox.statements();
+    let sql: &RelaySql = outbox.statements();
     let (statement, after) = match &request.after {
         _ if request.ready_only => (&sql.claim_ready, ""),
         Some(key) => (&sql.claim_after, key.as_str()),
@@ -257,7 +258,7 @@ pub(crate) fn read_payloads(
 ) -> Result<Vec<(i64, Vec<u8>)>> {
     let rows = conn
         .query(
-            &outbox.statements().payload_slices,
+            &outbox.statements::<RelaySql>().payload_slices,
             &[
                 (&read.ids, Type::INT8_ARRAY),
                 (&read.from, Type::INT4),
@@ -376,7 +377,7 @@ pub(crate) fn record(
     let slot: i16 = rand::thread_rng().gen_range(0..16);
     let rows = conn
         .query(
-            &outbox.statements().record_outcomes,
+            &outbox.statements::<RelaySql>().record_outcomes,
             &[
                 (&ids, Type::INT8_ARRAY),
                 (&attempts, Type::INT4_ARRAY),

@@ -28,7 +28,14 @@ use crate::publish::metrics::Metrics;
 use crate::runtime::conn::{Conn, StatementCache};
 use crate::runtime::lifecycle;
 use crate::runtime::pool::{Pooled, Source};
-use crate::sql;
+
+/// Whether the server takes no writes: a hot standby, or a primary made read-only (as a
+/// planned switchover fences the old primary with `default_transaction_read_only`).
+pub(crate) const READ_ONLY: &str =
+    "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean";
+
+/// Has the server end this connection: a pool then drops it rather than hand it out again.
+pub(crate) const END_OWN_BACKEND: &str = "SELECT pg_terminate_backend(pg_backend_pid())";
 
 /// How long dropping a session waits for its thread to close the connection (or return it
 /// to the pool) before leaving it to finish alone.
@@ -326,10 +333,7 @@ impl Held {
 
     fn set_up(&self, client: &mut Client) -> Result<()> {
         (self.setup)(client).map_err(Error::Db)?;
-        let read_only: bool = client
-            .query_one(sql::READ_ONLY, &[])
-            .map_err(Error::Db)?
-            .get(0);
+        let read_only: bool = client.query_one(READ_ONLY, &[]).map_err(Error::Db)?.get(0);
         if read_only {
             return Err(Error::ReadOnly);
         }
@@ -343,7 +347,7 @@ impl Held {
     /// a multi-host configuration, if the pool's own asks for a server that takes writes).
     fn end_pooled(&self, client: &mut Client) {
         if self.source.is_pool() && !client.is_closed() {
-            let _ = client.batch_execute(sql::END_OWN_BACKEND);
+            let _ = client.batch_execute(END_OWN_BACKEND);
         }
     }
 

@@ -22,11 +22,11 @@ use std::time::Duration;
 use postgres::{GenericClient, Transaction};
 
 use crate::schema::render::{render, RenderError, Values};
-use crate::schema::table::TableName;
-use crate::sql::{
-    bigint, borrowed, checked, in_look, objects, Statements, LOOK_PARTITIONS, LOOK_RANGES,
+use crate::schema::statements::{
+    bigint, borrowed, checked, in_look, objects, shared, Statements, LOOK_PARTITIONS, LOOK_RANGES,
     PARTITIONS_AHEAD, PARTITION_ID_BITS,
 };
+use crate::schema::table::{quote, TableName};
 
 /// A migration file, embedded in the binary.
 pub(crate) struct Migration {
@@ -233,7 +233,8 @@ pub(crate) struct Schema {
 impl Schema {
     /// # Panics
     ///
-    /// As [`Statements::new`]: if a template does not match its values.
+    /// If a template does not match its values: a fault of this crate, the same for every
+    /// table (see `render.rs`), which the test `every_file_renders_for_every_table` shows.
     pub(crate) fn new(table: &TableName) -> Schema {
         checked(Schema::render(table))
     }
@@ -413,7 +414,7 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
 ///
 /// # Panics
 ///
-/// As [`Statements::new`]: if the template does not match its values.
+/// If the template does not match its values (see [`Schema::new`]).
 pub(crate) fn partitioned(table: &TableName, every: Duration) -> String {
     checked(render_partitioned(table, every))
 }
@@ -451,15 +452,19 @@ fn render_partitioned(table: &TableName, every: Duration) -> Result<String, Rend
 /// The DDL script of `Outbox::sql`: the migrations for the table `sql` was rendered for,
 /// each run, and recorded, only if `<table>_migrations` does not record it; then the
 /// function files, each run only if `<table>_functions` does not record its text.
-pub(crate) fn script(sql: &Statements, partition_interval: Option<Duration>) -> String {
-    checked(render_script(sql, partition_interval))
+pub(crate) fn script(
+    table: &TableName,
+    sql: &MigrateSql,
+    partition_interval: Option<Duration>,
+) -> String {
+    checked(render_script(table, sql, partition_interval))
 }
 
 fn render_script(
-    sql: &Statements,
+    table: &TableName,
+    sql: &MigrateSql,
     partition_interval: Option<Duration>,
 ) -> Result<String, RenderError> {
-    let table = sql.table();
     let schema = Schema::render(table)?;
     let mut ddl = String::new();
     if let Some(create_schema) = &sql.create_schema {
@@ -474,7 +479,7 @@ fn render_script(
     for (migration, body) in MIGRATIONS.iter().zip(&schema.migrations) {
         let version = migration.version.to_string();
         let record = render(
-            crate::sql::RECORD_MIGRATION,
+            RECORD_MIGRATION,
             &[
                 ("migrations", &migrations_table),
                 ("version", &version),
@@ -494,7 +499,7 @@ fn render_script(
     }
     ddl.push_str(&schema.functions_table);
     ddl.push_str(";\n\n");
-    ddl.push_str(&functions_steps(sql, &schema, Form::Any)?);
+    ddl.push_str(&functions_steps(table, sql, &schema, Form::Any)?);
     if let Some(every) = partition_interval {
         ddl.push_str(&render(
             PARTITIONED_STEP,
@@ -506,16 +511,21 @@ fn render_script(
             ],
         )?);
     }
-    ddl.push_str(&functions_steps(sql, &schema, Form::Plain)?);
-    ddl.push_str(&functions_steps(sql, &schema, Form::Partitioned)?);
+    ddl.push_str(&functions_steps(table, sql, &schema, Form::Plain)?);
+    ddl.push_str(&functions_steps(table, sql, &schema, Form::Partitioned)?);
     Ok(ddl)
 }
 
 /// The steps of the script that make the function files of `form`, on a table of that
 /// form (found when the script runs) and only where they need it; a table of the other
 /// form forgets the files of this one.
-fn functions_steps(sql: &Statements, schema: &Schema, form: Form) -> Result<String, RenderError> {
-    let functions = sql.table().companion("_functions");
+fn functions_steps(
+    table: &TableName,
+    sql: &MigrateSql,
+    schema: &Schema,
+    form: Form,
+) -> Result<String, RenderError> {
+    let functions = table.companion("_functions");
     let condition = match form {
         Form::Any => "true".to_owned(),
         Form::Plain => format!("NOT ({})", sql.is_partitioned),
@@ -566,16 +576,128 @@ fn names_of(form: Form) -> String {
     format!("ARRAY[{}]", names.join(", "))
 }
 
+/// The statements of a migration, and of what an `Outbox` asks of its table itself:
+/// its schema, its kind, its channel.
+#[derive(Debug)]
+pub(crate) struct MigrateSql {
+    /// Creates the table's schema, if its name has one.
+    pub(crate) create_schema: Option<String>,
+    /// Bounds the wait of a migration for its locks, see `MIGRATION_LOCK_TIMEOUT`.
+    pub(crate) migration_lock_timeout: String,
+    pub(crate) migrations_table: String,
+    pub(crate) applied_versions: String,
+    pub(crate) record_migration: String,
+    /// The channel producers notify on, as the migrations rendered it.
+    pub(crate) channel: String,
+    /// The schema the table is in, or would be created in, on this connection.
+    pub(crate) schema_of: String,
+    /// Whether the table is partitioned.
+    pub(crate) is_partitioned: String,
+    /// Locks the table against every other use, for its conversion.
+    pub(crate) lock_table: String,
+    /// Whether the table holds any row.
+    pub(crate) has_rows: String,
+    /// Sets how long the open and later partitions stay open.
+    pub(crate) set_partition_interval: String,
+}
+
+impl Statements for MigrateSql {
+    fn render(table: &TableName) -> Result<Self, RenderError> {
+        let vars = shared(table, &["table", "channel_fn", "partitions", "migrations"])?;
+        let mut values = Values::new(&borrowed(&vars))?;
+        let statements = MigrateSql {
+            create_schema: match table.schema() {
+                Some(schema) => Some(render(CREATE_SCHEMA, &[("schema", &quote(schema))])?),
+                None => None,
+            },
+            migration_lock_timeout: render(
+                "SET LOCAL lock_timeout = {ms}",
+                &[("ms", &MIGRATION_LOCK_TIMEOUT.as_millis().to_string())],
+            )?,
+            migrations_table: values.render(
+                "CREATE TABLE IF NOT EXISTS {migrations} (
+                   version    integer     PRIMARY KEY,
+                   name       text        NOT NULL,
+                   applied_at timestamptz NOT NULL DEFAULT now())",
+            )?,
+            applied_versions: values.render("SELECT version FROM {migrations}")?,
+            record_migration: render(
+                RECORD_MIGRATION,
+                &[
+                    ("migrations", &table.companion("_migrations")),
+                    ("version", "$1"),
+                    ("name", "$2"),
+                ],
+            )?,
+            channel: values.render("SELECT {channel_fn}()")?,
+            schema_of: values.render(
+                "SELECT coalesce(
+                 (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.oid = to_regclass($1)),
+                 current_schema())::text",
+            )?,
+            // From the catalog, which every role may read.
+            is_partitioned: values.render(
+                "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
+                                  WHERE oid = to_regclass('{table}')), false)",
+            )?,
+            lock_table: values.render("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")?,
+            has_rows: values.render("SELECT EXISTS (SELECT 1 FROM {table})")?,
+            set_partition_interval: values.render(
+                "UPDATE {partitions} SET every = $1::bigint * interval '1 microsecond'
+                 WHERE closed_at IS NULL AND every <> $1::bigint * interval '1 microsecond'",
+            )?,
+        };
+        values.finish()?;
+        Ok(statements)
+    }
+}
+
+/// Records a migration as applied: `{version}` and `{name}` are `$1` and `$2` in the
+/// statement, SQL literals in the script of `Outbox::sql`.
+pub(crate) const RECORD_MIGRATION: &str =
+    "INSERT INTO {migrations} (version, name) VALUES ({version}, {name}) ON CONFLICT DO NOTHING";
+
+const CREATE_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS {schema}";
+
+/// How long a migration waits for its locks on the outbox's tables.
+pub(crate) const MIGRATION_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::schema::render::placeholders;
-    use crate::sql::tests::tables;
+    use crate::schema::statements::tests::{renders_for_every_table, tables};
+
+    #[test]
+    fn every_template_renders_for_every_table() {
+        renders_for_every_table::<MigrateSql>();
+    }
+
+    #[test]
+    fn statements_a_migration_runs_render_as_they_always_did() {
+        let qualified = MigrateSql::render(&TableName::parse("app.events").unwrap()).unwrap();
+        assert_eq!(
+            qualified.create_schema.as_deref(),
+            Some("CREATE SCHEMA IF NOT EXISTS \"app\"")
+        );
+        assert_eq!(
+            qualified.migration_lock_timeout,
+            "SET LOCAL lock_timeout = 5000"
+        );
+        assert_eq!(
+            qualified.record_migration,
+            "INSERT INTO \"app\".\"events_migrations\" (version, name) VALUES ($1, $2) \
+             ON CONFLICT DO NOTHING"
+        );
+        let plain = MigrateSql::render(&TableName::parse("orders").unwrap()).unwrap();
+        assert_eq!(plain.create_schema, None);
+    }
 
     #[test]
     fn every_file_renders_for_every_table() {
         for table in tables() {
-            let statements = Statements::new(&table);
+            let statements = MigrateSql::render(&table).unwrap();
             let schema = Schema::render(&table).unwrap();
             assert_eq!(schema.migrations.len(), MIGRATIONS.len());
             assert_eq!(schema.functions.len(), FUNCTIONS.len());
@@ -590,7 +712,7 @@ mod tests {
                     placeholders(ddl)
                 );
             }
-            let script = render_script(&statements, None).unwrap();
+            let script = render_script(&table, &statements, None).unwrap();
             assert!(placeholders(&script).is_empty(), "{}", table.as_str());
             for ddl in schema.migrations.iter().chain(&schema.functions) {
                 assert!(script.contains(ddl.as_str()));
@@ -599,7 +721,7 @@ mod tests {
             let partitioned = render_partitioned(&table, day).unwrap();
             assert!(placeholders(&partitioned).is_empty(), "{}", table.as_str());
             assert!(partitioned.contains("interval '86400000000 microseconds'"));
-            let script = render_script(&statements, Some(day)).unwrap();
+            let script = render_script(&table, &statements, Some(day)).unwrap();
             assert!(script.contains(&partitioned), "{}", table.as_str());
         }
     }

@@ -4,4 +4,5 @@
 pub(crate) mod grants;
 pub(crate) mod migrate;
 pub(crate) mod render;
+pub(crate) mod statements;
 pub(crate) mod table;

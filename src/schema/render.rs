@@ -73,7 +73,7 @@ impl<'a> Values<'a> {
     }
 
     /// As [`Values::render`], with values of its own besides the shared ones: `own`, for
-    /// one of several renderings of the same template (as `sql::by_ranges` makes, one for
+    /// one of several renderings of the same template (as `by_ranges` in operations/sql/stats.rs makes, one for
     /// each count of ranges). They need not all be used, and none may share a name with a
     /// shared value.
     pub(crate) fn render_with(

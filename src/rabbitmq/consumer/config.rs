@@ -10,11 +10,11 @@ use postgres::Socket;
 use super::dead_letter::QueueType;
 use super::metrics::{ConsumerMetrics, NoConsumerMetrics};
 use crate::producer::message::MAX_SHORT_STRING;
-use crate::publish::retry::check_retry;
-use crate::publish::retry::Retry;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::error::Error;
 use crate::runtime::pool::{connector, Connect};
+use crate::runtime::retry::check_retry;
+use crate::runtime::retry::Retry;
 
 /// How a [`Consumer`](crate::rabbitmq::Consumer) runs.
 ///

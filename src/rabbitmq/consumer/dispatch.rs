@@ -20,9 +20,9 @@ use super::shared::Shared;
 use super::succession::Succession;
 use super::worker::{Done, Job, Outcome, Task};
 use crate::error::describe;
-use crate::publish::retry::reconnect_delay;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::deadline::{Closed, Cutter};
+use crate::runtime::retry::reconnect_delay;
 
 /// The longest a committed delivery's ack is held back to go out with others.
 const ACK_DELAY: Duration = Duration::from_millis(5);

@@ -15,6 +15,7 @@ mod facade;
 mod lanes;
 mod metrics;
 mod shared;
+mod sql;
 mod succession;
 mod worker;
 
@@ -341,7 +342,7 @@ fn check_tables(conn: Result<&mut postgres::Client, String>, outbox: &Outbox) ->
             return Ok(());
         }
     };
-    match conn.batch_execute(&outbox.statements().probe_consumer) {
+    match conn.batch_execute(&outbox.statements::<sql::ConsumerSql>().probe_consumer) {
         Ok(()) => Ok(()),
         Err(e) => match outbox.db_error(e) {
             e @ crate::error::Error::NotMigrated { .. } => Err(Error::Database(e)),

@@ -16,8 +16,8 @@ use amiquip::{Channel, Queue};
 use crossbeam_channel::{after, select};
 
 use super::shared::Shared;
-use crate::publish::retry::reconnect_delay;
 use crate::rabbitmq::deadline::Cutter;
+use crate::runtime::retry::reconnect_delay;
 
 /// The longest pause between two looks at whether the broker dropped the last connection.
 const POLL: Duration = Duration::from_secs(1);
