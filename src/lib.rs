@@ -85,14 +85,13 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
+#[allow(deprecated)]
+pub use operations::filter::{Filter, Purge, PurgeTarget, Redrive, Rows, Selection};
 pub use operations::health::report::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };
 pub use operations::install::{Installed, ObjectKind};
-#[allow(deprecated)]
-pub use operations::operate::{
-    DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection,
-};
+pub use operations::letters::{DeadLetter, ErrorGroup};
 pub use operations::relays::{PublisherState, RelayReport};
 pub use operations::stats::{Stats, TopicStats};
 pub use producer::message::{Message, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
