@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::producer::message::micros;
 
-/// Which dead letters [`Outbox::redrive`] makes pending again.
+/// Which dead letters [`Outbox::redrive`](crate::Outbox::redrive) makes pending again.
 #[deprecated(
     since = "0.2.0",
     note = "pass a `Filter` to `redrive`: `Filter::new()` for every dead letter, `.key(k)` for some"
@@ -21,7 +21,7 @@ pub enum Redrive<'a> {
     Keys(&'a [&'a str]),
 }
 
-/// Which finished rows [`Outbox::purge`] deletes.
+/// Which finished rows [`Outbox::purge`](crate::Outbox::purge) deletes.
 #[deprecated(
     since = "0.2.0",
     note = "pass `Rows::Sent.matching(Filter::new().older_than(age))` (or `Rows::Dead`, `Rows::Inbox`) to `purge`"
@@ -39,7 +39,7 @@ pub enum Purge {
         /// Minimum age since the row died.
         older_than: Duration,
     },
-    /// Dedupe records (see [`Outbox::dedupe`]) older than this. Keep them longer than any
+    /// Dedupe records (see [`Outbox::dedupe`](crate::Outbox::dedupe)) older than this. Keep them longer than any
     /// message can take to be delivered again: the relay's retry horizon, the broker's
     /// retention, and the longest a consumer may be down. A redelivery after its record was
     /// purged is processed again. Also deletes consumer failure counts (see
@@ -130,7 +130,7 @@ impl Filter {
         self
     }
 
-    /// At most this many rows, for [`Outbox::dead_letters`] (oldest first); other
+    /// At most this many rows, for [`Outbox::dead_letters`](crate::Outbox::dead_letters) (oldest first); other
     /// operations refuse a filter with a limit rather than change only some rows.
     pub fn limit(mut self, limit: usize) -> Filter {
         self.limit = Some(limit);
@@ -222,7 +222,7 @@ impl From<Redrive<'_>> for Filter {
     }
 }
 
-/// Which finished rows [`Outbox::purge`] deletes and [`Outbox::count`] counts; with a
+/// Which finished rows [`Outbox::purge`](crate::Outbox::purge) deletes and [`Outbox::count`](crate::Outbox::count) counts; with a
 /// filter, through [`matching`](Rows::matching).
 ///
 /// ```no_run
@@ -263,7 +263,7 @@ impl Rows {
     }
 }
 
-/// Rows of one kind that match a filter: what [`Outbox::purge`] and [`Outbox::count`]
+/// Rows of one kind that match a filter: what [`Outbox::purge`](crate::Outbox::purge) and [`Outbox::count`](crate::Outbox::count)
 /// take. Made by [`Rows::matching`]; a bare [`Rows`] selects every row of its kind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {

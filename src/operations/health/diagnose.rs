@@ -23,7 +23,7 @@ impl Outbox {
     /// prepared transaction holding back the xmin horizon, the replication slots and
     /// standbys holding one, how long the oldest ready row has been due, and what the relays
     /// report (a publisher down; claims that do not keep up; reports that stopped coming).
-    /// Every figure past `thresholds` is a [`Finding`] with its remedy. Its cost does not
+    /// Every figure past `thresholds` is a [`Finding`](crate::Finding) with its remedy. Its cost does not
     /// grow with the table: catalog rows and one index entry.
     ///
     /// ```no_run

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::operations::relays::RelayReport;
 
-/// Where [`Outbox::health`] draws the line. The defaults suit a busy outbox; lower them to
+/// Where [`Outbox::health`](crate::Outbox::health) draws the line. The defaults suit a busy outbox; lower them to
 /// hear sooner.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthThresholds {
@@ -129,7 +129,7 @@ impl HealthThresholds {
     }
 }
 
-/// What [`Outbox::health`] measured, and what it found wrong.
+/// What [`Outbox::health`](crate::Outbox::health) measured, and what it found wrong.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Health {
@@ -150,7 +150,7 @@ pub struct Health {
     pub dead_letters: u64,
     /// Parked dead letters, as [`Stats::parked`](crate::Stats::parked).
     pub parked: u64,
-    /// What the relays of this outbox report of themselves (see [`Outbox::relays`]).
+    /// What the relays of this outbox report of themselves (see [`Outbox::relays`](crate::Outbox::relays)).
     pub relays: Vec<RelayReport>,
     /// A partitioned outbox's partitions, oldest first; empty for a plain table.
     pub partitions: Vec<Partition>,
