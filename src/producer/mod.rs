@@ -2,6 +2,7 @@
 //! and the consumer-side deduplication in the caller's transaction.
 
 pub(crate) mod batch;
+pub(crate) mod dedupe;
 pub(crate) mod message;
 pub(crate) mod outbox;
 pub(crate) mod sql;
