@@ -40,7 +40,7 @@ use super::connect::{close_within, Endpoints};
 use super::error::Error;
 use crate::lifecycle::{StopSignal, Threads};
 use crate::outbox::Outbox;
-use crate::pool::{Connections, Source};
+use crate::pool::Connections;
 use crate::publish::HandlerError;
 use dispatch::Dispatcher;
 use shared::{Counters, Shared, FATAL_GRACE};
@@ -167,10 +167,7 @@ impl Consumer {
         F: Fn(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + Sync + 'static,
     {
         config.check()?;
-        let source = match &config.own {
-            Some(connect) => Source::Own(connect.clone()),
-            None => connections.into().source,
-        };
+        let source = connections.into().source;
         if let Some(size) = source.pool_size() {
             if (size as usize) < config.concurrency {
                 return Err(Error::InvalidConfig(format!(
