@@ -18,7 +18,7 @@ use postgres_outbox::rabbitmq::{
     Consumer, ConsumerConfig, ConsumerReport, DEAD_EXPIRATION_HEADER, DEAD_REASON_HEADER,
     DEAD_USER_ID_HEADER,
 };
-use postgres_outbox::{HandlerError, Outbox};
+use postgres_outbox::{HandlerError, Outbox, Retry};
 
 /// A consumer of `queue` whose handler records each key it handled, in order.
 fn consumer(
@@ -36,7 +36,7 @@ fn consumer(
 
 fn config(queue: &str) -> ConsumerConfig {
     ConsumerConfig::new(&amqp_url(), queue, "bad_input")
-        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(50)))
 }
 
 fn text_header(properties: &AmqpProperties, name: &str) -> Option<String> {
@@ -191,7 +191,7 @@ fn a_dead_letter_queue_that_refuses_holds_the_message_without_running_its_handle
     let consumer = {
         let (runs, handled) = (runs.clone(), handled.clone());
         let config = ConsumerConfig::new(&url, &queue, "bad_input")
-            .backoff(Duration::from_millis(10), Duration::from_millis(50));
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(50)));
         Consumer::spawn(config, outbox.clone(), pool(2), move |_, delivery| {
             if delivery.key.starts_with("poison") {
                 runs.fetch_add(1, Ordering::SeqCst);

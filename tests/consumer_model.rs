@@ -22,7 +22,7 @@ use amiquip::AmqpValue;
 use common::broker::Broker;
 use common::*;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, ConsumerReport, DEAD_FAILURES_HEADER};
-use postgres_outbox::{HandlerError, Outbox};
+use postgres_outbox::{HandlerError, Outbox, Retry};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -143,8 +143,10 @@ fn spawn(
     Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), queue, name)
             .concurrency(2)
-            .max_attempts(MAX_ATTEMPTS)
-            .backoff(Duration::from_millis(5), Duration::from_millis(20)),
+            .retry(
+                Retry::new(MAX_ATTEMPTS)
+                    .backoff(Duration::from_millis(5), Duration::from_millis(20)),
+            ),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {

@@ -15,7 +15,7 @@ use common::faulty::{Faulty, Mode};
 use common::*;
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, DEAD_FAILURES_HEADER};
-use postgres_outbox::{Connections, HandlerError, Outbox};
+use postgres_outbox::{Connections, HandlerError, Outbox, Retry};
 
 fn effects_table(client: &mut postgres::Client) -> String {
     let table = unique_name("effects");
@@ -62,7 +62,7 @@ fn a_handler_that_ignored_a_failed_statement_is_tried_again_not_acked_with_nothi
     let (handler_calls, handler_table) = (calls.clone(), table.clone());
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "swallowing")
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -111,8 +111,7 @@ fn a_handler_failing_on_a_fault_of_the_database_is_never_charged() {
         (timeouts.clone(), deploys.clone(), table.clone());
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "worldly")
-            .max_attempts(2)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -258,7 +257,7 @@ fn a_lost_reply_to_the_failure_count_charges_the_failure_once() {
     let consumer = Consumer::spawn(
         // One attempt: the first failure is the message's last.
         ConsumerConfig::new(&amqp_url(), &queue, "counted")
-            .max_attempts(1)
+            .retry(Retry::new(1))
             .statement_timeout(Duration::from_secs(1)),
         outbox.clone(),
         Connections::open(database_at(&proxy.address()), NoTls),

@@ -15,7 +15,7 @@ use common::pg_node::{PgNode, Stopped};
 use common::{wait_until, Counters, Gate, Sink};
 use postgres::{Client, NoTls};
 use postgres_outbox::{
-    Connections, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+    Connections, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig, Retry,
 };
 
 /// An outbox on `node`, migrated, with a lease of `lease`.
@@ -563,7 +563,7 @@ fn over_a_slow_link(rate: usize) -> (Vec<Vec<u8>>, Held) {
             &outbox,
             publisher.clone(),
         )
-        .max_claims(2)
+        .retry(Retry::default().max_claims(2))
         .concurrency(1),
     )
     .expect("spawn the relay");

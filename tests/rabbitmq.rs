@@ -17,6 +17,7 @@ use postgres_outbox::rabbitmq::{
 };
 use postgres_outbox::{
     Access, HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+    Retry,
 };
 
 /// A relay to `exchange` whose publishers are set up by `tune`, with short retry backoff.
@@ -30,7 +31,7 @@ fn relay_config(
     RelayConfig::new(outbox.clone(), pool(4), move || {
         RabbitPublisher::connect(&url, &exchange).map(tune)
     })
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
 }
 
 fn enqueue(client: &mut postgres::Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
@@ -396,7 +397,7 @@ fn a_connection_closed_mid_batch_loses_nothing_and_duplicates_only_the_unconfirm
     .concurrency(2)
     .notify(false)
     .poll_interval(Duration::from_millis(50))
-    .backoff(Duration::from_millis(10), Duration::from_millis(50));
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(50)));
     let relay = Relay::spawn(config).unwrap();
     wait_until("every row is sent", || {
         count(&mut client, &outbox, "status = 'sent'") == total as i64
@@ -515,7 +516,7 @@ fn a_consumer_works_with_the_rights_the_readme_gives_it() {
     let handler_failed = failed_once.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "billing")
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         role.pool(),
         move |tx, delivery| {
@@ -657,8 +658,7 @@ fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "fails")
-            .max_attempts(3)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .retry(Retry::new(3).backoff(Duration::from_millis(10), Duration::from_millis(20)))
             .dead_letter_exchange(),
         outbox.clone(),
         pool(2),
@@ -952,7 +952,8 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
     let calls = Arc::new(AtomicUsize::new(0));
     let (handler_table, handler_calls) = (table.clone(), calls.clone());
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "outage").max_attempts(2),
+        ConsumerConfig::new(&amqp_url(), &queue, "outage")
+            .retry(Retry::new(2).backoff(Duration::from_secs(1), Duration::from_secs(60))),
         outbox,
         pool,
         move |tx, delivery| {
@@ -1129,8 +1130,7 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
     let counts = ConsumerCounts::default();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "metered")
-            .max_attempts(2)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20)))
             .metrics(counts.clone()),
         outbox,
         pool(2),
@@ -1189,8 +1189,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
         let calls = calls.clone();
         Consumer::spawn(
             ConsumerConfig::new(&amqp_url(), &queue, "poisoned")
-                .max_attempts(3)
-                .backoff(backoff, backoff * 2),
+                .retry(Retry::new(3).backoff(backoff, backoff * 2)),
             outbox.clone(),
             pool(1),
             move |_tx, _delivery| {
@@ -1277,8 +1276,7 @@ fn retries_back_off_exponentially() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "backoff")
-            .max_attempts(10)
-            .backoff(Duration::from_millis(200), Duration::from_secs(10)),
+            .retry(Retry::new(10).backoff(Duration::from_millis(200), Duration::from_secs(10))),
         outbox,
         pool(1),
         move |_tx, _delivery| {
@@ -1350,7 +1348,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
         ConsumerConfig::new(&amqp_url(), &queue, "ordered")
             .prefetch(16)
             .concurrency(concurrency)
-            .backoff(Duration::from_millis(20), Duration::from_millis(50)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(20), Duration::from_millis(50))),
         outbox,
         pool(concurrency as u32),
         move |tx, delivery| {
@@ -1414,9 +1412,10 @@ fn a_failing_aggregate_holds_only_itself() {
     let handled: Arc<Mutex<Vec<String>>> = Arc::default();
     let (handler_release, handler_handled) = (release.clone(), handled.clone());
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "holds")
-            .max_attempts(i32::MAX as u32)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        ConsumerConfig::new(&amqp_url(), &queue, "holds").retry(
+            Retry::new(i32::MAX as u32)
+                .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        ),
         outbox,
         pool(1),
         move |_tx, delivery| {
@@ -1460,7 +1459,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         // One failure would dead-letter it.
-        ConsumerConfig::new(&amqp_url(), &queue, "cut").max_attempts(1),
+        ConsumerConfig::new(&amqp_url(), &queue, "cut").retry(Retry::new(1)),
         outbox,
         pool(2),
         move |tx, _delivery| {
@@ -1525,9 +1524,9 @@ fn consumer_settings_that_cannot_work_are_refused_before_connecting() {
         (config().prefetch(0), 1, "prefetch"),
         (config().concurrency(0), 1, "concurrency"),
         (config().concurrency(3), 2, "pool"),
-        (config().max_attempts(0), 1, "max_attempts"),
+        (config().retry(Retry::new(0)), 1, "max_attempts"),
         (
-            config().backoff(Duration::from_secs(2), Duration::from_secs(1)),
+            config().retry(Retry::new(5).backoff(Duration::from_secs(2), Duration::from_secs(1))),
             1,
             "backoff",
         ),
@@ -1648,8 +1647,7 @@ fn outage_relay(
             RabbitPublisher::connect(&url, &exchange)
                 .map(|p| p.confirm_timeout(Duration::from_secs(2)))
         })
-        .max_attempts(2)
-        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10)))
         .poll_interval(Duration::from_millis(50))
         .metrics(metrics.clone()),
     )

@@ -184,27 +184,6 @@ impl RelayConfig {
         self
     }
 
-    /// Attempts before a row is dead-lettered, unless the message sets its own: the
-    /// attempt part of [`retry`](RelayConfig::retry).
-    pub fn max_attempts(mut self, max_attempts: u32) -> RelayConfig {
-        self.retry.max_attempts = max_attempts;
-        self
-    }
-
-    /// Claims in a row without an outcome before a row is dead, the crash-loop guard: the
-    /// [`max_claims`](Retry::max_claims) part of [`retry`](RelayConfig::retry).
-    pub fn max_claims(mut self, max_claims: u32) -> RelayConfig {
-        self.retry = self.retry.max_claims(max_claims);
-        self
-    }
-
-    /// The first retry delay and the cap of the exponential backoff: the backoff part of
-    /// [`retry`](RelayConfig::retry).
-    pub fn backoff(mut self, min: Duration, max: Duration) -> RelayConfig {
-        self.retry = self.retry.backoff(min, max);
-        self
-    }
-
     /// Whether a message that becomes a dead letter parks its aggregate (default: the
     /// outbox's, see [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead));
     /// a message may say otherwise with [`Message::park_on_dead`](crate::Message::park_on_dead).

@@ -17,11 +17,11 @@ use crate::retry::Retry;
 /// ```
 /// use std::time::Duration;
 /// use postgres_outbox::rabbitmq::ConsumerConfig;
+/// use postgres_outbox::Retry;
 /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
 ///     .concurrency(4)
 ///     .prefetch(32)
-///     .max_attempts(5)
-///     .backoff(Duration::from_secs(1), Duration::from_secs(60));
+///     .retry(Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60)));
 /// # let _ = config;
 /// ```
 #[derive(Clone)]
@@ -127,20 +127,6 @@ impl ConsumerConfig {
     /// aggregate wait too; other messages go on.
     pub fn retry(mut self, retry: Retry) -> ConsumerConfig {
         self.retry = retry;
-        self
-    }
-
-    /// Attempts before a message is dead-lettered (default 5): the attempt part of
-    /// [`retry`](ConsumerConfig::retry).
-    pub fn max_attempts(mut self, max_attempts: u32) -> ConsumerConfig {
-        self.retry.max_attempts = max_attempts;
-        self
-    }
-
-    /// The first retry's delay and the backoff's cap (default 1 s, 60 s): the backoff part
-    /// of [`retry`](ConsumerConfig::retry).
-    pub fn backoff(mut self, min: Duration, max: Duration) -> ConsumerConfig {
-        self.retry = self.retry.backoff(min, max);
         self
     }
 

@@ -85,7 +85,7 @@ impl ConsumerReport {
 /// `COMMIT`); the message's failure count goes up (in the
 /// database, so restarts and other consumers of the queue see it) and it is handled again
 /// after a capped, jittered backoff, held unacked meanwhile. After
-/// [`max_attempts`](ConsumerConfig::max_attempts), or at once for a permanent error, it is
+/// its [`retry`](ConsumerConfig::retry)'s attempts, or at once for a permanent error, it is
 /// dead-lettered: published to the [dead-letter queue](ConsumerConfig::dead_letter_queue)
 /// and confirmed before it is acked, or rejected to the queue's dead-letter exchange. A
 /// message without a message id is dead-lettered unhandled.
