@@ -24,14 +24,11 @@ use postgres_outbox::{
 fn relay_config(
     outbox: &Outbox,
     exchange: &str,
-    tune: fn(RabbitPublisher) -> RabbitPublisher,
+    tune: fn(PublisherConfig) -> PublisherConfig,
 ) -> RelayConfig {
-    let url = amqp_url();
-    let exchange = exchange.to_owned();
-    RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange).map(tune)
-    })
-    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
+    let publishing = tune(PublisherConfig::new(&amqp_url(), exchange).unwrap());
+    RelayConfig::new(outbox.clone(), pool(4), move || publishing.connect())
+        .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
 }
 
 fn enqueue(client: &mut postgres::Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
@@ -155,7 +152,7 @@ fn every_message_carries_its_attempt_unless_first_attempts_are_asked_to_go_bare(
             )
             .unwrap();
         let tune = if bare {
-            |p: RabbitPublisher| p.first_attempt_header(false)
+            |p: PublisherConfig| p.first_attempt_header(false)
         } else {
             |p| p
         };
@@ -782,10 +779,12 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_streamed_and_pipelined() 
         enqueue(&mut client, &outbox, messages);
         let calls = Arc::new(Mutex::new(Vec::new()));
         let config = {
-            let (url, calls) = (amqp_url(), calls.clone());
+            let calls = calls.clone();
+            let publishing = PublisherConfig::new(&amqp_url(), &exchange)
+                .unwrap()
+                .confirm_timeout(Duration::MAX);
             RelayConfig::new(outbox.clone(), pool(4), move || {
-                RabbitPublisher::connect(&url, &exchange)
-                    .map(|p| Counting(p.confirm_timeout(Duration::MAX), calls.clone()))
+                publishing.connect().map(|p| Counting(p, calls.clone()))
             })
         }
         .pipeline_runs(pipeline)
@@ -844,9 +843,11 @@ fn stream(publisher: &mut RabbitPublisher, records: &[Record]) -> Vec<&'static s
 fn a_stream_ends_an_aggregate_at_its_first_nack_and_goes_on_with_the_others() {
     let broker = Broker::new();
     let (exchange, queue) = broker.routed("stream_nack", nacking_after(5));
-    let mut publisher = RabbitPublisher::connect(&amqp_url(), &exchange)
+    let mut publisher = PublisherConfig::new(&amqp_url(), &exchange)
         .unwrap()
-        .mandatory(false);
+        .mandatory(false)
+        .connect()
+        .unwrap();
     // Confirm-round order, as the relay hands a batch over.
     let records = keyed(&["a-0", "b-0", "a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]);
     let outcomes = stream(&mut publisher, &records);
@@ -1640,12 +1641,14 @@ fn outage_relay(
     metrics: &Counters,
     builds: &Arc<AtomicUsize>,
 ) -> Relay {
-    let (url, exchange, builds) = (url.to_owned(), exchange.to_owned(), builds.clone());
+    let builds = builds.clone();
+    let publishing = PublisherConfig::new(url, exchange)
+        .unwrap()
+        .confirm_timeout(Duration::from_secs(2));
     Relay::spawn(
         RelayConfig::new(outbox.clone(), pool(5), move || {
             builds.fetch_add(1, Ordering::SeqCst);
-            RabbitPublisher::connect(&url, &exchange)
-                .map(|p| p.confirm_timeout(Duration::from_secs(2)))
+            publishing.connect()
         })
         .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10)))
         .poll_interval(Duration::from_millis(50))

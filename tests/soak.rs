@@ -159,7 +159,7 @@ fn run_relay_process() -> ! {
     let factory = move || {
         let n = publishers.fetch_add(1, Ordering::SeqCst);
         RabbitPublisher::connect(&amqp, EXCHANGE).map(|inner| FaultyPublisher {
-            inner: inner.mandatory(true),
+            inner,
             rng: StdRng::seed_from_u64(seed ^ (n << 32) ^ u64::from(std::process::id())),
             tally: tally.clone(),
         })
