@@ -194,7 +194,7 @@ fn a_quorum_queue_keeps_every_message_in_order_while_a_node_stops_and_starts() {
     });
     let took = started.elapsed();
     relay.shutdown(Duration::from_secs(10)).unwrap();
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(count(&mut client, &outbox, "status = 'sent'"), TOTAL as i64);
     assert_eq!(

@@ -208,7 +208,7 @@ fn check(outbox: &Outbox, broker: &Broker, run: &Run, case: usize) -> Result<(),
     let mut earlier = 0;
     for (i, (key, message)) in keys.iter().zip(&run.messages).enumerate() {
         if run.restart_after == Some(i) {
-            earlier += settled_by(consumer.shutdown(Duration::from_secs(10)));
+            earlier += settled_by(consumer.shutdown(Duration::from_secs(10)).unwrap());
             consumer = spawn(outbox, &queue, &name, &table, &scripts, &calls);
         }
         let aggregate = message.aggregate.map(|a| format!("agg{a}"));
@@ -232,7 +232,7 @@ fn check(outbox: &Outbox, broker: &Broker, run: &Run, case: usize) -> Result<(),
     let settled = wait_while(|| {
         earlier + settled_by(consumer.report()) >= deliveries && broker.ready(&queue) == 0
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     let committed = effects(&mut client);
     let letters = broker.drain(&dead);
     broker.delete_queue(&queue);

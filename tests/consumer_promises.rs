@@ -84,7 +84,7 @@ fn a_handler_that_ignored_a_failed_statement_is_tried_again_not_acked_with_nothi
     wait_until("the delivery is processed", || {
         consumer.report().processed == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (rows(&mut client, &table), inbox_rows(&mut client, &outbox)),
         (1, 1),
@@ -147,7 +147,7 @@ fn a_handler_failing_on_a_fault_of_the_database_is_never_charged() {
         let report = consumer.report();
         report.processed + report.rejected == 2
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.retried, report.rejected),
         (2, 0, 0),
@@ -210,7 +210,7 @@ fn a_stale_failure_count_never_dead_letters_a_processed_message() {
         let report = consumer.report();
         report.duplicates + report.rejected == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.duplicates, report.rejected), (1, 0), "{report:?}");
     assert_eq!(broker.ready(&format!("{queue}.dead")), 0);
     assert_eq!(calls.load(Ordering::SeqCst), 0);
@@ -278,7 +278,7 @@ fn a_lost_reply_to_the_failure_count_charges_the_failure_once() {
     proxy.set(Mode::Pass);
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.rejected, 1, "{report:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
     let letters = broker.drain(&dead);
@@ -333,7 +333,7 @@ fn a_lost_ack_after_a_stored_dead_letter_is_not_dead_lettered_twice() {
         let report = consumer.report();
         report.rejected + report.duplicates == 2
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.rejected, report.duplicates), (1, 1), "{report:?}");
     assert_eq!(broker.ready(&dead), 1, "one dead letter");
     assert_eq!(calls.load(Ordering::SeqCst), 1);

@@ -533,7 +533,7 @@ fn a_consumer_whose_commit_stalls_gives_the_connection_up_and_the_effect_happens
         let report = consumer.report();
         report.processed + report.duplicates == 1 && broker.ready(&queue) == 0
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (0, 0));
     let effects: i64 = client
         .query_one("SELECT count(*) FROM effects", &[])

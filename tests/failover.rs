@@ -186,7 +186,7 @@ fn the_consumer_skips_a_dead_endpoint_and_fails_over_to_the_next_when_its_connec
             && r.processed + r.duplicates >= total as u64
             && r.processed == total as u64
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(report.processed, total as u64, "each committed once");
     assert_eq!(report.rejected, 0, "nothing dead");
@@ -346,7 +346,7 @@ fn the_consumer_reads_a_quorum_queue_and_dead_letters_into_a_quorum_queue() {
         let r = consumer.report();
         r.processed == 9 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(queue_type(&dead_queue), "quorum");
     let dead = broker.drain(&dead_queue);
@@ -479,7 +479,7 @@ fn the_relay_and_the_consumer_speak_amqps_and_verify_the_broker() {
     wait_until("every message is handled", || {
         consumer.report().processed == 20
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(*handled.lock().unwrap(), keys, "all of them, in order");
 
     for name in [queue.clone(), format!("{queue}.dead")] {

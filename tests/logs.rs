@@ -150,7 +150,7 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
     .unwrap();
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let letter = broker.drain(&dead).remove(0);
     let reason = match &letter.delivery.properties.headers().as_ref().unwrap()[DEAD_REASON_HEADER] {
         amiquip::AmqpValue::LongString(reason) => reason.clone(),

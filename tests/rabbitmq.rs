@@ -483,7 +483,7 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
         let r = consumer.report();
         r.processed + r.duplicates == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.processed, report.duplicates), (2, 1));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     let rows: i64 = client
@@ -531,7 +531,7 @@ fn a_consumer_works_with_the_rights_the_readme_gives_it() {
         let r = consumer.report();
         r.processed + r.duplicates == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.duplicates, report.retried),
         (2, 1, 1)
@@ -616,16 +616,14 @@ fn a_consumer_shut_down_checked_reports_what_it_did_or_why_it_stopped() {
     let consumer = spawn();
     broker.send(&queue, Some("m-1"), b"a");
     wait_until("m-1 is handled", || consumer.report().processed == 1);
-    let report = consumer.shutdown_checked(Duration::from_secs(10)).unwrap();
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.processed, 1);
 
     let consumer = spawn();
     drop_inbox(&mut client, &outbox);
     broker.send(&queue, Some("m-2"), b"b");
     wait_until("the consumer stops on its own", || consumer.has_stopped());
-    let err = consumer
-        .shutdown_checked(Duration::from_secs(10))
-        .unwrap_err();
+    let err = consumer.shutdown(Duration::from_secs(10)).unwrap_err();
     assert!(
         matches!(&err, postgres_outbox::rabbitmq::Error::Database(e) if e.is_not_migrated()),
         "{err}"
@@ -667,7 +665,7 @@ fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     .unwrap();
     broker.send(&queue, Some("poison"), b"x");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     assert_eq!(
         (report.retried, report.rejected, report.processed),
@@ -713,7 +711,7 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
             .recv_timeout(Duration::from_secs(60))
             .expect("handler runs");
     }
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     let committed: i64 = client
         .query_one(&format!("SELECT count(*) FROM {table}"), &[])
         .unwrap()
@@ -992,7 +990,7 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
     wait_until("all three are processed", || {
         consumer.report().processed == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.retried, report.rejected),
         (3, 0, 0)
@@ -1151,7 +1149,7 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
         let r = consumer.report();
         r.processed == 2 && r.duplicates == 1 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let seen: Vec<usize> = counts.0.iter().map(|c| c.load(Ordering::SeqCst)).collect();
     assert_eq!(
         seen,
@@ -1207,7 +1205,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     wait_until("the first failure is counted", || {
         failures_of(&mut client, &outbox, "poisoned", "poison") == 1
     });
-    let report = first.shutdown(Duration::from_secs(10));
+    let report = first.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (1, 0));
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     wait_until("the message is back on the queue", || {
@@ -1218,7 +1216,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     let second = spawn(Duration::from_millis(10));
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = second.shutdown(Duration::from_secs(10));
+    let report = second.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3, "three tries in all");
     assert_eq!((report.retried, report.rejected), (1, 1));
     assert_eq!(broker.ready(&queue), 0);
@@ -1262,7 +1260,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     wait_until("the redriven copy fails once, counted afresh", || {
         calls.load(Ordering::SeqCst) == 4
     });
-    let report = third.shutdown(Duration::from_secs(10));
+    let report = third.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (1, 0), "{report:?}");
     assert_eq!(failures_of(&mut client, &outbox, "poisoned", "poison"), 1);
     broker.delete_queue(&queue);
@@ -1292,7 +1290,7 @@ fn retries_back_off_exponentially() {
     .unwrap();
     broker.send(&queue, Some("m"), b"x");
     wait_until("it succeeds", || consumer.report().processed == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (3, 0));
     let calls = calls.lock().unwrap();
     // Equal jitter: the n-th wait is at least half of 200 ms * 2^(n-1).
@@ -1378,7 +1376,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
         let r = consumer.report();
         r.processed == 49 && r.rejected == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.retried, 4);
     let handled = handled_in_order(&mut client, &table);
     for aggregate in ["a", "b", "c", "d"] {
@@ -1442,7 +1440,7 @@ fn a_failing_aggregate_holds_only_itself() {
     wait_until("the held aggregate follows", || {
         consumer.report().processed == 4
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let handled = handled.lock().unwrap();
     let mut first_two = handled[..2].to_vec();
     first_two.sort();
@@ -1475,7 +1473,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     .unwrap();
     broker.send(&queue, Some("m"), b"x");
     wait_until("it is processed", || consumer.report().processed == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (0, 0));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     broker.delete_queue(&queue);
@@ -1504,7 +1502,7 @@ fn a_message_without_an_id_is_dead_lettered_unhandled() {
         let r = consumer.report();
         r.processed == 1 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     let letters = broker.drain(&format!("{queue}.dead"));
     assert_eq!(letters.len(), 1);
@@ -1610,7 +1608,7 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
             r.processed + r.duplicates >= total as u64
         }
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.processed, total as u64, "each committed once");
     assert_eq!(report.rejected, 0);
     assert!(calls.load(Ordering::SeqCst) > 50, "the cut happened");

@@ -124,7 +124,7 @@ impl ConsumerReport {
 ///     Ok(())
 /// })?;
 /// // ...
-/// let report = consumer.shutdown(Duration::from_secs(10));
+/// let report = consumer.shutdown(Duration::from_secs(10))?;
 /// println!("{report:?}");
 /// # Ok(())
 /// # }
@@ -228,7 +228,8 @@ impl Consumer {
         Ok(consumer)
     }
 
-    /// What the consumer has done so far.
+    /// What the consumer has done so far, as [`Relay::report`](crate::Relay::report) says
+    /// it of a relay.
     pub fn report(&self) -> ConsumerReport {
         ConsumerReport::of(&self.shared.counters)
     }
@@ -246,18 +247,10 @@ impl Consumer {
     /// more, cut if the broker does not answer), so everything else goes back on time; that handler finishes in the
     /// background, and its delivery comes again (acked as a duplicate if it committed).
     ///
-    /// Returns what the consumer did. Unlike [`Relay::shutdown`](crate::Relay::shutdown) it
-    /// returns no `Result`: that is the contract existing callers hold (DESIGN.md), and a
-    /// consumer's stop cannot fail. To learn whether it had stopped on its own first, and
-    /// why, use [`shutdown_checked`](Consumer::shutdown_checked).
-    pub fn shutdown(mut self, timeout: Duration) -> ConsumerReport {
-        self.stop(timeout);
-        self.report()
-    }
-
-    /// [`shutdown`](Consumer::shutdown), returning the error that had stopped the consumer
-    /// on its own (see [`join`](Consumer::join)), if one had.
-    pub fn shutdown_checked(mut self, timeout: Duration) -> Result<ConsumerReport, Error> {
+    /// Returns what the consumer did, or, as [`Relay::shutdown`](crate::Relay::shutdown)
+    /// does, the error that had stopped it on its own (see [`join`](Consumer::join)), if one
+    /// had.
+    pub fn shutdown(mut self, timeout: Duration) -> Result<ConsumerReport, Error> {
         self.stop(timeout);
         match self.shared.take_fatal() {
             Some(e) => Err(e),
@@ -272,7 +265,7 @@ impl Consumer {
     /// seconds to finish; what is held goes back to the queue.
     pub fn join(self) -> Result<(), Error> {
         self.shared.stop.wait();
-        self.shutdown_checked(FATAL_GRACE).map(drop)
+        self.shutdown(FATAL_GRACE).map(drop)
     }
 
     fn stop(&mut self, timeout: Duration) {
