@@ -113,8 +113,7 @@ pub use health::{
 pub use install::{Installed, ObjectKind};
 pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use metrics::{CycleTimes, Metrics, NoMetrics};
-#[allow(deprecated)]
-pub use operate::{DeadLetter, ErrorGroup, Filter, Purge, PurgeTarget, Redrive, Rows, Selection};
+pub use operate::{DeadLetter, ErrorGroup, Filter, Rows, Selection};
 pub use outbox::{Outbox, OutboxBuilder};
 pub use pool::Connections;
 pub use process::ProcessReport;

@@ -29,48 +29,6 @@ pub struct DeadLetter {
     pub dead_at: SystemTime,
 }
 
-/// Which dead letters [`Outbox::redrive`] makes pending again.
-#[deprecated(
-    since = "0.2.0",
-    note = "pass a `Filter` to `redrive`: `Filter::new()` for every dead letter, `.key(k)` for some"
-)]
-#[derive(Debug, Clone, Copy)]
-pub enum Redrive<'a> {
-    /// Every dead letter.
-    All,
-    /// The dead letters with these keys (others are left alone).
-    Keys(&'a [&'a str]),
-}
-
-/// Which finished rows [`Outbox::purge`] deletes.
-#[deprecated(
-    since = "0.2.0",
-    note = "pass `Rows::Sent.matching(Filter::new().older_than(age))` (or `Rows::Dead`, `Rows::Inbox`) to `purge`"
-)]
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub enum Purge {
-    /// Sent rows finished longer ago than this.
-    Sent {
-        /// Minimum age since the row was sent.
-        older_than: Duration,
-    },
-    /// Dead letters older than this.
-    Dead {
-        /// Minimum age since the row died.
-        older_than: Duration,
-    },
-    /// Dedupe records (see [`Outbox::dedupe`]) older than this. Keep them longer than any
-    /// message can take to be delivered again: the relay's retry horizon, the broker's
-    /// retention, and the longest a consumer may be down. A redelivery after its record was
-    /// purged is processed again. Also deletes consumer failure counts (see
-    /// `rabbitmq::Consumer`) not updated since the cutoff: a crash can leave one behind.
-    Inbox {
-        /// Minimum age since the message was processed.
-        older_than: Duration,
-    },
-}
-
 /// Which rows an operator's command applies to: every condition given must hold; a filter
 /// with none selects every row. Built like a `postgres::Config`:
 ///
@@ -233,16 +191,6 @@ impl From<usize> for Filter {
     }
 }
 
-#[allow(deprecated)]
-impl From<Redrive<'_>> for Filter {
-    fn from(which: Redrive<'_>) -> Filter {
-        match which {
-            Redrive::All => Filter::new(),
-            Redrive::Keys(keys) => Filter::new().keys(keys.iter().copied()),
-        }
-    }
-}
-
 /// Which finished rows [`Outbox::purge`] deletes and [`Outbox::count`] counts; with a
 /// filter, through [`matching`](Rows::matching).
 ///
@@ -270,10 +218,6 @@ pub enum Rows {
     Inbox,
 }
 
-/// The old name of [`Rows`].
-#[deprecated(since = "0.2.0", note = "renamed `Rows`")]
-pub type PurgeTarget = Rows;
-
 impl Rows {
     /// The rows of this kind that match `filter`.
     pub fn matching(self, filter: impl Into<Filter>) -> Selection {
@@ -295,18 +239,6 @@ pub struct Selection {
 impl From<Rows> for Selection {
     fn from(rows: Rows) -> Selection {
         rows.matching(Filter::new())
-    }
-}
-
-#[allow(deprecated)]
-impl From<Purge> for Selection {
-    fn from(which: Purge) -> Selection {
-        let (rows, older_than) = match which {
-            Purge::Sent { older_than } => (Rows::Sent, older_than),
-            Purge::Dead { older_than } => (Rows::Dead, older_than),
-            Purge::Inbox { older_than } => (Rows::Inbox, older_than),
-        };
-        rows.matching(Filter::new().older_than(older_than))
     }
 }
 
@@ -432,17 +364,6 @@ impl Outbox {
             .map_err(Error::Db)
     }
 
-    /// Up to `limit` dead letters that match `filter`, oldest first.
-    #[deprecated(since = "0.2.0", note = "use `dead_letters(client, filter.limit(n))`")]
-    pub fn dead_letters_where(
-        &self,
-        client: &mut Client,
-        filter: &Filter,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>> {
-        self.dead_letters(client, filter.clone().limit(limit))
-    }
-
     /// The dead letters that match `filter`, grouped by their last error, most common
     /// first: what broke, how often, since when, and one key to look at.
     pub fn dead_letter_errors(
@@ -505,25 +426,6 @@ impl Outbox {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
         Ok(n)
-    }
-
-    /// Makes the dead letters that match `filter` pending again, or with `dry_run` counts
-    /// them.
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `redrive(client, filter)`, and `count(client, Rows::Dead.matching(filter))` for a dry run"
-    )]
-    pub fn redrive_where(
-        &self,
-        client: &mut Client,
-        filter: &Filter,
-        dry_run: bool,
-    ) -> Result<u64> {
-        if dry_run {
-            self.count(client, Rows::Dead.matching(filter))
-        } else {
-            self.redrive(client, filter)
-        }
     }
 
     /// Lets the aggregates of the parked dead letters that match `filter` go on without
@@ -777,26 +679,6 @@ impl Outbox {
             );
         }
         Ok(total)
-    }
-
-    /// Deletes the finished rows of `target` that match `filter`, or with `dry_run` counts
-    /// them.
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `purge(client, target.matching(filter))`, and `would_purge` of the same for a dry run"
-    )]
-    pub fn purge_where(
-        &self,
-        client: &mut Client,
-        target: Rows,
-        filter: &Filter,
-        dry_run: bool,
-    ) -> Result<u64> {
-        if dry_run {
-            self.would_purge(client, target.matching(filter))
-        } else {
-            self.purge(client, target.matching(filter))
-        }
     }
 
     /// The inbox has no index on processed_at (every dedupe would pay for one): walk the
