@@ -354,7 +354,7 @@ fn consumer_rate(
         std::thread::sleep(Duration::from_millis(5));
     }
     let took = started.elapsed();
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10))?;
     Ok(messages as f64 / took.as_secs_f64())
 }
 

@@ -62,7 +62,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             idle_since = Instant::now();
         }
     }
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10))?;
     println!("consumer stopped: {report:?}");
     Ok(())
 }

@@ -85,8 +85,7 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
-#[allow(deprecated)]
-pub use operations::filter::{Filter, Purge, PurgeTarget, Redrive, Rows, Selection};
+pub use operations::filter::{Filter, Rows, Selection};
 pub use operations::health::report::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };

@@ -18,7 +18,7 @@ use postgres_outbox::rabbitmq::{
     Consumer, ConsumerConfig, ConsumerReport, DEAD_EXPIRATION_HEADER, DEAD_REASON_HEADER,
     DEAD_USER_ID_HEADER,
 };
-use postgres_outbox::{HandlerError, Outbox};
+use postgres_outbox::{HandlerError, Outbox, Retry};
 
 /// A consumer of `queue` whose handler records each key it handled, in order.
 fn consumer(
@@ -36,7 +36,7 @@ fn consumer(
 
 fn config(queue: &str) -> ConsumerConfig {
     ConsumerConfig::new(&amqp_url(), queue, "bad_input")
-        .backoff(Duration::from_millis(10), Duration::from_millis(50))
+        .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(50)))
 }
 
 fn text_header(properties: &AmqpProperties, name: &str) -> Option<String> {
@@ -69,7 +69,7 @@ fn a_message_id_the_database_cannot_store_is_dead_lettered_at_once_and_the_rest_
         handled.lock().unwrap().len() == 2
     });
     let dead = dead_letters(&broker, &queue, 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.rejected, report.retried),
         (2, 1, 0)
@@ -118,7 +118,7 @@ fn a_message_id_that_is_not_utf8_does_not_stop_the_consumer() {
     wait_until("the next message is handled", || {
         handled.lock().unwrap().len() == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.rejected, 1, "{report:?}");
     let dead = dead_letters(&broker, &queue, 1);
     // amiquip cannot read such an id and hands the message over without one.
@@ -146,7 +146,7 @@ fn dead_letters_keep_no_expiration_and_no_foreign_user_id() {
     })
     .unwrap();
     let dead = dead_letters(&broker, &queue, 1);
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let properties = &dead[0].delivery.properties;
     assert_eq!(properties.expiration(), &None);
     assert_eq!(properties.user_id(), &None);
@@ -191,7 +191,7 @@ fn a_dead_letter_queue_that_refuses_holds_the_message_without_running_its_handle
     let consumer = {
         let (runs, handled) = (runs.clone(), handled.clone());
         let config = ConsumerConfig::new(&url, &queue, "bad_input")
-            .backoff(Duration::from_millis(10), Duration::from_millis(50));
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(50)));
         Consumer::spawn(config, outbox.clone(), pool(2), move |_, delivery| {
             if delivery.key.starts_with("poison") {
                 runs.fetch_add(1, Ordering::SeqCst);
@@ -227,7 +227,7 @@ fn a_dead_letter_queue_that_refuses_holds_the_message_without_running_its_handle
         handled.lock().unwrap().contains(&"after-a".to_owned())
     });
     wait_until("both dead letters are stored", || broker.ready(&dead) == 2);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.rejected, 2, "{report:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
     drop(broker);
@@ -261,7 +261,7 @@ fn a_panicking_handler_is_a_failed_attempt_and_its_thread_lives_on() {
         .unwrap()
     };
     wait_until("both are handled", || handled.lock().unwrap().len() == 2);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.retried, report.rejected),
         (2, 2, 0),
@@ -300,7 +300,7 @@ fn shutdown_hands_held_deliveries_back_on_time_even_with_a_hung_handler() {
     };
     wait_until("the handler hangs", || started.load(Ordering::SeqCst));
     let stopping = Instant::now();
-    let report: ConsumerReport = consumer.shutdown(Duration::from_millis(500));
+    let report: ConsumerReport = consumer.shutdown(Duration::from_millis(500)).unwrap();
     assert!(
         stopping.elapsed() < Duration::from_secs(5),
         "{:?}",

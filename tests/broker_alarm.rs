@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use amiquip::{Connection, ExchangeDeclareOptions, ExchangeType, FieldTable, QueueDeclareOptions};
 use common::{amqp_url, count, unique_name, wait_until, Counters};
-use postgres_outbox::rabbitmq::RabbitPublisher;
-use postgres_outbox::{Message, Relay, RelayConfig};
+use postgres_outbox::rabbitmq::PublisherConfig;
+use postgres_outbox::{Message, Relay, RelayConfig, Retry};
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let output = Command::new("rabbitmqctl")
@@ -99,17 +99,18 @@ fn a_memory_alarm_costs_no_attempt_and_publishing_resumes_when_it_clears() {
     };
     let (metrics, builds) = (Counters::default(), Arc::new(AtomicUsize::new(0)));
     let factory = {
-        let (url, exchange, builds) = (url.clone(), exchange.clone(), builds.clone());
+        let builds = builds.clone();
+        let publishing = PublisherConfig::new(&url, &exchange)
+            .unwrap()
+            .confirm_timeout(Duration::from_secs(2));
         move || {
             builds.fetch_add(1, Ordering::SeqCst);
-            RabbitPublisher::connect(&url, &exchange)
-                .map(|p| p.confirm_timeout(Duration::from_secs(2)))
+            publishing.connect()
         }
     };
     let relay = Relay::spawn(
         RelayConfig::new(outbox.clone(), common::pool(5), factory)
-            .max_attempts(2)
-            .backoff(Duration::from_millis(5), Duration::from_millis(10))
+            .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10)))
             .poll_interval(Duration::from_millis(50))
             .metrics(metrics.clone()),
     )

@@ -25,7 +25,7 @@ use amiquip::{
 };
 use common::*;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, Endpoints, QueueType, RabbitPublisher};
-use postgres_outbox::{HandlerError, Message, Relay, RelayConfig};
+use postgres_outbox::{HandlerError, Message, Relay, RelayConfig, Retry};
 
 const TOTAL: usize = 6_000;
 const BATCH: usize = 50;
@@ -111,7 +111,7 @@ fn a_quorum_queue_keeps_every_message_in_order_while_a_node_stops_and_starts() {
         })
         .batch_size(BATCH)
         .concurrency(2)
-        .max_attempts(3),
+        .retry(Retry::new(3)),
     )
     .unwrap();
     let handler_table = table.clone();
@@ -194,7 +194,7 @@ fn a_quorum_queue_keeps_every_message_in_order_while_a_node_stops_and_starts() {
     });
     let took = started.elapsed();
     relay.shutdown(Duration::from_secs(10)).unwrap();
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(count(&mut client, &outbox, "status = 'sent'"), TOTAL as i64);
     assert_eq!(

@@ -119,7 +119,7 @@ fn a_shutdown_during_a_resource_alarm_ends_and_leaves_no_thread_behind() {
     wait_until("the broker blocks the consumer's connection", || {
         node.blocked_connections() >= 1
     });
-    consumer.shutdown(Duration::from_secs(2));
+    consumer.shutdown(Duration::from_secs(2)).unwrap();
     wait_for("the consumer's threads have ended", || {
         library_threads() == before
     });
@@ -208,7 +208,7 @@ fn a_reconnect_waits_for_the_broker_to_hand_back_what_the_old_connection_held() 
     wait_until("every message is handled", || {
         handled(&mut client, &table).len() == 5
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         handled(&mut client, &table),
         ["A1", "A2", "A3", "A4", "A5"],

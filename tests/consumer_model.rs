@@ -22,7 +22,7 @@ use amiquip::AmqpValue;
 use common::broker::Broker;
 use common::*;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, ConsumerReport, DEAD_FAILURES_HEADER};
-use postgres_outbox::{HandlerError, Outbox};
+use postgres_outbox::{HandlerError, Outbox, Retry};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -143,8 +143,10 @@ fn spawn(
     Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), queue, name)
             .concurrency(2)
-            .max_attempts(MAX_ATTEMPTS)
-            .backoff(Duration::from_millis(5), Duration::from_millis(20)),
+            .retry(
+                Retry::new(MAX_ATTEMPTS)
+                    .backoff(Duration::from_millis(5), Duration::from_millis(20)),
+            ),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -206,7 +208,7 @@ fn check(outbox: &Outbox, broker: &Broker, run: &Run, case: usize) -> Result<(),
     let mut earlier = 0;
     for (i, (key, message)) in keys.iter().zip(&run.messages).enumerate() {
         if run.restart_after == Some(i) {
-            earlier += settled_by(consumer.shutdown(Duration::from_secs(10)));
+            earlier += settled_by(consumer.shutdown(Duration::from_secs(10)).unwrap());
             consumer = spawn(outbox, &queue, &name, &table, &scripts, &calls);
         }
         let aggregate = message.aggregate.map(|a| format!("agg{a}"));
@@ -230,7 +232,7 @@ fn check(outbox: &Outbox, broker: &Broker, run: &Run, case: usize) -> Result<(),
     let settled = wait_while(|| {
         earlier + settled_by(consumer.report()) >= deliveries && broker.ready(&queue) == 0
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     let committed = effects(&mut client);
     let letters = broker.drain(&dead);
     broker.delete_queue(&queue);

@@ -15,7 +15,7 @@ use common::faulty::{Faulty, Mode};
 use common::*;
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, DEAD_FAILURES_HEADER};
-use postgres_outbox::{Connections, HandlerError, Outbox};
+use postgres_outbox::{Connections, HandlerError, Outbox, Retry};
 
 fn effects_table(client: &mut postgres::Client) -> String {
     let table = unique_name("effects");
@@ -62,7 +62,7 @@ fn a_handler_that_ignored_a_failed_statement_is_tried_again_not_acked_with_nothi
     let (handler_calls, handler_table) = (calls.clone(), table.clone());
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "swallowing")
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -84,7 +84,7 @@ fn a_handler_that_ignored_a_failed_statement_is_tried_again_not_acked_with_nothi
     wait_until("the delivery is processed", || {
         consumer.report().processed == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (rows(&mut client, &table), inbox_rows(&mut client, &outbox)),
         (1, 1),
@@ -111,8 +111,7 @@ fn a_handler_failing_on_a_fault_of_the_database_is_never_charged() {
         (timeouts.clone(), deploys.clone(), table.clone());
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "worldly")
-            .max_attempts(2)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -148,7 +147,7 @@ fn a_handler_failing_on_a_fault_of_the_database_is_never_charged() {
         let report = consumer.report();
         report.processed + report.rejected == 2
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.retried, report.rejected),
         (2, 0, 0),
@@ -211,7 +210,7 @@ fn a_stale_failure_count_never_dead_letters_a_processed_message() {
         let report = consumer.report();
         report.duplicates + report.rejected == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.duplicates, report.rejected), (1, 0), "{report:?}");
     assert_eq!(broker.ready(&format!("{queue}.dead")), 0);
     assert_eq!(calls.load(Ordering::SeqCst), 0);
@@ -258,7 +257,7 @@ fn a_lost_reply_to_the_failure_count_charges_the_failure_once() {
     let consumer = Consumer::spawn(
         // One attempt: the first failure is the message's last.
         ConsumerConfig::new(&amqp_url(), &queue, "counted")
-            .max_attempts(1)
+            .retry(Retry::new(1))
             .statement_timeout(Duration::from_secs(1)),
         outbox.clone(),
         Connections::open(database_at(&proxy.address()), NoTls),
@@ -279,7 +278,7 @@ fn a_lost_reply_to_the_failure_count_charges_the_failure_once() {
     proxy.set(Mode::Pass);
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.rejected, 1, "{report:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
     let letters = broker.drain(&dead);
@@ -334,7 +333,7 @@ fn a_lost_ack_after_a_stored_dead_letter_is_not_dead_lettered_twice() {
         let report = consumer.report();
         report.rejected + report.duplicates == 2
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.rejected, report.duplicates), (1, 1), "{report:?}");
     assert_eq!(broker.ready(&dead), 1, "one dead letter");
     assert_eq!(calls.load(Ordering::SeqCst), 1);

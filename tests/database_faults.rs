@@ -15,7 +15,7 @@ use common::pg_node::{PgNode, Stopped};
 use common::{wait_until, Counters, Gate, Sink};
 use postgres::{Client, NoTls};
 use postgres_outbox::{
-    Connections, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+    Connections, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig, Retry,
 };
 
 /// An outbox on `node`, migrated, with a lease of `lease`.
@@ -533,7 +533,7 @@ fn a_consumer_whose_commit_stalls_gives_the_connection_up_and_the_effect_happens
         let report = consumer.report();
         report.processed + report.duplicates == 1 && broker.ready(&queue) == 0
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (0, 0));
     let effects: i64 = client
         .query_one("SELECT count(*) FROM effects", &[])
@@ -563,7 +563,7 @@ fn over_a_slow_link(rate: usize) -> (Vec<Vec<u8>>, Held) {
             &outbox,
             publisher.clone(),
         )
-        .max_claims(2)
+        .retry(Retry::default().max_claims(2))
         .concurrency(1),
     )
     .expect("spawn the relay");

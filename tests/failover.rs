@@ -20,7 +20,9 @@ use common::*;
 use postgres_outbox::rabbitmq::{
     Consumer, ConsumerConfig, Endpoints, QueueType, RabbitPublisher, DEAD_REASON_HEADER,
 };
-use postgres_outbox::{HandlerError, Message, PublishError, Publisher, Record, Relay, RelayConfig};
+use postgres_outbox::{
+    HandlerError, Message, PublishError, Publisher, Record, Relay, RelayConfig, Retry,
+};
 
 /// An endpoint where nothing listens: connecting fails at once.
 const DEAD_ENDPOINT: &str = "amqp://guest:guest@127.0.0.1:1";
@@ -109,8 +111,7 @@ fn the_relay_skips_a_dead_endpoint_and_fails_over_to_the_next_when_its_connectio
         })
         .batch_size(10)
         .concurrency(1)
-        .max_attempts(2)
-        .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20))),
     )
     .unwrap();
     wait_until("every message is sent", || {
@@ -185,7 +186,7 @@ fn the_consumer_skips_a_dead_endpoint_and_fails_over_to_the_next_when_its_connec
             && r.processed + r.duplicates >= total as u64
             && r.processed == total as u64
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(report.processed, total as u64, "each committed once");
     assert_eq!(report.rejected, 0, "nothing dead");
@@ -280,7 +281,7 @@ fn the_relay_publishes_to_a_quorum_queue_with_confirms_and_mandatory() {
         .unwrap();
     tx.commit().unwrap();
 
-    let config = relay_config_to(&outbox, &exchange).max_attempts(1);
+    let config = relay_config_to(&outbox, &exchange).retry(Retry::new(1));
     while Relay::run_once(&config).unwrap() > 0 {}
 
     assert_eq!(count(&mut client, &outbox, "status = 'sent'"), 100);
@@ -311,7 +312,7 @@ fn relay_config_to(outbox: &postgres_outbox::Outbox, exchange: &str) -> RelayCon
     RelayConfig::new(outbox.clone(), pool(2), move || {
         RabbitPublisher::connect(&url, &exchange)
     })
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
 }
 
 #[test]
@@ -328,8 +329,7 @@ fn the_consumer_reads_a_quorum_queue_and_dead_letters_into_a_quorum_queue() {
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "quorum")
             .dead_letter_queue_type(QueueType::Quorum)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20))
-            .max_attempts(2),
+            .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox,
         pool(1),
         move |_tx, delivery| {
@@ -346,7 +346,7 @@ fn the_consumer_reads_a_quorum_queue_and_dead_letters_into_a_quorum_queue() {
         let r = consumer.report();
         r.processed == 9 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
 
     assert_eq!(queue_type(&dead_queue), "quorum");
     let dead = broker.drain(&dead_queue);
@@ -479,7 +479,7 @@ fn the_relay_and_the_consumer_speak_amqps_and_verify_the_broker() {
     wait_until("every message is handled", || {
         consumer.report().processed == 20
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(*handled.lock().unwrap(), keys, "all of them, in order");
 
     for name in [queue.clone(), format!("{queue}.dead")] {

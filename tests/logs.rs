@@ -15,7 +15,9 @@ use common::broker::Broker;
 use common::*;
 use postgres::Client;
 use postgres_outbox::rabbitmq::{Consumer, ConsumerConfig, DEAD_REASON_HEADER};
-use postgres_outbox::{publisher_fn, HandlerError, Message, PublishError, Relay, RelayConfig};
+use postgres_outbox::{
+    publisher_fn, HandlerError, Message, PublishError, Relay, RelayConfig, Retry,
+};
 
 /// Every log line the crate writes, at every level. (The PostgreSQL driver logs each
 /// statement's parameters at debug level, target `tokio_postgres`: not the crate's doing,
@@ -107,7 +109,7 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
         }
     };
     let config = RelayConfig::new(outbox.clone(), pool(RELAY_POOL), publish)
-        .backoff(Duration::from_millis(5), Duration::from_millis(10));
+        .retry(Retry::default().backoff(Duration::from_millis(5), Duration::from_millis(10)));
     wait_until("the row is dead", || {
         let _ = Relay::run_once(&config);
         row_state(&mut client, &outbox, "secret").0 == "dead"
@@ -134,8 +136,7 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
     let handler_table = table.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "logs")
-            .max_attempts(2)
-            .backoff(Duration::from_millis(5), Duration::from_millis(10)),
+            .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10))),
         outbox.clone(),
         pool(2),
         move |tx, delivery| {
@@ -149,7 +150,7 @@ fn no_log_line_error_text_or_dead_letter_quotes_a_payload() {
     .unwrap();
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let letter = broker.drain(&dead).remove(0);
     let reason = match &letter.delivery.properties.headers().as_ref().unwrap()[DEAD_REASON_HEADER] {
         amiquip::AmqpValue::LongString(reason) => reason.clone(),

@@ -221,8 +221,7 @@ fn racing_producers_keep_every_aggregate_in_commit_order() {
     let relay = Relay::spawn(
         relay_config(&outbox, publish)
             .poll_interval(Duration::from_millis(20))
-            .backoff(Duration::from_millis(5), Duration::from_millis(20))
-            .max_attempts(1000),
+            .retry(Retry::new(1000).backoff(Duration::from_millis(5), Duration::from_millis(20))),
     )
     .unwrap();
 

@@ -17,20 +17,18 @@ use postgres_outbox::rabbitmq::{
 };
 use postgres_outbox::{
     Access, HandlerError, Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig,
+    Retry,
 };
 
 /// A relay to `exchange` whose publishers are set up by `tune`, with short retry backoff.
 fn relay_config(
     outbox: &Outbox,
     exchange: &str,
-    tune: fn(RabbitPublisher) -> RabbitPublisher,
+    tune: fn(PublisherConfig) -> PublisherConfig,
 ) -> RelayConfig {
-    let url = amqp_url();
-    let exchange = exchange.to_owned();
-    RelayConfig::new(outbox.clone(), pool(4), move || {
-        RabbitPublisher::connect(&url, &exchange).map(tune)
-    })
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    let publishing = tune(PublisherConfig::new(&amqp_url(), exchange).unwrap());
+    RelayConfig::new(outbox.clone(), pool(4), move || publishing.connect())
+        .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
 }
 
 fn enqueue(client: &mut postgres::Client, outbox: &Outbox, messages: Vec<Message>) -> Vec<String> {
@@ -154,7 +152,7 @@ fn every_message_carries_its_attempt_unless_first_attempts_are_asked_to_go_bare(
             )
             .unwrap();
         let tune = if bare {
-            |p: RabbitPublisher| p.first_attempt_header(false)
+            |p: PublisherConfig| p.first_attempt_header(false)
         } else {
             |p| p
         };
@@ -396,7 +394,7 @@ fn a_connection_closed_mid_batch_loses_nothing_and_duplicates_only_the_unconfirm
     .concurrency(2)
     .notify(false)
     .poll_interval(Duration::from_millis(50))
-    .backoff(Duration::from_millis(10), Duration::from_millis(50));
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(50)));
     let relay = Relay::spawn(config).unwrap();
     wait_until("every row is sent", || {
         count(&mut client, &outbox, "status = 'sent'") == total as i64
@@ -485,7 +483,7 @@ fn the_consumer_skips_redeliveries_of_processed_messages() {
         let r = consumer.report();
         r.processed + r.duplicates == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.processed, report.duplicates), (2, 1));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     let rows: i64 = client
@@ -515,7 +513,7 @@ fn a_consumer_works_with_the_rights_the_readme_gives_it() {
     let handler_failed = failed_once.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "billing")
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(10), Duration::from_millis(20))),
         outbox.clone(),
         role.pool(),
         move |tx, delivery| {
@@ -533,7 +531,7 @@ fn a_consumer_works_with_the_rights_the_readme_gives_it() {
         let r = consumer.report();
         r.processed + r.duplicates == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.duplicates, report.retried),
         (2, 1, 1)
@@ -618,16 +616,14 @@ fn a_consumer_shut_down_checked_reports_what_it_did_or_why_it_stopped() {
     let consumer = spawn();
     broker.send(&queue, Some("m-1"), b"a");
     wait_until("m-1 is handled", || consumer.report().processed == 1);
-    let report = consumer.shutdown_checked(Duration::from_secs(10)).unwrap();
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.processed, 1);
 
     let consumer = spawn();
     drop_inbox(&mut client, &outbox);
     broker.send(&queue, Some("m-2"), b"b");
     wait_until("the consumer stops on its own", || consumer.has_stopped());
-    let err = consumer
-        .shutdown_checked(Duration::from_secs(10))
-        .unwrap_err();
+    let err = consumer.shutdown(Duration::from_secs(10)).unwrap_err();
     assert!(
         matches!(&err, postgres_outbox::rabbitmq::Error::Database(e) if e.is_not_migrated()),
         "{err}"
@@ -657,8 +653,7 @@ fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "fails")
-            .max_attempts(3)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .retry(Retry::new(3).backoff(Duration::from_millis(10), Duration::from_millis(20)))
             .dead_letter_exchange(),
         outbox.clone(),
         pool(2),
@@ -670,7 +665,7 @@ fn poison_is_rejected_to_the_queues_dead_letter_exchange_when_asked() {
     .unwrap();
     broker.send(&queue, Some("poison"), b"x");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     assert_eq!(
         (report.retried, report.rejected, report.processed),
@@ -716,7 +711,7 @@ fn consumer_shutdown_mid_stream_acks_exactly_what_committed() {
             .recv_timeout(Duration::from_secs(60))
             .expect("handler runs");
     }
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     let committed: i64 = client
         .query_one(&format!("SELECT count(*) FROM {table}"), &[])
         .unwrap()
@@ -782,10 +777,12 @@ fn runs_of_several_aggregates_reach_the_queue_in_order_streamed_and_pipelined() 
         enqueue(&mut client, &outbox, messages);
         let calls = Arc::new(Mutex::new(Vec::new()));
         let config = {
-            let (url, calls) = (amqp_url(), calls.clone());
+            let calls = calls.clone();
+            let publishing = PublisherConfig::new(&amqp_url(), &exchange)
+                .unwrap()
+                .confirm_timeout(Duration::MAX);
             RelayConfig::new(outbox.clone(), pool(4), move || {
-                RabbitPublisher::connect(&url, &exchange)
-                    .map(|p| Counting(p.confirm_timeout(Duration::MAX), calls.clone()))
+                publishing.connect().map(|p| Counting(p, calls.clone()))
             })
         }
         .pipeline_runs(pipeline)
@@ -844,9 +841,11 @@ fn stream(publisher: &mut RabbitPublisher, records: &[Record]) -> Vec<&'static s
 fn a_stream_ends_an_aggregate_at_its_first_nack_and_goes_on_with_the_others() {
     let broker = Broker::new();
     let (exchange, queue) = broker.routed("stream_nack", nacking_after(5));
-    let mut publisher = RabbitPublisher::connect(&amqp_url(), &exchange)
+    let mut publisher = PublisherConfig::new(&amqp_url(), &exchange)
         .unwrap()
-        .mandatory(false);
+        .mandatory(false)
+        .connect()
+        .unwrap();
     // Confirm-round order, as the relay hands a batch over.
     let records = keyed(&["a-0", "b-0", "a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]);
     let outcomes = stream(&mut publisher, &records);
@@ -952,7 +951,8 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
     let calls = Arc::new(AtomicUsize::new(0));
     let (handler_table, handler_calls) = (table.clone(), calls.clone());
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "outage").max_attempts(2),
+        ConsumerConfig::new(&amqp_url(), &queue, "outage")
+            .retry(Retry::new(2).backoff(Duration::from_secs(1), Duration::from_secs(60))),
         outbox,
         pool,
         move |tx, delivery| {
@@ -990,7 +990,7 @@ fn a_database_outage_mid_stream_loses_nothing_and_handles_each_message_once() {
     wait_until("all three are processed", || {
         consumer.report().processed == 3
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(
         (report.processed, report.retried, report.rejected),
         (3, 0, 0)
@@ -1129,8 +1129,7 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
     let counts = ConsumerCounts::default();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "metered")
-            .max_attempts(2)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20))
+            .retry(Retry::new(2).backoff(Duration::from_millis(10), Duration::from_millis(20)))
             .metrics(counts.clone()),
         outbox,
         pool(2),
@@ -1150,7 +1149,7 @@ fn consumer_metrics_see_each_outcome_and_their_panics_stop_nothing() {
         let r = consumer.report();
         r.processed == 2 && r.duplicates == 1 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let seen: Vec<usize> = counts.0.iter().map(|c| c.load(Ordering::SeqCst)).collect();
     assert_eq!(
         seen,
@@ -1189,8 +1188,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
         let calls = calls.clone();
         Consumer::spawn(
             ConsumerConfig::new(&amqp_url(), &queue, "poisoned")
-                .max_attempts(3)
-                .backoff(backoff, backoff * 2),
+                .retry(Retry::new(3).backoff(backoff, backoff * 2)),
             outbox.clone(),
             pool(1),
             move |_tx, _delivery| {
@@ -1207,7 +1205,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     wait_until("the first failure is counted", || {
         failures_of(&mut client, &outbox, "poisoned", "poison") == 1
     });
-    let report = first.shutdown(Duration::from_secs(10));
+    let report = first.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (1, 0));
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     wait_until("the message is back on the queue", || {
@@ -1218,7 +1216,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     let second = spawn(Duration::from_millis(10));
     let dead = format!("{queue}.dead");
     wait_until("the message is dead-lettered", || broker.ready(&dead) == 1);
-    let report = second.shutdown(Duration::from_secs(10));
+    let report = second.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3, "three tries in all");
     assert_eq!((report.retried, report.rejected), (1, 1));
     assert_eq!(broker.ready(&queue), 0);
@@ -1262,7 +1260,7 @@ fn poison_reaches_the_dead_letter_queue_after_n_tries_across_a_restart() {
     wait_until("the redriven copy fails once, counted afresh", || {
         calls.load(Ordering::SeqCst) == 4
     });
-    let report = third.shutdown(Duration::from_secs(10));
+    let report = third.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (1, 0), "{report:?}");
     assert_eq!(failures_of(&mut client, &outbox, "poisoned", "poison"), 1);
     broker.delete_queue(&queue);
@@ -1277,8 +1275,7 @@ fn retries_back_off_exponentially() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "backoff")
-            .max_attempts(10)
-            .backoff(Duration::from_millis(200), Duration::from_secs(10)),
+            .retry(Retry::new(10).backoff(Duration::from_millis(200), Duration::from_secs(10))),
         outbox,
         pool(1),
         move |_tx, _delivery| {
@@ -1293,7 +1290,7 @@ fn retries_back_off_exponentially() {
     .unwrap();
     broker.send(&queue, Some("m"), b"x");
     wait_until("it succeeds", || consumer.report().processed == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (3, 0));
     let calls = calls.lock().unwrap();
     // Equal jitter: the n-th wait is at least half of 200 ms * 2^(n-1).
@@ -1350,7 +1347,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
         ConsumerConfig::new(&amqp_url(), &queue, "ordered")
             .prefetch(16)
             .concurrency(concurrency)
-            .backoff(Duration::from_millis(20), Duration::from_millis(50)),
+            .retry(Retry::new(5).backoff(Duration::from_millis(20), Duration::from_millis(50))),
         outbox,
         pool(concurrency as u32),
         move |tx, delivery| {
@@ -1379,7 +1376,7 @@ fn order_is_kept_through_failures(concurrency: usize) {
         let r = consumer.report();
         r.processed == 49 && r.rejected == 1
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.retried, 4);
     let handled = handled_in_order(&mut client, &table);
     for aggregate in ["a", "b", "c", "d"] {
@@ -1414,9 +1411,10 @@ fn a_failing_aggregate_holds_only_itself() {
     let handled: Arc<Mutex<Vec<String>>> = Arc::default();
     let (handler_release, handler_handled) = (release.clone(), handled.clone());
     let consumer = Consumer::spawn(
-        ConsumerConfig::new(&amqp_url(), &queue, "holds")
-            .max_attempts(i32::MAX as u32)
-            .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        ConsumerConfig::new(&amqp_url(), &queue, "holds").retry(
+            Retry::new(i32::MAX as u32)
+                .backoff(Duration::from_millis(10), Duration::from_millis(20)),
+        ),
         outbox,
         pool(1),
         move |_tx, delivery| {
@@ -1442,7 +1440,7 @@ fn a_failing_aggregate_holds_only_itself() {
     wait_until("the held aggregate follows", || {
         consumer.report().processed == 4
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     let handled = handled.lock().unwrap();
     let mut first_two = handled[..2].to_vec();
     first_two.sort();
@@ -1460,7 +1458,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     let handler_calls = calls.clone();
     let consumer = Consumer::spawn(
         // One failure would dead-letter it.
-        ConsumerConfig::new(&amqp_url(), &queue, "cut").max_attempts(1),
+        ConsumerConfig::new(&amqp_url(), &queue, "cut").retry(Retry::new(1)),
         outbox,
         pool(2),
         move |tx, _delivery| {
@@ -1475,7 +1473,7 @@ fn a_connection_lost_under_the_handler_is_not_the_messages_fault() {
     .unwrap();
     broker.send(&queue, Some("m"), b"x");
     wait_until("it is processed", || consumer.report().processed == 1);
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!((report.retried, report.rejected), (0, 0));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     broker.delete_queue(&queue);
@@ -1504,7 +1502,7 @@ fn a_message_without_an_id_is_dead_lettered_unhandled() {
         let r = consumer.report();
         r.processed == 1 && r.rejected == 1
     });
-    consumer.shutdown(Duration::from_secs(10));
+    consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     let letters = broker.drain(&format!("{queue}.dead"));
     assert_eq!(letters.len(), 1);
@@ -1525,9 +1523,9 @@ fn consumer_settings_that_cannot_work_are_refused_before_connecting() {
         (config().prefetch(0), 1, "prefetch"),
         (config().concurrency(0), 1, "concurrency"),
         (config().concurrency(3), 2, "pool"),
-        (config().max_attempts(0), 1, "max_attempts"),
+        (config().retry(Retry::new(0)), 1, "max_attempts"),
         (
-            config().backoff(Duration::from_secs(2), Duration::from_secs(1)),
+            config().retry(Retry::new(5).backoff(Duration::from_secs(2), Duration::from_secs(1))),
             1,
             "backoff",
         ),
@@ -1610,7 +1608,7 @@ fn a_consumer_whose_broker_connection_is_cut_reconnects_and_loses_nothing() {
             r.processed + r.duplicates >= total as u64
         }
     });
-    let report = consumer.shutdown(Duration::from_secs(10));
+    let report = consumer.shutdown(Duration::from_secs(10)).unwrap();
     assert_eq!(report.processed, total as u64, "each committed once");
     assert_eq!(report.rejected, 0);
     assert!(calls.load(Ordering::SeqCst) > 50, "the cut happened");
@@ -1641,15 +1639,16 @@ fn outage_relay(
     metrics: &Counters,
     builds: &Arc<AtomicUsize>,
 ) -> Relay {
-    let (url, exchange, builds) = (url.to_owned(), exchange.to_owned(), builds.clone());
+    let builds = builds.clone();
+    let publishing = PublisherConfig::new(url, exchange)
+        .unwrap()
+        .confirm_timeout(Duration::from_secs(2));
     Relay::spawn(
         RelayConfig::new(outbox.clone(), pool(5), move || {
             builds.fetch_add(1, Ordering::SeqCst);
-            RabbitPublisher::connect(&url, &exchange)
-                .map(|p| p.confirm_timeout(Duration::from_secs(2)))
+            publishing.connect()
         })
-        .max_attempts(2)
-        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10)))
         .poll_interval(Duration::from_millis(50))
         .metrics(metrics.clone()),
     )

@@ -304,8 +304,7 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
             Err(PublishError::transient("broker says no"))
         })
     }
-    .max_attempts(3)
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .retry(Retry::new(3).backoff(Duration::from_millis(10), Duration::from_millis(20)))
     .poll_interval(Duration::from_millis(20))
     .notify(false)
     .metrics(metrics.clone());
@@ -345,7 +344,7 @@ fn failing_publisher_retries_then_dead_letters_and_redrive_revives() {
             Err(PublishError::permanent("schema rejected"))
         })
     }
-    .max_attempts(3)
+    .retry(Retry::new(3))
     .metrics(metrics.clone());
     assert_eq!(Relay::run_until_idle(&rejecting).unwrap(), 2);
     assert_eq!(
@@ -434,7 +433,7 @@ fn panicking_publisher_is_a_failed_attempt() {
         })
     }
     .concurrency(1)
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
     .poll_interval(Duration::from_millis(20))
     .metrics(metrics.clone());
     let relay = Relay::spawn(config).unwrap();
@@ -798,7 +797,7 @@ fn each_aggregate_arrives_in_order_despite_a_failed_head() {
     }
     .concurrency(8)
     .batch_size(10)
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .retry(Retry::default().backoff(Duration::from_millis(10), Duration::from_millis(20)))
     .poll_interval(Duration::from_millis(20));
     let relay = Relay::spawn(config).unwrap();
     wait_until("15 published", || {
@@ -975,7 +974,7 @@ impl Calls {
         .pipeline_runs(pipeline)
         .batch_size(10)
         .concurrency(1)
-        .backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .retry(Retry::default().backoff(Duration::from_millis(1), Duration::from_millis(1)))
     }
 
     fn calls(&self) -> Vec<Vec<String>> {
@@ -1343,7 +1342,7 @@ fn process_commits_writes_with_the_ack_and_rolls_both_back_on_error() {
     // Failed rows back off for an hour, so each process() call below sees only new rows.
     let outbox = common::builder()
         .table(common::unique_name("rl_process"))
-        .backoff(Duration::from_secs(3600), Duration::from_secs(3600))
+        .retry(Retry::default().backoff(Duration::from_secs(3600), Duration::from_secs(3600)))
         .build()
         .unwrap();
     let mut client = common::client();
@@ -1831,7 +1830,7 @@ fn a_row_claimed_more_often_in_a_row_than_max_claims_allows_dies_at_claim() {
     let sink = Sink::default();
     let metrics = Counters::default();
     let config = relay_config(&outbox, sink.collect())
-        .max_claims(2)
+        .retry(Retry::default().max_claims(2))
         .metrics(metrics.clone());
     // The first cycle kills it and hands back the message behind it (claimed in the same
     // run, it must not go out before the death is recorded); the next sends that one.
@@ -1932,7 +1931,7 @@ fn huge_durations_saturate_instead_of_panicking() {
     let config = relay_config(&outbox, sink.collect())
         .drain_timeout(Duration::MAX)
         .poll_interval(Duration::MAX)
-        .backoff(Duration::from_millis(1), Duration::MAX);
+        .retry(Retry::default().backoff(Duration::from_millis(1), Duration::MAX));
     let relay = Relay::spawn(config.clone()).unwrap();
     let key = enqueue_one(&mut client, &outbox, Message::new("t", "p"));
     wait_until("published", || sink.contains(&key));
@@ -1955,7 +1954,7 @@ fn huge_durations_saturate_instead_of_panicking() {
         )
         .unwrap();
     let failing = relay_config(&outbox, |_| Err(PublishError::transient("down")))
-        .backoff(Duration::from_secs(24 * 3600), Duration::MAX);
+        .retry(Retry::default().backoff(Duration::from_secs(24 * 3600), Duration::MAX));
     assert_eq!(Relay::run_once(&failing).unwrap(), 1);
     assert_eq!(
         row_state(&mut client, &outbox, &late),
@@ -2053,7 +2052,7 @@ fn one_hot_aggregate_across_three_relays_with_failures_keeps_strict_order() {
             })
             .concurrency(2)
             .batch_size(20)
-            .backoff(Duration::from_millis(1), Duration::from_millis(5))
+            .retry(Retry::default().backoff(Duration::from_millis(1), Duration::from_millis(5)))
             .poll_interval(Duration::from_millis(20));
             Relay::spawn(config).unwrap()
         })
@@ -2354,8 +2353,7 @@ fn an_unavailable_destination_costs_no_attempt_and_is_reported_once_per_outage()
     let metrics = Counters::default();
     // Two attempts at most: a relay that charged the outage would kill every row quickly.
     let config = relay_config(&outbox, publish)
-        .max_attempts(2)
-        .backoff(Duration::from_millis(5), Duration::from_millis(10))
+        .retry(Retry::new(2).backoff(Duration::from_millis(5), Duration::from_millis(10)))
         .poll_interval(Duration::from_millis(20))
         .metrics(metrics.clone());
 
@@ -2435,7 +2433,7 @@ fn transient_failures_of_a_publisher_that_then_breaks_cost_no_attempt() {
             sink: publisher_sink.clone(),
         })
     })
-    .max_attempts(1);
+    .retry(Retry::new(1));
     for _ in 0..3 {
         assert!(Relay::run_once(&config).is_err());
     }

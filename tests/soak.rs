@@ -46,7 +46,9 @@ use common::pg_node::{PgNode, Stopped};
 use common::{amqp_url, quoted, quoted_with};
 use postgres::NoTls;
 use postgres_outbox::rabbitmq::{RabbitPublisher, AGGREGATE_HEADER};
-use postgres_outbox::{Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig};
+use postgres_outbox::{
+    Message, Outbox, PublishError, Publisher, Record, Relay, RelayConfig, Retry,
+};
 use r2d2_postgres::PostgresConnectionManager;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -157,7 +159,7 @@ fn run_relay_process() -> ! {
     let factory = move || {
         let n = publishers.fetch_add(1, Ordering::SeqCst);
         RabbitPublisher::connect(&amqp, EXCHANGE).map(|inner| FaultyPublisher {
-            inner: inner.mandatory(true),
+            inner,
             rng: StdRng::seed_from_u64(seed ^ (n << 32) ^ u64::from(std::process::id())),
             tally: tally.clone(),
         })
@@ -167,8 +169,9 @@ fn run_relay_process() -> ! {
         .concurrency(CONCURRENCY)
         .lease(Duration::from_secs(2))
         .poll_interval(Duration::from_millis(200))
-        .backoff(Duration::from_millis(20), Duration::from_millis(200))
-        .max_attempts(MAX_ATTEMPTS);
+        .retry(
+            Retry::new(MAX_ATTEMPTS).backoff(Duration::from_millis(20), Duration::from_millis(200)),
+        );
     // Starting can meet a fault (its first connection terminated): try again.
     let relay = loop {
         match Relay::spawn(config.clone()) {

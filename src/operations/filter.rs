@@ -8,48 +8,6 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::producer::message::micros;
 
-/// Which dead letters [`Outbox::redrive`](crate::Outbox::redrive) makes pending again.
-#[deprecated(
-    since = "0.2.0",
-    note = "pass a `Filter` to `redrive`: `Filter::new()` for every dead letter, `.key(k)` for some"
-)]
-#[derive(Debug, Clone, Copy)]
-pub enum Redrive<'a> {
-    /// Every dead letter.
-    All,
-    /// The dead letters with these keys (others are left alone).
-    Keys(&'a [&'a str]),
-}
-
-/// Which finished rows [`Outbox::purge`](crate::Outbox::purge) deletes.
-#[deprecated(
-    since = "0.2.0",
-    note = "pass `Rows::Sent.matching(Filter::new().older_than(age))` (or `Rows::Dead`, `Rows::Inbox`) to `purge`"
-)]
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub enum Purge {
-    /// Sent rows finished longer ago than this.
-    Sent {
-        /// Minimum age since the row was sent.
-        older_than: Duration,
-    },
-    /// Dead letters older than this.
-    Dead {
-        /// Minimum age since the row died.
-        older_than: Duration,
-    },
-    /// Dedupe records (see [`Outbox::dedupe`](crate::Outbox::dedupe)) older than this. Keep them longer than any
-    /// message can take to be delivered again: the relay's retry horizon, the broker's
-    /// retention, and the longest a consumer may be down. A redelivery after its record was
-    /// purged is processed again. Also deletes consumer failure counts (see
-    /// `rabbitmq::Consumer`) not updated since the cutoff: a crash can leave one behind.
-    Inbox {
-        /// Minimum age since the message was processed.
-        older_than: Duration,
-    },
-}
-
 /// Which rows an operator's command applies to: every condition given must hold; a filter
 /// with none selects every row. Built like a `postgres::Config`:
 ///
@@ -212,16 +170,6 @@ impl From<usize> for Filter {
     }
 }
 
-#[allow(deprecated)]
-impl From<Redrive<'_>> for Filter {
-    fn from(which: Redrive<'_>) -> Filter {
-        match which {
-            Redrive::All => Filter::new(),
-            Redrive::Keys(keys) => Filter::new().keys(keys.iter().copied()),
-        }
-    }
-}
-
 /// Which finished rows [`Outbox::purge`](crate::Outbox::purge) deletes and [`Outbox::count`](crate::Outbox::count) counts; with a
 /// filter, through [`matching`](Rows::matching).
 ///
@@ -249,10 +197,6 @@ pub enum Rows {
     Inbox,
 }
 
-/// The old name of [`Rows`].
-#[deprecated(since = "0.2.0", note = "renamed `Rows`")]
-pub type PurgeTarget = Rows;
-
 impl Rows {
     /// The rows of this kind that match `filter`.
     pub fn matching(self, filter: impl Into<Filter>) -> Selection {
@@ -274,18 +218,6 @@ pub struct Selection {
 impl From<Rows> for Selection {
     fn from(rows: Rows) -> Selection {
         rows.matching(Filter::new())
-    }
-}
-
-#[allow(deprecated)]
-impl From<Purge> for Selection {
-    fn from(which: Purge) -> Selection {
-        let (rows, older_than) = match which {
-            Purge::Sent { older_than } => (Rows::Sent, older_than),
-            Purge::Dead { older_than } => (Rows::Dead, older_than),
-            Purge::Inbox { older_than } => (Rows::Inbox, older_than),
-        };
-        rows.matching(Filter::new().older_than(older_than))
     }
 }
 

@@ -85,17 +85,6 @@ impl Outbox {
             .map_err(Error::Db)
     }
 
-    /// Up to `limit` dead letters that match `filter`, oldest first.
-    #[deprecated(since = "0.2.0", note = "use `dead_letters(client, filter.limit(n))`")]
-    pub fn dead_letters_where(
-        &self,
-        client: &mut Client,
-        filter: &Filter,
-        limit: usize,
-    ) -> Result<Vec<DeadLetter>> {
-        self.dead_letters(client, filter.clone().limit(limit))
-    }
-
     /// The dead letters that match `filter`, grouped by their last error, most common
     /// first: what broke, how often, since when, and one key to look at.
     pub fn dead_letter_errors(
@@ -158,25 +147,6 @@ impl Outbox {
             log::info!("outbox {}: redrove {n} dead letters", self.table());
         }
         Ok(n)
-    }
-
-    /// Makes the dead letters that match `filter` pending again, or with `dry_run` counts
-    /// them.
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `redrive(client, filter)`, and `count(client, Rows::Dead.matching(filter))` for a dry run"
-    )]
-    pub fn redrive_where(
-        &self,
-        client: &mut Client,
-        filter: &Filter,
-        dry_run: bool,
-    ) -> Result<u64> {
-        if dry_run {
-            self.count(client, Rows::Dead.matching(filter))
-        } else {
-            self.redrive(client, filter)
-        }
     }
 
     /// Lets the aggregates of the parked dead letters that match `filter` go on without

@@ -137,26 +137,6 @@ impl Outbox {
         Ok(total)
     }
 
-    /// Deletes the finished rows of `target` that match `filter`, or with `dry_run` counts
-    /// them.
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `purge(client, target.matching(filter))`, and `would_purge` of the same for a dry run"
-    )]
-    pub fn purge_where(
-        &self,
-        client: &mut Client,
-        target: Rows,
-        filter: &Filter,
-        dry_run: bool,
-    ) -> Result<u64> {
-        if dry_run {
-            self.would_purge(client, target.matching(filter))
-        } else {
-            self.purge(client, target.matching(filter))
-        }
-    }
-
     /// The inbox has no index on processed_at (every dedupe would pay for one): walk the
     /// primary key, a batch per statement. Then the consumers' stray failure counts.
     fn purge_inbox(&self, client: &mut Client, older_than: Duration) -> Result<u64> {

@@ -73,12 +73,12 @@ const PARTITIONED: u8 = 2;
 ///
 /// ```
 /// use std::time::Duration;
-/// use postgres_outbox::Outbox;
+/// use postgres_outbox::{Outbox, Retry};
 ///
 /// let outbox = Outbox::builder()
 ///     .table("audit.events")
 ///     .notify(false)
-///     .max_attempts(5)
+///     .retry(Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60)))
 ///     .build()?;
 /// assert_eq!(outbox.table(), "audit.events");
 /// # Ok::<(), postgres_outbox::Error>(())
@@ -140,20 +140,6 @@ impl OutboxBuilder {
     /// own attempt limit.
     pub fn retry(mut self, retry: Retry) -> OutboxBuilder {
         self.retry = retry;
-        self
-    }
-
-    /// Attempts before a row is dead-lettered, unless the message sets its own (default
-    /// 10): the attempt part of [`retry`](OutboxBuilder::retry).
-    pub fn max_attempts(mut self, max_attempts: u32) -> OutboxBuilder {
-        self.retry.max_attempts = max_attempts;
-        self
-    }
-
-    /// The first retry delay and the cap of the exponential backoff (default 500 ms, 300 s):
-    /// the backoff part of [`retry`](OutboxBuilder::retry).
-    pub fn backoff(mut self, min: Duration, max: Duration) -> OutboxBuilder {
-        self.retry = self.retry.backoff(min, max);
         self
     }
 

@@ -13,6 +13,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::connect::{close_within, Endpoint, Endpoints};
 use super::error::Error;
+use super::publisher_config::PublisherConfig;
 use crate::producer::message::MAX_SHORT_STRING;
 use crate::publish::publisher::{PublishError, Publisher};
 use crate::publish::record::Record;
@@ -32,11 +33,11 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// covers the whole batch; a batch in order ([`Publisher::publish_in_order`]) streams, each
 /// aggregate's next record published as soon as its predecessor is confirmed. A record
 /// counts as sent only once the broker has confirmed it and has not returned it as
-/// unroutable ([`mandatory`](RabbitPublisher::mandatory), on by default).
+/// unroutable ([`mandatory`](PublisherConfig::mandatory), on by default).
 ///
 /// **Whose fault.** A nack of a record, or its return as unroutable, is that record's failed
 /// attempt; a record the broker could never take (over 255 bytes in a short string, a body
-/// over [`max_message_size`](RabbitPublisher::max_message_size)) fails permanently. Anything
+/// over [`max_message_size`](PublisherConfig::max_message_size)) fails permanently. Anything
 /// else is the broker's or the network's doing and reported as
 /// [`PublishError::unavailable`], which costs no attempt: a channel or connection closed
 /// under the batch (the exchange deleted, access revoked), confirms that never come, and a
@@ -47,17 +48,21 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 /// Messages are persistent; the routing key is the topic, the message id the record's key,
 /// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
 /// `x-outbox-aggregate-key` when set and `x-outbox-attempt` (the attempt, 1 for the first),
-/// as the wire format consumers read. [`first_attempt_header(false)`](RabbitPublisher::first_attempt_header)
+/// as the wire format consumers read. [`first_attempt_header(false)`](PublisherConfig::first_attempt_header)
 /// leaves the header off first attempts, so a message with no other header carries no
 /// header table, which the broker reads for every message that has one (see
 /// BENCHMARKS.md).
 ///
 /// ```no_run
-/// use postgres_outbox::rabbitmq::RabbitPublisher;
+/// use postgres_outbox::rabbitmq::{PublisherConfig, RabbitPublisher};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let publisher = RabbitPublisher::connect("amqp://guest:guest@localhost:5672", "events")?
-///     .confirm_timeout(std::time::Duration::from_secs(5));
-/// # let _ = publisher;
+/// // The defaults:
+/// let publisher = RabbitPublisher::connect("amqp://guest:guest@localhost:5672", "events")?;
+/// // Anything else, through its config:
+/// let tuned = PublisherConfig::new("amqp://guest:guest@localhost:5672", "events")?
+///     .confirm_timeout(std::time::Duration::from_secs(5))
+///     .connect()?;
+/// # let _ = (publisher, tuned);
 /// # Ok(())
 /// # }
 /// ```
@@ -112,29 +117,16 @@ impl fmt::Debug for RabbitPublisher {
 }
 
 impl RabbitPublisher {
-    /// Connects to the broker at `url` (`amqp://` or `amqps://`; several, comma-separated,
-    /// for the nodes of a cluster: see [`Endpoints`]) and opens a confirming channel that
-    /// publishes to `exchange` (`""` is the default exchange). The exchange must already
-    /// exist: a missing one (or one this user may not see) is an error here, at once,
-    /// rather than a failure of every publish.
+    /// Connects with the default settings: the shorthand for
+    /// `PublisherConfig::new(url, exchange)?.connect()` (see [`PublisherConfig`], the one
+    /// place to configure a publisher, and [`PublisherConfig::connect`]).
     pub fn connect(url: &str, exchange: &str) -> Result<RabbitPublisher, Error> {
-        RabbitPublisher::connect_to(&Endpoints::parse(url)?, exchange)
+        PublisherConfig::new(url, exchange)?.connect()
     }
 
-    /// Like [`connect`](RabbitPublisher::connect) with an explicit heartbeat (default 5 s; a
-    /// dead broker is noticed after two missed heartbeats).
-    pub fn connect_with_heartbeat(
-        url: &str,
-        exchange: &str,
-        heartbeat: Duration,
-    ) -> Result<RabbitPublisher, Error> {
-        RabbitPublisher::connect_to(&Endpoints::parse(url)?.heartbeat(heartbeat), exchange)
-    }
-
-    /// Like [`connect`](RabbitPublisher::connect), to the first of `endpoints` that answers.
-    /// Once this publisher's connection is lost (it then reports itself broken, and the
-    /// relay builds a new one), the next connection starts at the endpoint after it.
-    pub fn connect_to(endpoints: &Endpoints, exchange: &str) -> Result<RabbitPublisher, Error> {
+    /// Connects as `config` says (see [`PublisherConfig::connect`]).
+    pub(super) fn open(config: &PublisherConfig) -> Result<RabbitPublisher, Error> {
+        let (endpoints, exchange) = (&config.endpoints, config.exchange.as_str());
         if exchange.len() > MAX_SHORT_STRING {
             return Err(Error::InvalidName(format!(
                 "exchange name is {} bytes; at most {MAX_SHORT_STRING}",
@@ -174,10 +166,10 @@ impl RabbitPublisher {
             at,
             endpoint,
             exchange: exchange.to_owned(),
-            mandatory: true,
-            first_attempt_header: true,
-            confirm_timeout: Duration::from_secs(10),
-            max_message_size: DEFAULT_MAX_MESSAGE_SIZE,
+            mandatory: config.mandatory,
+            first_attempt_header: config.first_attempt_header,
+            confirm_timeout: config.confirm_timeout,
+            max_message_size: config.max_message_size,
             connection: Some(connection),
             resized: false,
             channel: Some(channel),
@@ -190,45 +182,6 @@ impl RabbitPublisher {
             next_tag: 1,
             broken: None,
         })
-    }
-
-    /// Whether the broker must return messages no queue is bound for (default on): a
-    /// returned message is a failed attempt (retried, then dead), never counted as sent.
-    /// Turn it off only where dropping unroutable messages is intended: the broker then
-    /// confirms them and they are recorded as sent.
-    pub fn mandatory(mut self, mandatory: bool) -> RabbitPublisher {
-        self.mandatory = mandatory;
-        self
-    }
-
-    /// Whether a message's first attempt carries `x-outbox-attempt: 1` too (default true:
-    /// every message carries it, as consumers written against the wire format expect).
-    /// Turned off, the header comes from the second attempt on and its absence means the
-    /// first (as [`Delivery::attempt`](super::Delivery::attempt) reads it): a message with
-    /// no other header then carries no header table, and costs the broker less CPU (see
-    /// BENCHMARKS.md). Only for consumers that all read a missing header as the first
-    /// attempt.
-    pub fn first_attempt_header(mut self, always: bool) -> RabbitPublisher {
-        self.first_attempt_header = always;
-        self
-    }
-
-    /// How long to wait for a batch's confirms before giving the connection up as broken
-    /// (default 10 s), or, while the broker blocks the connection, before handing the batch
-    /// back; in a stream ([`Publisher::publish_in_order`]), how long to wait for the next
-    /// confirm. Keep it well under the relay's lease.
-    pub fn confirm_timeout(mut self, timeout: Duration) -> RabbitPublisher {
-        self.confirm_timeout = timeout;
-        self
-    }
-
-    /// The largest body the broker takes (default [`DEFAULT_MAX_MESSAGE_SIZE`], RabbitMQ's
-    /// own default; set it to the broker's `max_message_size`). A larger record fails
-    /// permanently on its own, before it is sent, instead of making the broker close the
-    /// channel under the rest of its batch.
-    pub fn max_message_size(mut self, bytes: usize) -> RabbitPublisher {
-        self.max_message_size = bytes;
-        self
     }
 
     /// Closes the connection, waiting at most two seconds.

@@ -184,27 +184,6 @@ impl RelayConfig {
         self
     }
 
-    /// Attempts before a row is dead-lettered, unless the message sets its own: the
-    /// attempt part of [`retry`](RelayConfig::retry).
-    pub fn max_attempts(mut self, max_attempts: u32) -> RelayConfig {
-        self.retry.max_attempts = max_attempts;
-        self
-    }
-
-    /// Claims in a row without an outcome before a row is dead, the crash-loop guard: the
-    /// [`max_claims`](Retry::max_claims) part of [`retry`](RelayConfig::retry).
-    pub fn max_claims(mut self, max_claims: u32) -> RelayConfig {
-        self.retry = self.retry.max_claims(max_claims);
-        self
-    }
-
-    /// The first retry delay and the cap of the exponential backoff: the backoff part of
-    /// [`retry`](RelayConfig::retry).
-    pub fn backoff(mut self, min: Duration, max: Duration) -> RelayConfig {
-        self.retry = self.retry.backoff(min, max);
-        self
-    }
-
     /// Whether a message that becomes a dead letter parks its aggregate (default: the
     /// outbox's, see [`OutboxBuilder::park_on_dead`](crate::OutboxBuilder::park_on_dead));
     /// a message may say otherwise with [`Message::park_on_dead`](crate::Message::park_on_dead).
@@ -242,50 +221,9 @@ impl RelayConfig {
         self
     }
 
-    /// Opens every connection the relay holds (each worker's, and the listener's) from
-    /// `config` with `tls`, outside the pool (deprecated: hand [`Connections::open`] to
-    /// [`RelayConfig::new`] instead, which does the same). The relay sets
-    /// TCP keepalives (probes after 10 s idle, every 5 s, three of them),
-    /// `tcp_user_timeout` 30 s and a 10 s connect timeout unless `config` is stricter, so a
-    /// dead or half-open database connection is noticed within about 30 s and replaced.
-    ///
-    /// With the pool instead, those TCP settings are whatever the pool's `Config` has;
-    /// either way the relay sets `statement_timeout` on its sessions (a quarter of the
-    /// lease, between 1 and 30 s), so a statement stuck behind a lock is cancelled and
-    /// retried while the lease still holds.
-    ///
-    /// ```no_run
-    /// # use postgres_outbox::{publisher_fn, Outbox, RelayConfig};
-    /// # use r2d2_postgres::{postgres::NoTls, PostgresConnectionManager};
-    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let url = "postgres://postgres@localhost/app";
-    /// let pool = r2d2::Pool::new(PostgresConnectionManager::new(url.parse()?, NoTls))?;
-    /// let config = RelayConfig::new(Outbox::new("orders_outbox")?, pool, || {
-    ///     Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())))
-    /// })
-    /// .connections(url.parse()?, NoTls);
-    /// # let _ = config;
-    /// # Ok(())
-    /// # }
-    /// ```
-    #[deprecated(
-        since = "0.2.0",
-        note = "hand `Connections::open(config, tls)` to `RelayConfig::new` instead of a pool"
-    )]
-    pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> RelayConfig
-    where
-        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
-        T::Stream: Send,
-        T::TlsConnect: Send,
-        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
-    {
-        self.source = Connections::open(config, tls).source;
-        self
-    }
-
     /// LISTEN on a connection of its own, opened from `config` with `tls` (with the
     /// liveness settings of [`Connections::open`]) and never part of
-    /// the pool. Without it (or `connections`), the listener checks one connection out of
+    /// the pool. Without it, the listener checks one connection out of
     /// the pool and keeps it for its whole life, UNLISTENing and draining it before
     /// handing it back.
     ///

@@ -47,7 +47,7 @@ use worker::{Alone, Cycle, Worker};
 /// stops the relay with an error rather than spin.
 const MAX_PANICS_IN_A_ROW: u32 = 5;
 
-/// What [`Relay::shutdown`] saw.
+/// What a relay did: so far ([`Relay::report`]), or over its life ([`Relay::shutdown`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ShutdownReport {
@@ -57,7 +57,8 @@ pub struct ShutdownReport {
     pub released: u64,
     /// Claimed records whose outcome was not recorded when the timeout ran out (their
     /// worker was still inside a publisher, or still writing). Their outcome is unknown:
-    /// their leases will expire and another relay will publish them again.
+    /// their leases will expire and another relay will publish them again. Zero until the
+    /// relay is shut down.
     pub abandoned: u64,
 }
 
@@ -170,6 +171,25 @@ impl Relay {
         self.shared.listening.load(Ordering::SeqCst)
     }
 
+    /// What the relay has done so far, as `rabbitmq::Consumer::report` says it of a
+    /// consumer.
+    ///
+    /// ```no_run
+    /// # use postgres_outbox::{publisher_fn, Connections, Outbox, Relay, RelayConfig};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let connections = Connections::open("postgres://postgres@localhost/app".parse()?, postgres::NoTls);
+    /// # let factory = || Ok::<_, std::io::Error>(publisher_fn(|_record| Ok(())));
+    /// let relay = Relay::spawn(RelayConfig::new(Outbox::new("orders_outbox")?, connections, factory))?;
+    /// println!("{} published so far", relay.report().published);
+    /// let report = relay.shutdown(std::time::Duration::from_secs(10))?;
+    /// # let _ = report;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn report(&self) -> ShutdownReport {
+        self.counted(0)
+    }
+
     /// True once the relay has stopped on its own (see [`Relay::join`]): a caller that
     /// waits for something else, such as a signal, can poll it.
     pub fn has_stopped(&self) -> bool {
@@ -214,14 +234,14 @@ impl Relay {
         let shared = &self.shared;
         // Stopped before: `shutdown` or `join`, then `Drop`.
         if !shared.stop.send_by(deadline) {
-            return self.report(0);
+            return self.counted(0);
         }
         log::info!("outbox {}: relay stopping", shared.config.outbox.table());
         self.workers.wait(deadline);
         let abandoned = shared.holding.load(Ordering::SeqCst);
         self.listener
             .wait(deadline.max(clock::deadline(Duration::from_secs(1))));
-        let report = self.report(abandoned);
+        let report = self.counted(abandoned);
         log::info!(
             "outbox {}: relay stopped ({} published, {} released, {} abandoned)",
             shared.config.outbox.table(),
@@ -232,7 +252,7 @@ impl Relay {
         report
     }
 
-    fn report(&self, abandoned: u64) -> ShutdownReport {
+    fn counted(&self, abandoned: u64) -> ShutdownReport {
         ShutdownReport {
             published: self.shared.published.load(Ordering::SeqCst),
             released: self.shared.released.load(Ordering::SeqCst),

@@ -57,8 +57,12 @@ impl Outcome {
 /// ```
 /// use std::time::Duration;
 /// use postgres_outbox::Retry;
-/// let retry = Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60));
+/// let retry = Retry::new(5)
+///     .backoff(Duration::from_secs(1), Duration::from_secs(60))
+///     .max_claims(3);
 /// assert_eq!(retry.max_attempts(), 5);
+/// assert_eq!(retry.backoff_range(), (Duration::from_secs(1), Duration::from_secs(60)));
+/// assert_eq!(retry.max_claims_in_a_row(), 3);
 /// assert_eq!(Retry::default().max_attempts(), 10);
 /// assert_eq!(Retry::default().max_claims_in_a_row(), 20);
 /// ```

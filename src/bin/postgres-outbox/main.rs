@@ -33,7 +33,7 @@ use postgres_native_tls::MakeTlsConnector;
 use postgres_outbox::rabbitmq::{Endpoints, PublisherConfig};
 use postgres_outbox::{
     Access, Connections, Filter, HealthThresholds, HeldBack, ObjectKind, Outbox, Relay,
-    RelayConfig, Rows,
+    RelayConfig, Retry, Rows,
 };
 use serde_json::{json, Value};
 
@@ -1236,7 +1236,7 @@ fn relay(
         config = config.poll_interval(poll);
     }
     if let Some(n) = args.max_attempts {
-        config = config.max_attempts(n);
+        config = config.retry(Retry::new(n));
     }
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {

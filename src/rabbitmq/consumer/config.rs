@@ -4,15 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use postgres::tls::{MakeTlsConnect, TlsConnect};
-use postgres::Socket;
-
 use super::dead_letter::QueueType;
 use super::metrics::{ConsumerMetrics, NoConsumerMetrics};
 use crate::producer::message::MAX_SHORT_STRING;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::error::Error;
-use crate::runtime::pool::{connector, Connect};
 use crate::runtime::retry::check_retry;
 use crate::runtime::retry::Retry;
 
@@ -21,11 +17,11 @@ use crate::runtime::retry::Retry;
 /// ```
 /// use std::time::Duration;
 /// use postgres_outbox::rabbitmq::ConsumerConfig;
+/// use postgres_outbox::Retry;
 /// let config = ConsumerConfig::new("amqp://guest:guest@localhost:5672", "invoices", "invoicing")
 ///     .concurrency(4)
 ///     .prefetch(32)
-///     .max_attempts(5)
-///     .backoff(Duration::from_secs(1), Duration::from_secs(60));
+///     .retry(Retry::new(5).backoff(Duration::from_secs(1), Duration::from_secs(60)));
 /// # let _ = config;
 /// ```
 #[derive(Clone)]
@@ -42,8 +38,6 @@ pub struct ConsumerConfig {
     pub(super) dead_letter_queue: Option<String>,
     pub(super) dead_letter_queue_type: QueueType,
     pub(super) metrics: Arc<dyn ConsumerMetrics>,
-    /// Where the handlers' connections come from, when not from the pool.
-    pub(super) own: Option<Arc<Connect>>,
     pub(super) statement_timeout: Duration,
 }
 
@@ -58,7 +52,6 @@ impl fmt::Debug for ConsumerConfig {
             .field("endpoints", &self.endpoints)
             .field("dead_letter_queue", &self.dead_letter_queue)
             .field("dead_letter_queue_type", &self.dead_letter_queue_type)
-            .field("own_connections", &self.own.is_some())
             .field("statement_timeout", &self.statement_timeout)
             .finish_non_exhaustive()
     }
@@ -82,7 +75,6 @@ impl ConsumerConfig {
             dead_letter_queue: Some(format!("{queue}.dead")),
             dead_letter_queue_type: QueueType::Classic,
             metrics: Arc::new(NoConsumerMetrics),
-            own: None,
             statement_timeout: Duration::from_secs(30),
         }
     }
@@ -92,24 +84,6 @@ impl ConsumerConfig {
     /// the consumer reconnects (with its backoff) starting at the endpoint after the lost one.
     pub fn endpoints(mut self, endpoints: Endpoints) -> ConsumerConfig {
         self.endpoints = Some(endpoints);
-        self
-    }
-
-    /// Opens the handlers' connections (one per handler thread) from `config` with `tls`,
-    /// outside the pool, whatever [`Consumer::spawn`](crate::rabbitmq::Consumer::spawn) is
-    /// given.
-    #[deprecated(
-        since = "0.2.0",
-        note = "hand `Connections::open(config, tls)` to `Consumer::spawn` instead of a pool"
-    )]
-    pub fn connections<T>(mut self, config: postgres::Config, tls: T) -> ConsumerConfig
-    where
-        T: MakeTlsConnect<Socket> + Clone + Send + Sync + 'static,
-        T::Stream: Send,
-        T::TlsConnect: Send,
-        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
-    {
-        self.own = Some(connector(config, tls));
         self
     }
 
@@ -154,36 +128,6 @@ impl ConsumerConfig {
     pub fn retry(mut self, retry: Retry) -> ConsumerConfig {
         self.retry = retry;
         self
-    }
-
-    /// Attempts before a message is dead-lettered (default 5): the attempt part of
-    /// [`retry`](ConsumerConfig::retry).
-    pub fn max_attempts(mut self, max_attempts: u32) -> ConsumerConfig {
-        self.retry.max_attempts = max_attempts;
-        self
-    }
-
-    /// The first retry's delay and the backoff's cap (default 1 s, 60 s): the backoff part
-    /// of [`retry`](ConsumerConfig::retry).
-    pub fn backoff(mut self, min: Duration, max: Duration) -> ConsumerConfig {
-        self.retry = self.retry.backoff(min, max);
-        self
-    }
-
-    /// Handler failures after which a message is dead-lettered (above `i32::MAX`, as good
-    /// as never, as in 0.1).
-    #[deprecated(
-        since = "0.2.0",
-        note = "use `max_attempts` (or `retry`): the same number"
-    )]
-    pub fn max_failures(self, max_failures: u32) -> ConsumerConfig {
-        self.max_attempts(max_failures.min(i32::MAX as u32))
-    }
-
-    /// The wait before a failed message is handled again.
-    #[deprecated(since = "0.2.0", note = "use `backoff` (or `retry`)")]
-    pub fn retry_backoff(self, min: Duration, max: Duration) -> ConsumerConfig {
-        self.backoff(min, max)
     }
 
     /// The queue dead letters are published to (default `<queue>.dead`), declared durable

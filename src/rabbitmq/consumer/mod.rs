@@ -42,7 +42,7 @@ use super::error::Error;
 use crate::producer::outbox::Outbox;
 use crate::publish::publisher::HandlerError;
 use crate::runtime::lifecycle::{StopSignal, Threads};
-use crate::runtime::pool::{Connections, Source};
+use crate::runtime::pool::Connections;
 use dispatch::Dispatcher;
 use shared::{Counters, Shared, FATAL_GRACE};
 use worker::Worker;
@@ -86,7 +86,7 @@ impl ConsumerReport {
 /// `COMMIT`); the message's failure count goes up (in the
 /// database, so restarts and other consumers of the queue see it) and it is handled again
 /// after a capped, jittered backoff, held unacked meanwhile. After
-/// [`max_attempts`](ConsumerConfig::max_attempts), or at once for a permanent error, it is
+/// its [`retry`](ConsumerConfig::retry)'s attempts, or at once for a permanent error, it is
 /// dead-lettered: published to the [dead-letter queue](ConsumerConfig::dead_letter_queue)
 /// and confirmed before it is acked, or rejected to the queue's dead-letter exchange. A
 /// message without a message id is dead-lettered unhandled.
@@ -125,7 +125,7 @@ impl ConsumerReport {
 ///     Ok(())
 /// })?;
 /// // ...
-/// let report = consumer.shutdown(Duration::from_secs(10));
+/// let report = consumer.shutdown(Duration::from_secs(10))?;
 /// println!("{report:?}");
 /// # Ok(())
 /// # }
@@ -168,10 +168,7 @@ impl Consumer {
         F: Fn(&mut Transaction<'_>, &Delivery) -> Result<(), HandlerError> + Send + Sync + 'static,
     {
         config.check()?;
-        let source = match &config.own {
-            Some(connect) => Source::Own(connect.clone()),
-            None => connections.into().source,
-        };
+        let source = connections.into().source;
         if let Some(size) = source.pool_size() {
             if (size as usize) < config.concurrency {
                 return Err(Error::InvalidConfig(format!(
@@ -232,7 +229,8 @@ impl Consumer {
         Ok(consumer)
     }
 
-    /// What the consumer has done so far.
+    /// What the consumer has done so far, as [`Relay::report`](crate::Relay::report) says
+    /// it of a relay.
     pub fn report(&self) -> ConsumerReport {
         ConsumerReport::of(&self.shared.counters)
     }
@@ -250,18 +248,10 @@ impl Consumer {
     /// more, cut if the broker does not answer), so everything else goes back on time; that handler finishes in the
     /// background, and its delivery comes again (acked as a duplicate if it committed).
     ///
-    /// Returns what the consumer did. Unlike [`Relay::shutdown`](crate::Relay::shutdown) it
-    /// returns no `Result`: that is the contract existing callers hold (DESIGN.md), and a
-    /// consumer's stop cannot fail. To learn whether it had stopped on its own first, and
-    /// why, use [`shutdown_checked`](Consumer::shutdown_checked).
-    pub fn shutdown(mut self, timeout: Duration) -> ConsumerReport {
-        self.stop(timeout);
-        self.report()
-    }
-
-    /// [`shutdown`](Consumer::shutdown), returning the error that had stopped the consumer
-    /// on its own (see [`join`](Consumer::join)), if one had.
-    pub fn shutdown_checked(mut self, timeout: Duration) -> Result<ConsumerReport, Error> {
+    /// Returns what the consumer did, or, as [`Relay::shutdown`](crate::Relay::shutdown)
+    /// does, the error that had stopped it on its own (see [`join`](Consumer::join)), if one
+    /// had.
+    pub fn shutdown(mut self, timeout: Duration) -> Result<ConsumerReport, Error> {
         self.stop(timeout);
         match self.shared.take_fatal() {
             Some(e) => Err(e),
@@ -276,7 +266,7 @@ impl Consumer {
     /// seconds to finish; what is held goes back to the queue.
     pub fn join(self) -> Result<(), Error> {
         self.shared.stop.wait();
-        self.shutdown_checked(FATAL_GRACE).map(drop)
+        self.shutdown(FATAL_GRACE).map(drop)
     }
 
     fn stop(&mut self, timeout: Duration) {

@@ -394,7 +394,7 @@ impl Worker {
         });
         if let Err(e) = forgot {
             self.release();
-            // Harmless: a redriven copy would just get fewer tries; Purge::Inbox clears it.
+            // Harmless: a redriven copy would just get fewer tries; a purge of `Rows::Inbox` clears it.
             log::warn!(
                 "rabbitmq consumer {}: cannot delete the failure count of a dead-lettered \
                  message: {e}",
