@@ -24,5 +24,5 @@ pub use consumer::{
     DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 pub use error::Error;
-pub use publisher::{RabbitPublisher, DEFAULT_MAX_MESSAGE_SIZE};
-pub use publisher_config::PublisherConfig;
+pub use publisher::RabbitPublisher;
+pub use publisher_config::{PublisherConfig, DEFAULT_MAX_MESSAGE_SIZE};

@@ -21,9 +21,6 @@ use crate::runtime::wire::{
     fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX,
 };
 
-/// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
-pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
-
 /// How long closing a connection may take before it is left to finish in the background.
 const CLOSE_BOUND: Duration = Duration::from_secs(2);
 
@@ -659,6 +656,17 @@ fn check_limits(record: &Record, max_body: usize) -> Result<(), PublishError> {
         )));
     }
     Ok(())
+}
+
+impl PublisherConfig {
+    /// A publisher with these settings: connects to the first endpoint that answers and
+    /// opens a confirming channel. The exchange must already exist: a missing one (or one
+    /// this user may not see) is an error here, at once, rather than a failure of every
+    /// publish. Once the publisher's connection is lost (it then reports itself broken, and
+    /// the relay builds a new one), the next connection starts at the endpoint after it.
+    pub fn connect(&self) -> Result<RabbitPublisher, Error> {
+        RabbitPublisher::open(self)
+    }
 }
 
 impl Publisher for RabbitPublisher {
