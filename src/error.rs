@@ -171,7 +171,7 @@ pub(crate) fn describe(error: &(dyn StdError + 'static)) -> String {
     if let Some(e) = error.downcast_ref::<postgres::Error>() {
         return DbText(e).to_string();
     }
-    if let Some(e) = error.downcast_ref::<crate::publish::PublishError>() {
+    if let Some(e) = error.downcast_ref::<crate::publish::publisher::PublishError>() {
         if let Some(source) = e.source() {
             return describe(source);
         }

@@ -34,13 +34,13 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
-use crate::health::Health;
-use crate::metrics::{CycleTimes, Metrics};
-use crate::outbox::Outbox;
-use crate::publish::PublishError;
-use crate::record::Record;
-use crate::relays::PublisherState;
-use crate::stats::Stats;
+use crate::operations::health::report::Health;
+use crate::operations::relays::PublisherState;
+use crate::operations::stats::Stats;
+use crate::producer::outbox::Outbox;
+use crate::publish::metrics::{CycleTimes, Metrics};
+use crate::publish::publisher::PublishError;
+use crate::publish::record::Record;
 
 /// The relay's [`Metrics`], reported to the `metrics` facade under the outbox's table name.
 ///
@@ -393,8 +393,8 @@ pub(crate) mod tests {
 
     #[test]
     fn health_becomes_gauges() {
-        use crate::health::{Check, Finding, Holder, Partition, TableHealth};
-        use crate::relays::{PublisherState, RelayReport};
+        use crate::operations::health::report::{Check, Finding, Holder, Partition, TableHealth};
+        use crate::operations::relays::{PublisherState, RelayReport};
         use std::time::SystemTime;
         let metrics = OutboxMetrics::new(&Outbox::new("orders_outbox").unwrap());
         let health = Health {

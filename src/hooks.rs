@@ -8,10 +8,11 @@ use std::time::Duration;
 use postgres::Client;
 
 use crate::error::{Error, Result};
-use crate::outbox::Outbox;
-use crate::record::Record;
-use crate::retry::Outcome;
-use crate::store::{self, ClaimRequest, Conn};
+use crate::producer::outbox::Outbox;
+use crate::publish::record::Record;
+use crate::relay::store::{self, ClaimRequest};
+use crate::runtime::conn::Conn;
+use crate::runtime::retry::Outcome;
 
 /// What one claim asks for; the fields are the relay's settings of the same names.
 #[derive(Debug, Clone)]

@@ -64,39 +64,18 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
-mod batch;
-mod clock;
 mod error;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod facade;
-mod fault;
-mod grants;
-mod health;
 #[doc(hidden)]
 pub mod hooks;
-mod install;
-mod lifecycle;
-mod message;
-mod metrics;
-mod migrate;
-mod operate;
-mod outbox;
-mod pool;
-mod process;
+mod operations;
+mod producer;
 mod publish;
-mod record;
 mod relay;
-mod relays;
-mod render;
-mod retry;
-mod rounds;
-mod session;
-mod sql;
-mod stats;
-mod store;
-mod table;
-mod wire;
+mod runtime;
+mod schema;
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
@@ -106,26 +85,27 @@ pub use error::{Error, Result};
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use facade::OutboxMetrics;
-pub use grants::Access;
-pub use health::{
+pub use operations::filter::{Filter, Rows, Selection};
+pub use operations::health::report::{
     Check, Finding, Health, HealthThresholds, HeldBack, Holder, Partition, Slot, TableHealth,
 };
-pub use install::{Installed, ObjectKind};
-pub use message::{Message, MAX_DELAY, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
-pub use metrics::{CycleTimes, Metrics, NoMetrics};
-pub use operate::{DeadLetter, ErrorGroup, Filter, Rows, Selection};
-pub use outbox::{Outbox, OutboxBuilder};
-pub use pool::Connections;
-pub use process::ProcessReport;
-pub use publish::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
+pub use operations::install::{Installed, ObjectKind};
+pub use operations::letters::{DeadLetter, ErrorGroup};
+pub use operations::relays::{PublisherState, RelayReport};
+pub use operations::stats::{Stats, TopicStats};
+pub use producer::message::{Message, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
+pub use producer::outbox::{Outbox, OutboxBuilder};
+pub use publish::metrics::{CycleTimes, Metrics, NoMetrics};
+pub use publish::publisher::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
+pub use publish::record::Record;
 #[cfg(all(feature = "metrics", feature = "rabbitmq"))]
 #[cfg_attr(docsrs, doc(cfg(all(feature = "metrics", feature = "rabbitmq"))))]
 pub use rabbitmq::QueueMetrics;
-pub use record::Record;
+pub use relay::process::ProcessReport;
 pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES};
-pub use relays::{PublisherState, RelayReport};
-pub use retry::Retry;
-pub use stats::{Stats, TopicStats};
+pub use runtime::pool::Connections;
+pub use runtime::retry::{Retry, MAX_DELAY};
+pub use schema::grants::Access;
 
 // The Rust examples of the README and the docs pages are compiled as doc tests, so they
 // cannot drift from the API.

@@ -199,7 +199,7 @@ fn a_relay_settles_partitions_whatever_the_role_s_default() {
 }
 
 /// The advisory lock `migrate` takes for a schema-qualified `table` (`lock_key` in
-/// src/table.rs): FNV-1a of its name behind a prefix.
+/// src/schema/table.rs): FNV-1a of its name behind a prefix.
 fn migration_lock(table: &str) -> i64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in "postgres-outbox:".bytes().chain(table.bytes()) {

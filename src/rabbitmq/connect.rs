@@ -13,7 +13,7 @@ use amiquip::{Auth, Channel, Connection, ConnectionOptions, ConnectionTuning};
 use rand::seq::SliceRandom;
 
 use super::error::Error;
-use crate::lifecycle;
+use crate::runtime::lifecycle;
 
 /// The brokers to connect to: one URL, or several (the nodes of a cluster, say), tried in
 /// turn until one answers.

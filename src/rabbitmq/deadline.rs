@@ -16,7 +16,7 @@ use std::time::Duration;
 use amiquip::Connection;
 use crossbeam_channel::{bounded, RecvTimeoutError};
 
-use crate::lifecycle;
+use crate::runtime::lifecycle;
 
 /// How long a closed connection's I/O thread may take to end once its socket is cut.
 const AFTER_CUT: Duration = Duration::from_secs(2);

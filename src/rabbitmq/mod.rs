@@ -13,7 +13,7 @@ mod error;
 mod publisher;
 mod publisher_config;
 
-pub use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+pub use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 pub use connect::Endpoints;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
@@ -24,5 +24,5 @@ pub use consumer::{
     DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
 pub use error::Error;
-pub use publisher::{RabbitPublisher, DEFAULT_MAX_MESSAGE_SIZE};
-pub use publisher_config::PublisherConfig;
+pub use publisher::RabbitPublisher;
+pub use publisher_config::{PublisherConfig, DEFAULT_MAX_MESSAGE_SIZE};

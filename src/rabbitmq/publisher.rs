@@ -14,13 +14,12 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 use super::connect::{close_within, Endpoint, Endpoints};
 use super::error::Error;
 use super::publisher_config::PublisherConfig;
-use crate::message::MAX_SHORT_STRING;
-use crate::publish::{PublishError, Publisher};
-use crate::record::Record;
-use crate::wire::{fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX};
-
-/// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
-pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
+use crate::producer::message::MAX_SHORT_STRING;
+use crate::publish::publisher::{PublishError, Publisher};
+use crate::publish::record::Record;
+use crate::runtime::wire::{
+    fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX,
+};
 
 /// How long closing a connection may take before it is left to finish in the background.
 const CLOSE_BOUND: Duration = Duration::from_secs(2);
@@ -300,7 +299,7 @@ impl RabbitPublisher {
         tags: &mut BTreeMap<u64, V>,
         settle: &mut dyn FnMut(V, Result<(), &'static str>),
     ) {
-        let deadline = crate::clock::deadline(self.confirm_timeout);
+        let deadline = crate::runtime::clock::deadline(self.confirm_timeout);
         while !tags.is_empty() {
             // A plain wait: a hot aggregate waits here once per message, and a select over
             // the block notifications and a timer cost a fifth of its rate. Whether the
@@ -659,6 +658,17 @@ fn check_limits(record: &Record, max_body: usize) -> Result<(), PublishError> {
     Ok(())
 }
 
+impl PublisherConfig {
+    /// A publisher with these settings: connects to the first endpoint that answers and
+    /// opens a confirming channel. The exchange must already exist: a missing one (or one
+    /// this user may not see) is an error here, at once, rather than a failure of every
+    /// publish. Once the publisher's connection is lost (it then reports itself broken, and
+    /// the relay builds a new one), the next connection starts at the endpoint after it.
+    pub fn connect(&self) -> Result<RabbitPublisher, Error> {
+        RabbitPublisher::open(self)
+    }
+}
+
 impl Publisher for RabbitPublisher {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
         if let Some(why) = self.unavailable() {
@@ -764,7 +774,7 @@ impl Publisher for RabbitPublisher {
             // keeps being confirmed may take longer as a whole.
             match self
                 .confirms
-                .recv_deadline(crate::clock::deadline(self.confirm_timeout))
+                .recv_deadline(crate::runtime::clock::deadline(self.confirm_timeout))
             {
                 Ok(confirm) => {
                     // A return comes before the confirm of its message.

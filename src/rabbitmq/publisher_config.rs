@@ -5,12 +5,17 @@ use std::time::Duration;
 
 use super::connect::Endpoints;
 use super::error::Error;
-use super::publisher::{RabbitPublisher, DEFAULT_MAX_MESSAGE_SIZE};
+
+/// RabbitMQ's default `max_message_size` (128 MiB); a larger body makes it close the channel.
+pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 128 << 20;
 
 /// Where and how [`RabbitPublisher`]s publish: the endpoints, the exchange and the
 /// publisher's settings, the one place to set them. `Clone`, so a relay's publisher factory
 /// is `move || config.connect()`, and a publisher built again after a lost connection gets
 /// the same settings. [`RabbitPublisher::connect`] is the shorthand for the defaults.
+///
+/// [`RabbitPublisher`]: crate::rabbitmq::RabbitPublisher
+/// [`RabbitPublisher::connect`]: crate::rabbitmq::RabbitPublisher::connect
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -107,14 +112,5 @@ impl PublisherConfig {
     pub fn max_message_size(mut self, bytes: usize) -> PublisherConfig {
         self.max_message_size = bytes;
         self
-    }
-
-    /// A publisher with these settings: connects to the first endpoint that answers and
-    /// opens a confirming channel. The exchange must already exist: a missing one (or one
-    /// this user may not see) is an error here, at once, rather than a failure of every
-    /// publish. Once the publisher's connection is lost (it then reports itself broken, and
-    /// the relay builds a new one), the next connection starts at the endpoint after it.
-    pub fn connect(&self) -> Result<RabbitPublisher, Error> {
-        RabbitPublisher::open(self)
     }
 }

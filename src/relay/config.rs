@@ -9,11 +9,11 @@ use postgres::tls::{MakeTlsConnect, TlsConnect};
 use postgres::Socket;
 
 use crate::error::{Error, Result};
-use crate::metrics::{Guarded, Metrics, NoMetrics};
-use crate::outbox::Outbox;
-use crate::pool::{connector, Connect, Connections, Source};
-use crate::publish::Publisher;
-use crate::retry::{check_lease, check_retry, Retry};
+use crate::producer::outbox::Outbox;
+use crate::publish::metrics::{Guarded, Metrics, NoMetrics};
+use crate::publish::publisher::Publisher;
+use crate::runtime::pool::{connector, Connect, Connections, Source};
+use crate::runtime::retry::{check_lease, check_retry, Retry};
 
 pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 pub(crate) type Factory = dyn Fn() -> Result<Box<dyn Publisher>, BoxError> + Send + Sync;

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant, SystemTime};
 use rand::Rng;
 
 use crate::error::describe;
-use crate::metrics::Metrics;
-use crate::relays::PublisherState;
+use crate::operations::relays::PublisherState;
+use crate::publish::metrics::Metrics;
 
 /// The first wait after the destination went down; it doubles with every failed probe.
 const FIRST_WAIT: Duration = Duration::from_millis(500);
@@ -192,7 +192,7 @@ fn wait(failures: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::NoMetrics;
+    use crate::publish::metrics::NoMetrics;
 
     fn down(health: &Health, probe: bool) -> Duration {
         let cause = std::io::Error::other("connection refused");

@@ -9,11 +9,12 @@ use fallible_iterator::FallibleIterator;
 
 use super::shared::Shared;
 use super::worker::statement_bound;
-use crate::clock;
 use crate::error::{Error, Result};
-use crate::retry::reconnect_delay;
-use crate::session::{sql_setup, Session};
-use crate::sql;
+use crate::relay::sql::{self, RelaySql};
+use crate::runtime::clock;
+use crate::runtime::retry::reconnect_delay;
+use crate::runtime::session::{sql_setup, Session};
+use crate::schema::migrate::MigrateSql;
 
 /// How often the wait is cut short to see whether the relay is stopping.
 const STOP_CHECK: Duration = Duration::from_millis(200);
@@ -55,7 +56,7 @@ pub(crate) fn run(shared: &Shared) {
         }
         // Nobody hears a notification now: the relay's waiting row goes if it can (if not,
         // enqueue ignores it within a minute).
-        let statements = config.outbox.statements();
+        let statements: &RelaySql = config.outbox.statements();
         shared.waiting.forget(statements, &mut |sql, relay| {
             execute(&mut session, sql, relay)
         });
@@ -74,9 +75,9 @@ pub(crate) fn run(shared: &Shared) {
 
 fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<()> {
     let config = &shared.config;
-    let sql = config.outbox.statements();
+    let sql: &RelaySql = config.outbox.statements();
     // The channel the producers' migrations rendered, whatever this relay calls the table.
-    let channel_sql = sql.channel.clone();
+    let channel_sql = config.outbox.statements::<MigrateSql>().channel.clone();
     let channel: String = session.run(move |conn| {
         Ok(conn
             .client
@@ -126,7 +127,7 @@ fn listen(shared: &Shared, session: &mut Session, failures: &mut u32) -> Result<
 /// Waits up to `STOP_CHECK` for a notification, then takes whatever else has arrived
 /// without waiting again, and calls `on_notified` once if any came.
 fn notified(
-    conn: &mut crate::store::Conn<'_, postgres::Client>,
+    conn: &mut crate::runtime::conn::Conn<'_, postgres::Client>,
     on_notified: impl Fn(),
 ) -> Result<()> {
     let client = &mut *conn.client;

@@ -16,8 +16,11 @@
 mod config;
 mod health;
 mod listener;
+pub(crate) mod process;
 mod report;
 mod shared;
+pub(crate) mod sql;
+pub(crate) mod store;
 mod waiting;
 mod worker;
 
@@ -31,13 +34,13 @@ use rand::Rng;
 
 pub use config::{RelayConfig, DEFAULT_MAX_IN_FLIGHT_BYTES};
 
-use crate::clock;
 use crate::error::{Error, Result};
-use crate::lifecycle::Threads;
-use crate::retry::reconnect_delay;
-use crate::session::{sql_setup, Session};
-use crate::store;
+use crate::runtime::clock;
+use crate::runtime::lifecycle::Threads;
+use crate::runtime::retry::reconnect_delay;
+use crate::runtime::session::{sql_setup, Session};
 use shared::{Shared, Wake};
+use sql::RelaySql;
 use worker::{Alone, Cycle, Worker};
 
 /// Panics in a row, with no cycle finishing in between, after which a worker gives up and
@@ -314,7 +317,7 @@ fn run_worker(shared: &Shared, name: &str) {
     let in_time = !shared.stop.past_deadline();
     shared
         .report
-        .worker_stopping(&mut worker, config.outbox.statements(), in_time);
+        .worker_stopping(&mut worker, config.outbox.statements::<RelaySql>(), in_time);
 }
 
 /// The worker's cycles, until the relay stops (or this worker stops it).
@@ -322,7 +325,7 @@ fn work(shared: &Shared, worker: &mut Worker) {
     let config = &shared.config;
     let table = config.outbox.table();
     let mut panics = 0u32;
-    let sql = config.outbox.statements();
+    let sql: &RelaySql = config.outbox.statements();
     while !shared.stopping() {
         let next = match catch_unwind(AssertUnwindSafe(|| worker.cycle(shared))) {
             Ok(Ok(cycle)) => {

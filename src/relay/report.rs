@@ -13,8 +13,8 @@ use postgres::error::SqlState;
 
 use super::health::Health;
 use super::worker::{Param, Worker};
-use crate::relays::{PublisherState, REPORT_EVERY};
-use crate::sql::Statements;
+use crate::operations::relays::{PublisherState, REPORT_EVERY};
+use crate::relay::sql::RelaySql;
 
 pub(crate) struct Report {
     /// The relay's id, the same as its row's in `<table>_waiting`.
@@ -91,7 +91,7 @@ impl Report {
     pub(crate) fn write_if_due(
         &self,
         worker: &mut Worker,
-        sql: &Statements,
+        sql: &RelaySql,
         health: &Health,
         published: &AtomicU64,
         holding: &AtomicU64,
@@ -134,10 +134,7 @@ impl Report {
         match worker.execute(&sql.report_relay, row) {
             Ok(()) => {
                 if self.failing.swap(false, Ordering::SeqCst) {
-                    log::info!(
-                        "outbox {}: the relay reports itself again",
-                        sql.table().as_str()
-                    );
+                    log::info!("outbox {}: the relay reports itself again", worker.table());
                 }
             }
             Err(e) => {
@@ -152,7 +149,7 @@ impl Report {
                     log::warn!(
                         "outbox {}: the relay cannot write its report (Outbox::relays){hint} \
                          and goes on without: {e}",
-                        sql.table().as_str()
+                        worker.table()
                     );
                 }
             }
@@ -164,7 +161,7 @@ impl Report {
     /// On the report's cadence, which is frequent enough: partitions are made intervals
     /// ahead, and a cut a few seconds late only makes a partition a little longer. Returns
     /// why it failed, for the report.
-    fn maintain_partitions(&self, worker: &mut Worker, sql: &Statements) -> Option<String> {
+    fn maintain_partitions(&self, worker: &mut Worker, sql: &RelaySql) -> Option<String> {
         // Nothing to keep on a plain table, and no statement more for its relays to run.
         if !worker.on_partitioned_table() {
             return None;
@@ -179,7 +176,7 @@ impl Report {
                     log::warn!(
                         "outbox {}: the relay cannot keep the table's partitions, and tries \
                          again at its next report: {e}",
-                        sql.table().as_str()
+                        worker.table()
                     );
                 }
                 // With its SQLSTATE, which `doctor` reads the cause from: the text is in
@@ -193,7 +190,7 @@ impl Report {
     }
 
     /// A worker stops; the last one deletes the row, unless the shutdown is out of time.
-    pub(crate) fn worker_stopping(&self, worker: &mut Worker, sql: &Statements, in_time: bool) {
+    pub(crate) fn worker_stopping(&self, worker: &mut Worker, sql: &RelaySql, in_time: bool) {
         if self.workers.fetch_sub(1, Ordering::SeqCst) != 1 || !in_time {
             return;
         }
@@ -201,7 +198,7 @@ impl Report {
             log::warn!(
                 "outbox {}: the relay could not delete its report; it is forgotten after a \
                  day: {e}",
-                sql.table().as_str()
+                worker.table()
             );
         }
     }

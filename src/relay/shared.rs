@@ -13,8 +13,8 @@ use super::report::Report;
 use super::waiting::Waiting;
 use super::worker::{Control, Worker};
 use crate::error::Error;
-use crate::lifecycle::StopSignal;
-use crate::sql::Statements;
+use crate::relay::sql::RelaySql;
+use crate::runtime::lifecycle::StopSignal;
 
 /// Why an idle worker was woken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +88,7 @@ impl Shared {
 
     /// Writes the relay's report on `worker`'s connection if it is due (see
     /// [`Report::write_if_due`]).
-    pub(super) fn report_if_due(&self, worker: &mut Worker, sql: &Statements) {
+    pub(super) fn report_if_due(&self, worker: &mut Worker, sql: &RelaySql) {
         self.report
             .write_if_due(worker, sql, &self.health, &self.published, &self.holding);
     }

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
-use crate::sql::Statements;
+use crate::relay::sql::RelaySql;
 
 /// How often a waiting relay refreshes its row; enqueue ignores rows older than a minute.
 const REFRESH: Duration = Duration::from_secs(10);
@@ -49,7 +49,7 @@ impl Waiting {
     /// The listener has just started listening: announce the relay as waiting before it
     /// says it listens, so an enqueue that follows `Relay::is_listening` is announced. If
     /// every worker is busy, the upkeep takes the row away again after a second.
-    pub(crate) fn start(&self, sql: &Statements, exec: Exec<'_>) {
+    pub(crate) fn start(&self, sql: &RelaySql, exec: Exec<'_>) {
         if let Ok(mut state) = self.state.lock() {
             state.busy_since = None;
             self.register(&mut state, sql, exec);
@@ -59,7 +59,7 @@ impl Waiting {
     /// A worker found nothing to claim and is about to wait. True when that made the relay
     /// known as waiting just now: the worker must claim once more, as a row committed before
     /// the row appeared was not announced.
-    pub(crate) fn going_idle(&self, sql: &Statements, exec: Exec<'_>) -> bool {
+    pub(crate) fn going_idle(&self, sql: &RelaySql, exec: Exec<'_>) -> bool {
         let Ok(mut state) = self.state.lock() else {
             return false;
         };
@@ -79,7 +79,7 @@ impl Waiting {
     /// The listener's upkeep, every few hundred milliseconds: refresh the row while a worker
     /// waits, register it if none did, delete it once every worker has been busy a while.
     /// True when it ran a statement.
-    pub(crate) fn upkeep(&self, sql: &Statements, exec: Exec<'_>) -> bool {
+    pub(crate) fn upkeep(&self, sql: &RelaySql, exec: Exec<'_>) -> bool {
         let Ok(mut state) = self.state.lock() else {
             return false;
         };
@@ -102,7 +102,7 @@ impl Waiting {
     /// The listener is going away (stopping, or its connection is lost): nobody would hear
     /// a notification, so the row goes if it can; if not, enqueue ignores it within a
     /// minute.
-    pub(crate) fn forget(&self, sql: &Statements, exec: Exec<'_>) {
+    pub(crate) fn forget(&self, sql: &RelaySql, exec: Exec<'_>) {
         if let Ok(mut state) = self.state.lock() {
             if state.registered {
                 self.unregister(&mut state, sql, exec);
@@ -111,7 +111,7 @@ impl Waiting {
         }
     }
 
-    fn register(&self, state: &mut State, sql: &Statements, exec: Exec<'_>) -> bool {
+    fn register(&self, state: &mut State, sql: &RelaySql, exec: Exec<'_>) -> bool {
         match exec(&sql.register_waiting, &self.relay) {
             Ok(()) => {
                 let newly = !state.registered;
@@ -126,7 +126,7 @@ impl Waiting {
         }
     }
 
-    fn unregister(&self, state: &mut State, sql: &Statements, exec: Exec<'_>) {
+    fn unregister(&self, state: &mut State, sql: &RelaySql, exec: Exec<'_>) {
         match exec(&sql.unregister_waiting, &self.relay) {
             Ok(()) => {
                 state.registered = false;

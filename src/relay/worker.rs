@@ -17,15 +17,15 @@ use postgres::Client;
 use super::config::RelayConfig;
 use super::health::Access;
 use crate::error::{describe, Result};
-use crate::fault::Fault;
-use crate::metrics::CycleTimes;
-use crate::publish::{fewer_outcomes, PublishError, Publisher};
-use crate::record::{Fence, Record};
-use crate::retry::{reconnect_delay, Outcome};
-use crate::rounds::in_round_order;
-use crate::session::{Session, Setup};
-use crate::sql;
-use crate::store::{self, ClaimRequest, Claimed};
+use crate::publish::metrics::CycleTimes;
+use crate::publish::publisher::{fewer_outcomes, PublishError, Publisher};
+use crate::publish::record::{Fence, Record};
+use crate::publish::rounds::in_round_order;
+use crate::relay::sql;
+use crate::relay::store::{self, ClaimRequest, Claimed};
+use crate::runtime::fault::Fault;
+use crate::runtime::retry::{reconnect_delay, Outcome};
+use crate::runtime::session::{Session, Setup};
 
 /// A statement parameter a worker's connection thread can take.
 pub(crate) type Param = Box<dyn ToSql + Send + Sync>;
@@ -128,14 +128,11 @@ pub(crate) struct Worker<'a> {
 /// after its snapshot, as rows do while other workers claim, and the partition upkeep
 /// settles nothing outside READ COMMITTED (its snapshot must postdate its look at the
 /// transactions). Left as the server has them: `default_transaction_read_only`, by which
-/// a switchover fences the old primary (see `sql::READ_ONLY`); `search_path`, through
+/// a switchover fences the old primary (see `READ_ONLY` in runtime/session.rs); `search_path`, through
 /// which a table named without a schema is found; `lock_timeout`, since a wait it ends is
 /// retried as any fault of the database.
 fn session_setup(config: &RelayConfig) -> Setup {
-    let settings = sql::relay_session(
-        config.outbox.statements().table(),
-        statement_timeout(config.lease),
-    );
+    let settings = sql::relay_session(config.outbox.table_name(), statement_timeout(config.lease));
     let outbox = config.outbox.clone();
     Arc::new(move |client: &mut Client| {
         client.batch_execute(&settings)?;
@@ -200,6 +197,11 @@ impl<'a> Worker<'a> {
 
     /// Whether the worker's connection found the table partitioned (its setup asks, once
     /// per `Outbox`); `false` before that.
+    /// The table, for logs.
+    pub(crate) fn table(&self) -> &str {
+        self.config.outbox.table()
+    }
+
     pub(crate) fn on_partitioned_table(&self) -> bool {
         self.config.outbox.known_partitioned() == Some(true)
     }

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use super::dead_letter::QueueType;
 use super::metrics::{ConsumerMetrics, NoConsumerMetrics};
-use crate::message::MAX_SHORT_STRING;
+use crate::producer::message::MAX_SHORT_STRING;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::error::Error;
-use crate::retry::check_retry;
-use crate::retry::Retry;
+use crate::runtime::retry::check_retry;
+use crate::runtime::retry::Retry;
 
 /// How a [`Consumer`](crate::rabbitmq::Consumer) runs.
 ///

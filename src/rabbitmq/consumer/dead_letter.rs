@@ -153,7 +153,7 @@ impl DeadLetterQueue {
         // arrives before its confirm. After a timeout that no longer holds: a new channel.
         let confirm = match self
             .confirms
-            .recv_deadline(crate::clock::deadline(CONFIRM_TIMEOUT))
+            .recv_deadline(crate::runtime::clock::deadline(CONFIRM_TIMEOUT))
         {
             Ok(confirm) => confirm,
             Err(RecvTimeoutError::Timeout) => {

@@ -2,7 +2,7 @@
 
 use amiquip::{AmqpValue, FieldTable};
 
-use crate::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
 
 /// A delivery as the handler sees it.
 #[derive(Debug, Clone)]

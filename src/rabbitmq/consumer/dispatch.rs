@@ -22,7 +22,7 @@ use super::worker::{Done, Job, Outcome, Task};
 use crate::error::describe;
 use crate::rabbitmq::connect::Endpoints;
 use crate::rabbitmq::deadline::{Closed, Cutter};
-use crate::retry::reconnect_delay;
+use crate::runtime::retry::reconnect_delay;
 
 /// The longest a committed delivery's ack is held back to go out with others.
 const ACK_DELAY: Duration = Duration::from_millis(5);

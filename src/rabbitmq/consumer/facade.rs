@@ -7,7 +7,7 @@ use metrics::{counter, histogram};
 
 use super::delivery::Delivery;
 use super::metrics::ConsumerMetrics;
-use crate::publish::HandlerError;
+use crate::publish::publisher::HandlerError;
 
 /// A `rabbitmq::Consumer`'s [`ConsumerMetrics`], reported to the `metrics` facade under
 /// its queue and consumer name (see [`facade`](crate::facade)'s table).
@@ -67,7 +67,7 @@ mod tests {
 
     use super::*;
     use crate::facade::tests::reported;
-    use crate::publish::PublishError;
+    use crate::publish::publisher::PublishError;
 
     #[test]
     fn consumer_events_become_counters_and_a_histogram_per_queue() {

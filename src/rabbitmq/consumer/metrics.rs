@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::delivery::Delivery;
-use crate::publish::HandlerError;
+use crate::publish::publisher::HandlerError;
 
 /// Observes a [`Consumer`](crate::rabbitmq::Consumer). Every method has a no-op default, so
 /// implement only what you export. A callback that panics is logged and ignored. Called from

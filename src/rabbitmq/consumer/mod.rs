@@ -15,6 +15,7 @@ mod facade;
 mod lanes;
 mod metrics;
 mod shared;
+mod sql;
 mod succession;
 mod worker;
 
@@ -38,10 +39,10 @@ pub use metrics::ConsumerMetrics;
 
 use super::connect::{close_within, Endpoints};
 use super::error::Error;
-use crate::lifecycle::{StopSignal, Threads};
-use crate::outbox::Outbox;
-use crate::pool::Connections;
-use crate::publish::HandlerError;
+use crate::producer::outbox::Outbox;
+use crate::publish::publisher::HandlerError;
+use crate::runtime::lifecycle::{StopSignal, Threads};
+use crate::runtime::pool::Connections;
 use dispatch::Dispatcher;
 use shared::{Counters, Shared, FATAL_GRACE};
 use worker::Worker;
@@ -271,7 +272,9 @@ impl Consumer {
     fn stop(&mut self, timeout: Duration) {
         // A stop before (the consumer's own, or `shutdown` before `Drop`) set the deadline
         // that stands.
-        self.shared.stop.send_by(crate::clock::deadline(timeout));
+        self.shared
+            .stop
+            .send_by(crate::runtime::clock::deadline(timeout));
         if std::mem::replace(&mut self.stopped, true) {
             return;
         }
@@ -329,7 +332,7 @@ fn check_tables(conn: Result<&mut postgres::Client, String>, outbox: &Outbox) ->
             return Ok(());
         }
     };
-    match conn.batch_execute(&outbox.statements().probe_consumer) {
+    match conn.batch_execute(&outbox.statements::<sql::ConsumerSql>().probe_consumer) {
         Ok(()) => Ok(()),
         Err(e) => match outbox.db_error(e) {
             e @ crate::error::Error::NotMigrated { .. } => Err(Error::Database(e)),

@@ -9,11 +9,11 @@ use postgres::Transaction;
 use super::config::ConsumerConfig;
 use super::delivery::Delivery;
 use super::metrics::ConsumerMetrics;
-use crate::lifecycle::StopSignal;
-use crate::outbox::Outbox;
-use crate::pool::Source;
-use crate::publish::HandlerError;
+use crate::producer::outbox::Outbox;
+use crate::publish::publisher::HandlerError;
 use crate::rabbitmq::error::Error;
+use crate::runtime::lifecycle::StopSignal;
+use crate::runtime::pool::Source;
 
 /// What the consumer has done so far, counted by the dispatcher.
 #[derive(Default)]
@@ -49,7 +49,7 @@ impl Shared {
     pub(super) fn stop_deadline(&self) -> Instant {
         self.stop
             .deadline()
-            .unwrap_or_else(|| crate::clock::deadline(Duration::MAX))
+            .unwrap_or_else(|| crate::runtime::clock::deadline(Duration::MAX))
     }
 
     /// Stops the consumer on its own: what runs gets `FATAL_GRACE` to finish, the rest goes
@@ -59,7 +59,8 @@ impl Shared {
         if let Ok(mut slot) = self.fatal.lock() {
             slot.get_or_insert(fatal);
         }
-        self.stop.send_by(crate::clock::deadline(FATAL_GRACE));
+        self.stop
+            .send_by(crate::runtime::clock::deadline(FATAL_GRACE));
     }
 
     pub(super) fn take_fatal(&self) -> Option<Error> {
@@ -69,6 +70,6 @@ impl Shared {
     /// Calls the metrics hook; a panic in it is logged and goes no further.
     pub(super) fn observe(&self, f: impl FnOnce(&dyn ConsumerMetrics)) {
         let metrics = self.config.metrics.as_ref();
-        crate::metrics::contained("ConsumerMetrics", || f(metrics));
+        crate::publish::metrics::contained("ConsumerMetrics", || f(metrics));
     }
 }

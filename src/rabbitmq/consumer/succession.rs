@@ -17,7 +17,7 @@ use crossbeam_channel::{after, select};
 
 use super::shared::Shared;
 use crate::rabbitmq::deadline::Cutter;
-use crate::retry::reconnect_delay;
+use crate::runtime::retry::reconnect_delay;
 
 /// The longest pause between two looks at whether the broker dropped the last connection.
 const POLL: Duration = Duration::from_secs(1);

@@ -15,14 +15,14 @@ use super::dead_letter::DEAD_CONSUMER_HEADER;
 use super::delivery::Delivery;
 use super::lanes::Tag;
 use super::shared::Shared;
+use super::sql::{self, ConsumerSql};
 use crate::error::describe;
-use crate::fault::{self, Fault};
-use crate::metrics::NoMetrics;
-use crate::publish::HandlerError;
-use crate::retry::reconnect_delay;
-use crate::session::{Session, Setup, Watch};
-use crate::sql;
-use crate::store::storable;
+use crate::publish::metrics::NoMetrics;
+use crate::publish::publisher::HandlerError;
+use crate::relay::store::storable;
+use crate::runtime::fault::{self, Fault};
+use crate::runtime::retry::reconnect_delay;
+use crate::runtime::session::{Session, Setup, Watch};
 
 /// What a worker is asked to do.
 pub(super) enum Task {
@@ -339,7 +339,7 @@ impl Worker {
             let row = conn
                 .client
                 .query_one(
-                    &shared.outbox.statements().count_failure,
+                    &shared.outbox.statements::<ConsumerSql>().count_failure,
                     &[
                         &config.name,
                         &key,
@@ -364,7 +364,7 @@ impl Worker {
             let marked = self.session.run(move |conn| {
                 conn.client
                     .execute(
-                        &shared.outbox.statements().mark_buried,
+                        &shared.outbox.statements::<ConsumerSql>().mark_buried,
                         &[&shared.config.name, &key],
                     )
                     .map(drop)
@@ -386,7 +386,7 @@ impl Worker {
         let forgot = self.session.run(move |conn| {
             conn.client
                 .execute(
-                    &shared.outbox.statements().forget_failures,
+                    &shared.outbox.statements::<ConsumerSql>().forget_failures,
                     &[&shared.config.name, &key],
                 )
                 .map(drop)
@@ -435,7 +435,7 @@ fn attempt_on(
     suspect: bool,
 ) -> Result<Outcome, Failure> {
     let started = Instant::now();
-    let sql = shared.outbox.statements();
+    let sql: &ConsumerSql = shared.outbox.statements();
     let params: [(&(dyn postgres::types::ToSql + Sync), Type); 2] = [
         (&shared.config.name, Type::TEXT),
         (&delivery.key, Type::TEXT),

@@ -1,0 +1,8 @@
+//! The outbox's tables and functions: validated table names, the checked renderer of SQL
+//! templates, the migrations, and the grants each side needs.
+
+pub(crate) mod grants;
+pub(crate) mod migrate;
+pub(crate) mod render;
+pub(crate) mod statements;
+pub(crate) mod table;
