@@ -17,7 +17,7 @@
 -- look's cost follows the backlog, not the partitions kept. The partitions are a variable,
 -- so the look leaves the quiet ones out when it starts. As a subquery of the same statement
 -- it gave back half of what it saves, from a function of its own a fifth to a third
--- (BENCHMARKS.md, "What each kept partition costs").
+-- (`cargo bench --bench outbox partitions`).
 
 -- What an enqueue of keys the caller gave does first: hold off the next cut until this
 -- transaction ends, and look for the keys in every partition. The look is forced to probe

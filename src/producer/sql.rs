@@ -7,14 +7,14 @@ use crate::schema::table::TableName;
 /// The producer's statements: enqueues, the batch path, and deduplication.
 #[derive(Debug)]
 pub(crate) struct ProducerSql {
-    /// Calls the enqueue function (migration 0010): $1..$10 the message, $11 notify, $12
-    /// whether the key is the crate's own.
+    /// Calls the enqueue function (`sql/functions/enqueue.sql`): $1..$10 the message, $11 notify,
+    /// $12 whether the key is the crate's own.
     pub(crate) enqueue: String,
-    /// Calls the batch enqueue function (migration 0010): $1..$12 the columns, $13 notify,
-    /// $14 whether every key is the crate's own.
+    /// Calls the batch enqueue function (`sql/functions/enqueue.sql`): $1..$12 the columns, $13
+    /// notify, $14 whether every key is the crate's own.
     pub(crate) enqueue_all: String,
     /// Before a batch is copied in: locks its aggregates ($1), notifies if $2 and a relay
-    /// waits, and returns the aggregates that cannot take a new head (migration 0010).
+    /// waits, and returns the aggregates that cannot take a new head (`sql/functions/enqueue.sql`).
     pub(crate) lock_heads: String,
     /// A large batch due at once: binary COPY of the columns that have no default, and
     /// whether each row is its aggregate's head.

@@ -134,11 +134,10 @@ impl RelayConfig {
     /// the outcomes, on a database connection of its own; a worker whose publisher is busy
     /// or stuck claims nothing more.
     ///
-    /// Strictly ordered traffic concentrated in a few aggregates goes faster with fewer
-    /// workers and larger batches: an aggregate's next batch waits until its last one is
-    /// recorded, and workers splitting the aggregates between them keep fewer messages in
-    /// flight each, which costs the broker more per message (measured on BENCHMARKS.md; see
-    /// also [`RelayConfig::pipeline_runs`]).
+    /// Strictly ordered traffic concentrated in a few aggregates gains little from more
+    /// workers: an aggregate's next batch waits until its last one is recorded, so one
+    /// aggregate moves about as fast with one worker as with four (BENCHMARKS.md,
+    /// "Relaying"); see also [`RelayConfig::pipeline_runs`].
     pub fn concurrency(mut self, concurrency: usize) -> RelayConfig {
         self.concurrency = concurrency;
         self
@@ -200,7 +199,7 @@ impl RelayConfig {
     /// confirmed: order holds whatever fails, at one broker round trip per message of an
     /// aggregate (a busy aggregate moves as fast as the broker confirms one message at a
     /// time). Pipelined, the run goes out in order without waiting, so a busy aggregate
-    /// moves several times faster (BENCHMARKS.md has both), and **order holds
+    /// moves faster (BENCHMARKS.md, "Relaying", has both), and **order holds
     /// unless a message of the run fails**: when message k is nacked, returned as
     /// unroutable, refused by the publisher or not confirmed (a lost connection), the later
     /// messages of its run may have reached the broker already. Each is recorded as the

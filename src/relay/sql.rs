@@ -28,8 +28,8 @@ pub(crate) struct RelaySql {
     /// A relay's report of itself (and forgets reports unseen for a day).
     pub(crate) report_relay: String,
     pub(crate) forget_relay: String,
-    /// Keeps a partitioned outbox's partitions and settles the closed ones (migrations 0012
-    /// and 0013; NULL on a plain one).
+    /// Keeps a partitioned outbox's partitions and settles the closed ones
+    /// (`sql/functions/partitions.sql`; NULL on a plain one).
     pub(crate) maintain_partitions: String,
     pub(crate) probe: String,
 }
@@ -92,7 +92,7 @@ impl Statements for RelaySql {
                    WHERE t.id = o.id AND t.attempts = o.attempts AND t.status = 'pending'
                      AND t.lease_until = o.lease
                    RETURNING t.status, t.id),
-                 -- Counted by partition (migration 0012; all are partition 0 on a plain
+                 -- Counted by partition (migration 7; all are partition 0 on a plain
                  -- table), so a partition dropped is taken off the count without a count.
                  c AS (SELECT id >> {id_bits} AS part, count(*) AS n,
                               count(*) FILTER (WHERE status = 'sent') AS sent
@@ -172,7 +172,7 @@ impl Statements for RelaySql {
 /// rather than rechecked. That keeps the order strict whatever runs alongside.
 ///
 /// A claim leases a row and counts one more claim without an outcome (`claims`, which any
-/// outcome sets back to 0; `attempts` counts only verdicts, see migration 0009). A row whose
+/// outcome sets back to 0; `attempts` counts only verdicts, see migration 7). A row whose
 /// claims would pass `$7` (`max_claims`) has been in hand that often, in a row, when a relay
 /// crashed or lost its connection: a crash loop, maybe its own doing. It becomes dead (or
 /// parked, see `PARKS`, with the caller's setting in `$8`) here instead of being published
@@ -354,7 +354,7 @@ RETURNING {claimed_columns}, t.status, t.claims",
 }
 
 /// A record as a claim hands it over: its attempt is the one this claim starts (`attempts`
-/// counts the verdicts so far, see migration 0009).
+/// counts the verdicts so far, see migration 7).
 fn claimed_columns() -> Result<String, RenderError> {
     render(RECORD_TEMPLATE, &[("attempt", "t.attempts + 1 AS attempt")])
 }
@@ -436,13 +436,12 @@ pub(crate) const RELAY_SESSION_RESET: &str = "RESET application_name; RESET stat
      RESET idle_in_transaction_session_timeout; RESET jit; RESET plan_cache_mode; \
      RESET enable_seqscan; RESET synchronous_commit; RESET default_transaction_isolation";
 
-/// A relay session's plans on a partitioned table: planned once per connection. Planned
-/// for each claim's values (which PostgreSQL keeps choosing, as their estimates look
-/// cheaper), every statement plans every partition: half the relay's rate with a dozen
-/// partitions (BENCHMARKS.md, "Partitioned outboxes at scale"). And no sequential scan
-/// where an index serves: a plan made while a partition ahead was empty would read it
-/// whole once it is the open one, until the next analyze. A plain table keeps the
-/// server's choices.
+/// A relay session's plans on a partitioned table: planned once per connection. Planned for each
+/// claim's values (which PostgreSQL keeps choosing, as their estimates look cheaper), every
+/// statement plans every partition: half the relay's rate with a dozen partitions (`cargo bench
+/// --bench outbox scale`, BENCHMARKS.md "At scale"). And no sequential scan where an index serves:
+/// a plan made while a partition ahead was empty would read it whole once it is the open one, until
+/// the next analyze. A plain table keeps the server's choices.
 pub(crate) const PARTITIONED_PLANS: &str =
     "SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off";
 

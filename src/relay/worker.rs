@@ -195,13 +195,13 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Whether the worker's connection found the table partitioned (its setup asks, once
-    /// per `Outbox`); `false` before that.
     /// The table, for logs.
     pub(crate) fn table(&self) -> &str {
         self.config.outbox.table()
     }
 
+    /// Whether the worker's connection found the table partitioned (its setup asks, once
+    /// per `Outbox`); `false` before that.
     pub(crate) fn on_partitioned_table(&self) -> bool {
         self.config.outbox.known_partitioned() == Some(true)
     }

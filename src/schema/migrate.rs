@@ -808,8 +808,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "404fe13862d622c4",
-                "f3533581e5330f0f",
+                "52d75f363cfad41a",
+                "ca453d9789fb4881",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();

@@ -31,7 +31,8 @@ pub(crate) trait Statements: Any + Send + Sync + Sized {
 const PARTS: usize = 8;
 
 /// Each part's statements for one table, rendered once, on the part's first use: the
-/// parts live above the `Outbox` that holds them, which names none of them.
+/// relay's, the operator's and the consumer's parts live above the `Outbox` that holds
+/// them, so it cannot name them (`rabbitmq::consumer::sql`'s tests ask for every part).
 pub(crate) struct Rendered {
     table: TableName,
     parts: [OnceLock<Box<dyn Any + Send + Sync>>; PARTS],
@@ -119,18 +120,18 @@ pub(crate) fn db_error(table: &TableName, e: postgres::Error) -> Error {
 }
 
 /// How many ids a partition holds, as a power of two: partition n holds the ids from
-/// `n << PARTITION_ID_BITS` (migration 0012, whose functions spell out the width).
+/// `n << PARTITION_ID_BITS` (`sql/functions/partitions.sql`, whose functions spell out the width).
 pub(crate) const PARTITION_ID_BITS: u32 = 40;
 
 /// How many ranges of partitions an enqueue's look for its aggregate's pending messages
 /// reads on a partitioned table, at most: the partitions that may hold a pending or parked
-/// row (not quiet, migration 0016), the first `LOOK_RANGES - 1` of them each alone and
-/// every one from the next on. Quiet partitions hold sent and dead rows only, and a redrive
-/// marks a partition not quiet before a row of it is pending again, so the quiet ones
-/// between (after messages scheduled far ahead, or parked, in old partitions) are left out
-/// (migrations 0019 and 0021). Each range is an OR in the look's plan: four cost the common
-/// case (one run of partitions, the open one and those made ahead) nothing measurable
-/// against two (BENCHMARKS.md).
+/// row (not quiet, migration 7), the first `LOOK_RANGES - 1` of them each alone and
+/// every one from the next on. Quiet partitions hold sent and dead rows only, and a
+/// redrive marks a partition not quiet before a row of it is pending again, so the quiet
+/// ones between (after messages scheduled far ahead, or parked, in old partitions) are left
+/// out (`sql/functions/enqueue_partitioned.sql`). Each range is an OR in the look's plan:
+/// four cost the common case (one run of partitions, the open one and those made ahead)
+/// nothing measurable against two (`cargo bench --bench outbox partitions`, 2026-12-06).
 pub(crate) const LOOK_RANGES: usize = 4;
 
 /// The partitions an enqueue's look reads (see `LOOK_RANGES`), which the enqueue functions

@@ -88,7 +88,7 @@ impl Statements for LettersSql {
             // `lock_redriven` keeps producers from adding to its aggregate meanwhile.
             redrive_hold: values.render(&redrive_hold())?,
             redrive_where: values.render(&redrive(""))?,
-            // On a partitioned table its partitions are no longer quiet (migration 0016):
+            // On a partitioned table its partitions are no longer quiet (migration 7):
             // producers' looks read them again. The rows are read in the same snapshot as
             // the update's, so every partition it makes a row pending in is among them.
             // Closed partitions not settled only: the open one is never quiet (a redrive
@@ -112,7 +112,7 @@ impl Statements for LettersSql {
             // counter (slot $6) goes down by the sent rows deleted.
             purge_where: values.render(&purge(""))?,
             // On a partitioned table, a quiet partition's count of its dead letters goes
-            // down too (migration 0018). Each closed partition it deletes dead letters from
+            // down too (migration 7). Each closed partition it deletes dead letters from
             // is locked, quiet or not: the upkeep, which locks one before it counts it,
             // counts after this commits, or this waits for its count. (A purge whose
             // snapshot predates a cut is among the transactions the upkeep waits for before
@@ -204,17 +204,16 @@ fn record_columns() -> Result<String, RenderError> {
 const REDRIVEN: &str =
     "{filter} AND (t.aggregate_key IS NULL OR t.aggregate_key = ANY ($6::text[]))";
 
-/// Before a redrive: for each redriven aggregate, the first message still pending or parked
-/// after its first redriven letter, touched. Every claim's run that would cross the letter
-/// holds that message: the touch waits for a claim that holds it, and a claim whose
-/// snapshot predates the touch passes it over (it locks the version it read, see
-/// [`claim`]) and so ends its run before it. So once the redrive commits, no claim takes
-/// a message ahead of the letters it makes pending. (A marked head after the letter is that
-/// message, and is the head no longer.) Returns the aggregates, the first redriven id of
-/// each, when the lease of the message touched ends if it is in flight (its run's: they
-/// were claimed together), and whether every aggregate's message was touched: one that got
-/// its outcome while the touch waited for it was not, and the hold runs again, in a new
-/// snapshot, to touch the message after it.
+/// Before a redrive: for each redriven aggregate, the first message still pending or parked after
+/// its first redriven letter, touched. Every claim's run that would cross the letter holds that
+/// message: the touch waits for a claim that holds it, and a claim whose snapshot predates the
+/// touch passes it over (it locks the version it read, see the claim in `relay::sql`) and so ends
+/// its run before it. So once the redrive commits, no claim takes a message ahead of the letters it
+/// makes pending. (A marked head after the letter is that message, and is the head no longer.)
+/// Returns the aggregates, the first redriven id of each, when the lease of the message touched
+/// ends if it is in flight (its run's: they were claimed together), and whether every aggregate's
+/// message was touched: one that got its outcome while the touch waited for it was not, and the
+/// hold runs again, in a new snapshot, to touch the message after it.
 fn redrive_hold() -> String {
     let next = |marked: &str| {
         format!(

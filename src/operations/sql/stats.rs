@@ -14,12 +14,12 @@ pub(crate) struct StatsSql {
     /// dead letters counted in the quiet ones from `$1` on left out.
     pub(crate) stats: Vec<String>,
     /// What `stats` and `topic_stats` read on a partitioned table: the first id of the
-    /// oldest partition not settled (migration 0013), whose rows may still be pending,
+    /// oldest partition not settled (migration 7), whose rows may still be pending,
     /// parked or dead; the partitions from there that may hold a pending or parked row
     /// (not quiet), or dead letters not counted, up to the partition of the last id drawn
-    /// (migration 0020), past which no row is, and that one unless its bookkeeping says it
+    /// (migration 7), past which no row is, and that one unless its bookkeeping says it
     /// is quiet (were its row lost, the rows written there would be missed); and the quiet
-    /// ones whose dead letters are counted as some, or not counted (migration 0018).
+    /// ones whose dead letters are counted as some, or not counted (migration 7).
     pub(crate) backlog_bounds: String,
     /// Counts by state from every pending and parked row.
     pub(crate) stats_exact: String,
@@ -163,7 +163,7 @@ impl Statements for StatsSql {
                         (SELECT rows FROM sizes WHERE name = 'ordered'),
                         (SELECT count(*) FROM m)
                  -- Dead letters: read where the rest is, counted in the quiet partitions
-                 -- from $1 on left out (migration 0018).
+                 -- from $1 on left out (migration 7).
                  FROM (SELECT count(*) + (SELECT coalesce(sum(q.dead), 0)::bigint
                                           FROM {partitions} q
                                           WHERE q.quiet_at IS NOT NULL
@@ -266,7 +266,7 @@ impl Statements for StatsSql {
 }
 
 /// The first id that may belong to a pending, parked or dead row of a partitioned table:
-/// the first of the oldest partition not settled (migration 0013). Settled partitions hold
+/// the first of the oldest partition not settled (migration 7). Settled partitions hold
 /// sent rows only, and nothing may write to them again.
 const BACKLOG_FROM: &str =
     "SELECT coalesce(min(n), 0) << {id_bits} FROM {partitions} WHERE settled_at IS NULL";
@@ -274,7 +274,7 @@ const BACKLOG_FROM: &str =
 /// How many ranges of ids `stats` and `topic_stats` read the backlog in, at most (`$2` on,
 /// two a range: its first id and its last). They cover the partitions of a partitioned
 /// table that may hold a pending or parked row (not quiet), or dead letters not counted
-/// (migration 0018), up to the partition of the last id drawn (migration 0020), and that
+/// (migration 7), up to the partition of the last id drawn (migration 7), and that
 /// one: the partitions made ahead, and the quiet ones between held ones (after messages
 /// scheduled far ahead, or parked, in old partitions), are left out. A run of neighbours
 /// takes one range; past the last range, the rest go into it, with the partitions between.
