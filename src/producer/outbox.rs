@@ -12,12 +12,13 @@ use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 
 use crate::error::{Error, Result};
 use crate::producer::batch::Batch;
-use crate::producer::message::{micros, Message};
+use crate::producer::message::Message;
 use crate::producer::sql::ProducerSql;
 use crate::runtime::retry::{check_lease, check_retry, Retry};
 use crate::schema::grants::{self, Access};
 use crate::schema::migrate::MigrateSql;
 use crate::schema::migrate::{self, Form, Schema, MIGRATIONS};
+use crate::schema::partitioning::{self, PartitionSql};
 use crate::schema::statements::{self, Rendered, Statements};
 use crate::schema::table::{check_role, quote, TableName};
 
@@ -354,28 +355,14 @@ impl Outbox {
         tx.batch_execute(&schema.functions_table)?;
         schema.make_functions(&mut tx, self.table(), Form::Any)?;
         let partitioned: bool = tx.query_one(&sql.is_partitioned, &[])?.get(0);
-        let partitioned = match self.inner.partition_interval {
-            Some(every) if !partitioned => {
-                // Under the lock, so no producer writes a row between the check and the
-                // conversion (which checks again, for the script of `sql()`).
-                tx.batch_execute(&sql.lock_table)?;
-                if tx.query_one(&sql.has_rows, &[])?.get::<_, bool>(0) {
-                    return Err(Error::InvalidConfig(format!(
-                        "outbox {} holds rows, and only an empty table is made partitioned: \
-                         see docs/partitions.md to convert one",
-                        self.table()
-                    )));
-                }
-                log::info!("outbox {}: making the table partitioned", self.table());
-                tx.batch_execute(&migrate::partitioned(&table, every))?;
-                true
-            }
-            Some(every) => {
-                tx.execute(&sql.set_partition_interval, &[&micros(every)])?;
-                true
-            }
-            None => partitioned,
-        };
+        let partitioned = partitioning::give_form(
+            &mut tx,
+            &table,
+            self.statements::<PartitionSql>(),
+            self.table(),
+            partitioned,
+            self.inner.partition_interval,
+        )?;
         schema.make_functions(&mut tx, self.table(), migrate::form(partitioned))?;
         schema.forget_functions(&mut tx, partitioned)?;
         tx.commit()?;

@@ -21,10 +21,11 @@ use std::time::Duration;
 
 use postgres::{GenericClient, Transaction};
 
+use crate::schema::partitioning::render_partitioned;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::{
     bigint, borrowed, checked, in_look, objects, shared, Statements, LOOK_PARTITIONS, LOOK_RANGES,
-    PARTITIONS_AHEAD, PARTITION_ID_BITS,
+    PARTITION_ID_BITS,
 };
 use crate::schema::table::{quote, TableName};
 
@@ -155,10 +156,6 @@ pub(crate) const FUNCTIONS: &[Functions] = &[
         template: include_str!("../../sql/functions/enqueue_partitioned.sql"),
     },
 ];
-
-/// The DDL that makes an outbox's table, still empty, a partitioned one (see
-/// `Outbox::migrate` and `OutboxBuilder::partition_interval`).
-const PARTITIONED: &str = include_str!("../../sql/partitioned.sql");
 
 /// `<table>_functions`: what each function file made, as it was rendered.
 const FUNCTIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS {functions} (
@@ -409,46 +406,6 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
     Ok(rendered)
 }
 
-/// The DDL that makes `table`, migrated and still empty, a partitioned table whose
-/// partitions stay open for `every` (see `sql/partitioned.sql`).
-///
-/// # Panics
-///
-/// If the template does not match its values (see [`Schema::new`]).
-pub(crate) fn partitioned(table: &TableName, every: Duration) -> String {
-    checked(render_partitioned(table, every))
-}
-
-fn render_partitioned(table: &TableName, every: Duration) -> Result<String, RenderError> {
-    let mut vars = objects(table);
-    vars.retain(|(name, _)| {
-        [
-            "table",
-            "enqueue_fn",
-            "enqueue_n_fn",
-            "lock_heads_fn",
-            "partitions",
-            "partition_fn",
-        ]
-        .contains(name)
-    });
-    vars.extend([
-        ("name", table.name().to_owned()),
-        ("unpartitioned_name", table.derived("_plain")),
-        ("unpartitioned", table.companion("_plain")),
-        ("pkey", table.derived("_pkey")),
-        ("ready_idx", table.derived("_ready")),
-        ("ordered_idx", table.derived("_ordered")),
-        ("done_idx", table.derived("_done")),
-        (
-            "every",
-            format!("interval '{} microseconds'", every.as_micros()),
-        ),
-        ("ahead", PARTITIONS_AHEAD.to_string()),
-    ]);
-    render(PARTITIONED, &borrowed(&vars))
-}
-
 /// The DDL script of `Outbox::sql`: the migrations for the table `sql` was rendered for,
 /// each run, and recorded, only if `<table>_migrations` does not record it; then the
 /// function files, each run only if `<table>_functions` does not record its text.
@@ -593,17 +550,11 @@ pub(crate) struct MigrateSql {
     pub(crate) schema_of: String,
     /// Whether the table is partitioned.
     pub(crate) is_partitioned: String,
-    /// Locks the table against every other use, for its conversion.
-    pub(crate) lock_table: String,
-    /// Whether the table holds any row.
-    pub(crate) has_rows: String,
-    /// Sets how long the open and later partitions stay open.
-    pub(crate) set_partition_interval: String,
 }
 
 impl Statements for MigrateSql {
     fn render(table: &TableName) -> Result<Self, RenderError> {
-        let vars = shared(table, &["table", "channel_fn", "partitions", "migrations"])?;
+        let vars = shared(table, &["table", "channel_fn", "migrations"])?;
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = MigrateSql {
             create_schema: match table.schema() {
@@ -640,12 +591,6 @@ impl Statements for MigrateSql {
             is_partitioned: values.render(
                 "SELECT coalesce((SELECT relkind = 'p' FROM pg_class
                                   WHERE oid = to_regclass('{table}')), false)",
-            )?,
-            lock_table: values.render("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")?,
-            has_rows: values.render("SELECT EXISTS (SELECT 1 FROM {table})")?,
-            set_partition_interval: values.render(
-                "UPDATE {partitions} SET every = $1::bigint * interval '1 microsecond'
-                 WHERE closed_at IS NULL AND every <> $1::bigint * interval '1 microsecond'",
             )?,
         };
         values.finish()?;

@@ -28,7 +28,7 @@ pub(crate) trait Statements: Any + Send + Sync + Sized {
 }
 
 /// How many parts have statements of their own, at most.
-const PARTS: usize = 8;
+const PARTS: usize = 12;
 
 /// Each part's statements for one table, rendered once, on the part's first use: the
 /// relay's, the operator's and the consumer's parts live above the `Outbox` that holds

@@ -103,10 +103,12 @@ mod tests {
         use crate::producer::sql::ProducerSql;
         use crate::relay::sql::RelaySql;
         use crate::schema::migrate::MigrateSql;
+        use crate::schema::partitioning::PartitionSql;
         use crate::schema::statements::Rendered;
 
         let rendered = Rendered::new(TableName::parse("app.events").unwrap());
         rendered.get::<MigrateSql>();
+        rendered.get::<PartitionSql>();
         rendered.get::<ProducerSql>();
         rendered.get::<RelaySql>();
         rendered.get::<StatsSql>();
