@@ -684,15 +684,7 @@ fn dead_parked_and_skip_name_exactly_the_parked_dead_letters() {
         )
         .unwrap();
     tx.commit().unwrap();
-    client
-        .execute(
-            &format!(
-                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
-                quoted(&outbox)
-            ),
-            &[],
-        )
-        .unwrap();
+    park_d1(&mut client, &outbox);
     let parked = json(&ok(&outbox, &["dead", "--parked", "--json"]));
     let keys: Vec<&str> = parked
         .as_array()
@@ -1047,15 +1039,7 @@ fn the_doctor_names_dead_and_parked_letters_and_stats_tell_due_from_pending() {
     assert!(ok(&outbox, &["doctor"]).contains("ok: nothing needs attention"));
 
     operator_rows(&mut client, &outbox);
-    client
-        .execute(
-            &format!(
-                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
-                quoted(&outbox)
-            ),
-            &[],
-        )
-        .unwrap();
+    park_d1(&mut client, &outbox);
     let output = cli(&outbox).arg("doctor").output().unwrap();
     assert_eq!(output.status.code(), Some(1));
     let out = String::from_utf8_lossy(&output.stdout);
@@ -1086,4 +1070,17 @@ fn the_doctor_names_dead_and_parked_letters_and_stats_tell_due_from_pending() {
         "{checks:?}"
     );
     assert_eq!(report["parked"], 1);
+}
+
+/// The dead letter `d1` of `operator_rows` becomes a parked one, holding aggregate `a`.
+fn park_d1(client: &mut Client, outbox: &Outbox) {
+    client
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'parked', aggregate_key = 'a' WHERE key = 'd1'",
+                quoted(outbox)
+            ),
+            &[],
+        )
+        .unwrap();
 }

@@ -25,6 +25,16 @@ pub struct Server {
 }
 
 impl Server {
+    /// A server that takes changes, with the test token.
+    fn taking_changes(outbox: &Outbox) -> Server {
+        Server::start(
+            &database_url(),
+            &[outbox],
+            &["--allow-changes"],
+            Some(TOKEN),
+        )
+    }
+
     /// Serves `tables` with `args`, the token in the environment when given.
     pub fn start(
         database_url: &str,
@@ -334,12 +344,7 @@ fn a_payload_is_shown_only_when_allowed_and_asked_for_and_capped() {
 #[test]
 fn a_redrive_needs_the_token_and_a_csrf_token_and_touches_only_what_it_previewed() {
     let (outbox, mut client) = outbox_with_dead_letters("web_redrive");
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let t = outbox.table();
     let scope = format!("table={t}&kind=redrive&error=timeout+talking+to+broker");
 
@@ -428,12 +433,7 @@ fn every_bad_request_is_refused_and_changes_nothing() {
     );
     drop(read_only);
 
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let status = |path: &str| server.get(path, &auth).status;
     assert_eq!(status("/nowhere"), 404);
     assert_eq!(status("/dead?table=no_such_table"), 404);
@@ -591,12 +591,7 @@ fn in_a_browser_an_operator_reads_the_counts_follows_a_group_and_redrives_it_wit
     use common::chromium::Browser;
 
     let (outbox, mut client) = outbox_with_dead_letters("web_browser");
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let base = format!("http://{}", server.addr);
     let t = outbox.table();
     let stats = outbox.stats(&mut client).unwrap();
@@ -734,12 +729,7 @@ fn headers_that_could_smuggle_a_request_are_refused() {
 #[test]
 fn a_change_older_than_nothing_is_refused_not_taken_for_all() {
     let (outbox, mut client) = outbox_with_dead_letters("web_zero_age");
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let bearer = format!("Bearer {TOKEN}");
     let auth = [("Authorization", bearer.as_str())];
     let form = format!("table={}&kind=purge&older_than=0s", outbox.table());
@@ -751,12 +741,7 @@ fn a_change_older_than_nothing_is_refused_not_taken_for_all() {
 #[test]
 fn the_log_says_once_where_it_serves_and_escapes_what_a_client_sent() {
     let (outbox, _client) = outbox_with_dead_letters("web_log");
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let bearer = format!("Bearer {TOKEN}");
     let forged = format!(
         "table={}&kind=purge&topic=x%0A[2026-01-01T00:00:00Z+INFO++forged]%1B[2J",
@@ -888,12 +873,7 @@ fn a_long_error_makes_links_the_server_takes() {
             &[&long],
         )
         .unwrap();
-    let server = Server::start(
-        &database_url(),
-        &[&outbox],
-        &["--allow-changes"],
-        Some(TOKEN),
-    );
+    let server = Server::taking_changes(&outbox);
     let dead = server.get(&format!("/dead?table={}", outbox.table()), &[]);
     assert_eq!(dead.status, 200);
     let links: Vec<String> = dead

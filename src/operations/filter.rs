@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::producer::message::micros;
+use crate::runtime::clock::micros;
 
 /// Which rows an operator's command applies to: every condition given must hold; a filter
 /// with none selects every row. Built like a `postgres::Config`:

@@ -10,34 +10,7 @@ use postgres::{Client, GenericClient};
 
 use crate::error::{Error, Result};
 use crate::producer::outbox::Outbox;
-
-/// The companion tables of the migrations, by suffix.
-const TABLES: &[&str] = &[
-    "_inbox",
-    "_failures",
-    "_counts",
-    "_waiting",
-    "_relays",
-    "_partitions",
-    "_migrations",
-    "_functions",
-];
-/// The functions of the migrations, by suffix (every overload of each).
-const FUNCTIONS: &[&str] = &[
-    "_notify",
-    "_channel",
-    "_enqueue",
-    "_enqueue_n",
-    "_lock_n",
-    "_lock_heads",
-    "_busy",
-    "_partition",
-    "_retire",
-    "_settle",
-    "_ids_drawn",
-    "_key_taken",
-    "_keys_taken",
-];
+use crate::schema::table::{TableName, COMPANION_TABLES, FUNCTIONS};
 
 /// What kind of database object `migrate` made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,10 +73,8 @@ impl Outbox {
     /// What [`Outbox::uninstall`] would drop, read from the catalog: the table, its
     /// partitions, its companion tables and its functions. Empty when nothing is there.
     pub fn installed(&self, client: &mut Client) -> Result<Vec<Installed>> {
-        let mut tx = client.transaction()?;
-        let found = self.find(&mut tx)?;
-        tx.commit()?;
-        Ok(found)
+        let table = self.resolved(client)?;
+        self.find(client, &table)
     }
 
     /// Drops everything `migrate` made for this table ([`Outbox::installed`] lists it),
@@ -121,14 +92,19 @@ impl Outbox {
     /// # }
     /// ```
     pub fn uninstall(&self, client: &mut Client) -> Result<Vec<Installed>> {
-        let found = self.installed(client)?;
-        let table = self.resolved(client)?;
+        let mut tx = client.transaction()?;
+        let table = self.resolved(&mut tx)?;
+        // A migration of the same table waits; so would a long transaction on the table,
+        // for at most this long.
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
+        tx.batch_execute("SET LOCAL lock_timeout = '5s'")?;
+        let found = self.find(&mut tx, &table)?;
         let has_reports = found
             .iter()
             .any(|o| o.kind == ObjectKind::Table && o.name == table.companion("_relays"));
         if has_reports {
             let running = self
-                .relays(client)?
+                .relays(&mut tx)?
                 .iter()
                 .filter(|r| r.is_reporting())
                 .count();
@@ -139,12 +115,6 @@ impl Outbox {
                 });
             }
         }
-        let mut tx = client.transaction()?;
-        // A migration of the same table waits; so would a long transaction on the table,
-        // for at most this long.
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&table.lock_key()])?;
-        tx.batch_execute("SET LOCAL lock_timeout = '5s'")?;
-        let found = self.find(&mut tx)?;
         let tables: Vec<&str> = found
             .iter()
             .filter(|o| o.kind == ObjectKind::Table)
@@ -162,12 +132,11 @@ impl Outbox {
 
     /// Names are quoted as `TableName` quotes them (every identifier the crate makes is
     /// one it validated, so none holds a quote).
-    fn find(&self, client: &mut impl GenericClient) -> Result<Vec<Installed>> {
-        let table = self.resolved(client)?;
+    fn find(&self, client: &mut impl GenericClient, table: &TableName) -> Result<Vec<Installed>> {
         let schema = table.schema().unwrap_or("public").to_owned();
         let name = table.name().to_owned();
         let tables: Vec<String> = std::iter::once(String::new())
-            .chain(TABLES.iter().map(|s| (*s).to_owned()))
+            .chain(COMPANION_TABLES.iter().map(|s| (*s).to_owned()))
             .map(|suffix| format!("{name}{suffix}"))
             .collect();
         let functions: Vec<String> = FUNCTIONS.iter().map(|s| format!("{name}{s}")).collect();

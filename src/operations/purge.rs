@@ -9,8 +9,8 @@ use rand::Rng;
 use crate::error::Result;
 use crate::operations::filter::{inbox_params, purged, Filter, Rows, Selection, SENT};
 use crate::operations::sql::letters::{LettersSql, PURGE_BATCH};
-use crate::producer::message::micros;
 use crate::producer::outbox::Outbox;
+use crate::runtime::clock::micros;
 
 impl Outbox {
     /// What [`purge`](Outbox::purge) would delete: the rows `rows` selects, parked dead

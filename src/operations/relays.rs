@@ -3,7 +3,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use postgres::Client;
+use postgres::GenericClient;
 
 use crate::error::Result;
 use crate::operations::sql::health::HealthSql;
@@ -93,7 +93,7 @@ impl RelayReport {
 impl Outbox {
     /// The reports of the relays of this outbox, oldest relay first: the running ones, and
     /// those that stopped without saying so in the last day.
-    pub fn relays(&self, client: &mut Client) -> Result<Vec<RelayReport>> {
+    pub fn relays(&self, client: &mut impl GenericClient) -> Result<Vec<RelayReport>> {
         let rows = client
             .query(&self.statements::<HealthSql>().relays, &[])
             .map_err(|e| self.db_error(e))?;

@@ -118,8 +118,8 @@ impl Batch {
 
     /// Writes the batch, all or nothing, and returns its keys in order; an existing key
     /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
-    /// woken at commit; with `copy`, a batch that [`copies`](Batch::copies) goes in by
-    /// `COPY`.
+    /// woken at commit; with `copy` (the caller's decision, from [`copies`](Batch::copies)),
+    /// it goes in by `COPY`.
     pub(crate) fn write(
         self,
         target: (&ProducerSql, &TableName),
@@ -128,7 +128,7 @@ impl Batch {
         tx: &mut Transaction<'_>,
     ) -> Result<Vec<String>> {
         let (sql, table) = target;
-        if copy && self.copies() {
+        if copy {
             self.copy(sql, table, notify, tx)?;
         } else {
             self.insert(sql, table, notify, tx)?;

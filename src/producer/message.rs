@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
+use crate::runtime::clock::micros;
 use crate::runtime::retry::MAX_DELAY;
 use crate::runtime::wire::{fits_one_frame, properties_size, FRAME_MAX};
 
@@ -248,11 +249,6 @@ impl Message {
             .flat_map(|(k, v)| [k.clone(), v.clone()])
             .collect()
     }
-}
-
-/// A duration in whole microseconds, saturating (validated durations never get near it).
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 fn short_string(field: &'static str, value: &str) -> Result<()> {

@@ -9,10 +9,10 @@ use postgres::GenericClient;
 use rand::Rng;
 
 use crate::error::{Error, Result};
-use crate::producer::message::micros;
 use crate::producer::outbox::Outbox;
 use crate::publish::record::{Fence, Record};
 use crate::relay::sql::RelaySql;
+use crate::runtime::clock::micros;
 use crate::runtime::conn::{count, Conn};
 use crate::runtime::retry::Outcome;
 

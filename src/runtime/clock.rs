@@ -18,6 +18,12 @@ pub(crate) fn seconds(secs: Option<f64>) -> Option<Duration> {
     secs.map(|s| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX))
 }
 
+/// A duration in whole microseconds, as statements bind it: saturating (validated
+/// durations never get near it).
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

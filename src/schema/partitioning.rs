@@ -11,9 +11,10 @@ use std::time::Duration;
 use postgres::Transaction;
 
 use crate::error::{Error, Result};
+use crate::runtime::clock::micros;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::PARTITIONS_AHEAD;
-use crate::schema::statements::{borrowed, checked, objects, shared, Statements};
+use crate::schema::statements::{borrowed, checked, shared, Statements};
 use crate::schema::table::TableName;
 
 /// The DDL that makes an outbox's table, still empty, a partitioned one (see
@@ -76,8 +77,7 @@ pub(crate) fn give_form(
             Ok(true)
         }
         Some(every) => {
-            let micros = i64::try_from(every.as_micros()).unwrap_or(i64::MAX);
-            tx.execute(&sql.set_partition_interval, &[&micros])?;
+            tx.execute(&sql.set_partition_interval, &[&micros(every)])?;
             Ok(true)
         }
         None => Ok(partitioned),
@@ -98,18 +98,17 @@ pub(crate) fn render_partitioned(
     table: &TableName,
     every: Duration,
 ) -> std::result::Result<String, RenderError> {
-    let mut vars = objects(table);
-    vars.retain(|(name, _)| {
-        [
+    let mut vars = shared(
+        table,
+        &[
             "table",
             "enqueue_fn",
             "enqueue_n_fn",
             "lock_heads_fn",
             "partitions",
             "partition_fn",
-        ]
-        .contains(name)
-    });
+        ],
+    )?;
     vars.extend([
         ("name", table.name().to_owned()),
         ("unpartitioned_name", table.derived("_plain")),

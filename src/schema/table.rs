@@ -5,37 +5,49 @@ use crate::error::{Error, Result};
 /// PostgreSQL truncates identifiers longer than this (NAMEDATALEN - 1).
 const MAX_IDENT: usize = 63;
 
-/// The suffixes of the companion objects; the longest must still fit after the table name.
-const SUFFIXES: &[&str] = &[
-    "_migrations",
+/// The companion tables `migrate` makes, by suffix.
+pub(crate) const COMPANION_TABLES: &[&str] = &[
     "_inbox",
     "_failures",
-    "_enqueue",
-    "_waiting",
-    "_notify",
-    "_enqueue_n",
     "_counts",
-    "_key",
-    "_due",
-    "_unordered",
-    "_agg",
-    "_done",
-    "_lock_n",
-    "_channel",
-    "_status",
-    "_ready",
-    "_ordered",
-    "_lock_heads",
+    "_waiting",
+    "_relays",
     "_partitions",
+    "_migrations",
+    "_functions",
+];
+
+/// The functions `migrate` makes, by suffix (a name may have several overloads).
+pub(crate) const FUNCTIONS: &[&str] = &[
+    "_notify",
+    "_channel",
+    "_enqueue",
+    "_enqueue_n",
+    "_lock_n",
+    "_lock_heads",
+    "_busy",
     "_partition",
     "_retire",
     "_settle",
     "_ids_drawn",
     "_key_taken",
     "_keys_taken",
+];
+
+/// The other objects named after the table: indexes, constraints, the table a partitioned
+/// outbox is converted from, and a partition and its key index (`_p<n>`, `_k<n>`, n below
+/// ten million).
+const OTHER_SUFFIXES: &[&str] = &[
+    "_key",
+    "_due",
+    "_unordered",
+    "_agg",
+    "_done",
+    "_status",
+    "_ready",
+    "_ordered",
     "_plain",
     "_pkey",
-    // A partition and its key index: `_p<n>`, `_k<n>`, n below ten million.
     "_p9999999",
 ];
 
@@ -61,7 +73,14 @@ impl TableName {
             check_ident(schema).map_err(|r| bad(&format!("schema {r}")))?;
         }
         check_ident(name).map_err(|r| bad(&format!("table {r}")))?;
-        let longest = SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+        // Every name derived from the table must still fit after it.
+        let longest = COMPANION_TABLES
+            .iter()
+            .chain(FUNCTIONS)
+            .chain(OTHER_SUFFIXES)
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(0);
         if name.len() + longest > MAX_IDENT {
             return Err(bad(&format!(
                 "table part is {} bytes; at most {} fit with the suffix \"_migrations\"",

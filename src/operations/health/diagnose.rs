@@ -23,8 +23,9 @@ impl Outbox {
     /// prepared transaction holding back the xmin horizon, the replication slots and
     /// standbys holding one, how long the oldest ready row has been due, and what the relays
     /// report (a publisher down; claims that do not keep up; reports that stopped coming).
-    /// Every figure past `thresholds` is a [`Finding`](crate::Finding) with its remedy. Its cost does not
-    /// grow with the table: catalog rows and one index entry.
+    /// Every figure past `thresholds` is a [`Finding`](crate::Finding) with its remedy. Its
+    /// cost does not grow with the table: catalog rows, and the bounded reads of
+    /// [`stats`](Outbox::stats) for the dead and parked letters.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -94,7 +95,7 @@ impl Outbox {
             })
             .collect();
         let oldest_due_age = self.oldest_due_age(client)?;
-        // Exact whatever the backlog (the dead-letter index and a counter).
+        // The dead and parked letters, as `stats` counts them.
         let counted = self.stats(client)?;
         let relays = self.relays(client)?;
         let mut partitions: Vec<Partition> = client

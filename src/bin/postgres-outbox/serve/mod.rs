@@ -499,10 +499,12 @@ impl App {
             let stats = outbox.stats(client?).ok()?;
             Some((Instant::now(), stats))
         });
+        // The doctor's, as the sampler last ran it.
+        let doctor = self.history.health(name);
         match sampled {
             Some((at, stats)) => {
                 // The due age as the doctor last read it (it opens every partition).
-                let due = match self.history.health(name) {
+                let due = match &doctor {
                     Some((_, Ok(health))) => Some(health.oldest_due_age),
                     _ => None,
                 };
@@ -515,8 +517,7 @@ impl App {
             }
             None => html.push_str("<p class=\"note\">No counts read yet.</p>"),
         }
-        // The doctor's, as the sampler last ran it.
-        match self.history.health(name) {
+        match doctor {
             Some((at, Ok(health))) => {
                 html.push_str(&relays(name, &health.relays));
                 html.push_str(&findings(&health));
