@@ -159,6 +159,7 @@ struct Settings {
     scale_sent: usize,
     scale_pending: usize,
     scale_plans: bool,
+    partitioned: bool,
     scale_tables: Vec<TableKind>,
     filter: Option<String>,
 }
@@ -184,6 +185,7 @@ impl Settings {
             scale_sent: env_or("OUTBOX_BENCH_SCALE_SENT", 10_000_000)?,
             scale_pending: env_or("OUTBOX_BENCH_SCALE_PENDING", 1_000_000)?,
             scale_plans: env_or("OUTBOX_BENCH_SCALE_PLANS", 0_u8)? == 1,
+            partitioned: env_or("OUTBOX_BENCH_PARTITIONED", 0_u8)? == 1,
             scale_tables: match std::env::var("OUTBOX_BENCH_SCALE_TABLES").as_deref() {
                 Ok("plain") => vec![TableKind::Plain],
                 Ok("partitioned") => vec![TableKind::Partitioned],
@@ -283,10 +285,18 @@ impl Scratch {
 
     /// A fresh, migrated outbox.
     fn outbox(&self, notify: bool) -> Result<Outbox> {
-        let outbox = Outbox::builder()
+        self.outbox_of(notify, false)
+    }
+
+    /// A fresh, migrated outbox, partitioned by day or plain.
+    fn outbox_of(&self, notify: bool, partitioned: bool) -> Result<Outbox> {
+        let mut builder = Outbox::builder()
             .table(self.fresh_name("outbox"))
-            .notify(notify)
-            .build()?;
+            .notify(notify);
+        if partitioned {
+            builder = builder.partition_interval(DAY);
+        }
+        let outbox = builder.build()?;
         outbox.migrate(&mut self.client()?)?;
         Ok(outbox)
     }
@@ -350,9 +360,17 @@ fn payload() -> Vec<u8> {
 }
 
 fn event(aggregate: i64) -> Message {
-    Message::new("order.created", payload())
-        .aggregate_key(format!("order-{aggregate}"))
-        .content_type("application/json")
+    event_of(aggregate, true)
+}
+
+/// `event`, or the same message without its aggregate key.
+fn event_of(aggregate: i64, ordered: bool) -> Message {
+    let message = Message::new("order.created", payload()).content_type("application/json");
+    if ordered {
+        message.aggregate_key(format!("order-{aggregate}"))
+    } else {
+        message
+    }
 }
 
 // ------------------------------------------------------------------ producers
@@ -364,11 +382,49 @@ enum Extra {
     Nothing,
     /// A hand-written prepared INSERT of an outbox row into a table of its own.
     Raw,
-    /// `Outbox::enqueue` with notify on or off.
-    Enqueue(bool),
-    /// `Outbox::enqueue` with notify on, while a relay waits for work (so each commit
-    /// notifies).
-    EnqueueWaited,
+    /// The same INSERT with the aggregate's transaction-scoped advisory lock taken first,
+    /// in the same prepared statement: all it takes by hand to keep commit order per
+    /// aggregate.
+    RawLocked,
+    /// The crate's enqueue.
+    Enqueue(Enqueue),
+}
+
+/// How the crate enqueues: `Outbox::enqueue` or a `Producer`'s prepared statements, with
+/// notify on or off, the message with an aggregate key or without, and whether a relay
+/// waits (so that every commit notifies).
+#[derive(Clone, Copy, PartialEq)]
+struct Enqueue {
+    prepared: bool,
+    notify: bool,
+    ordered: bool,
+    waited: bool,
+}
+
+impl Enqueue {
+    const fn extra(prepared: bool, notify: bool, ordered: bool) -> Extra {
+        Extra::Enqueue(Enqueue {
+            prepared,
+            notify,
+            ordered,
+            waited: false,
+        })
+    }
+}
+
+/// A producer thread's connection: a client, or one with the enqueue statements prepared.
+enum Connection {
+    Plain(Client),
+    Prepared(postgres_outbox::Producer),
+}
+
+impl Connection {
+    fn client(&mut self) -> &mut Client {
+        match self {
+            Connection::Plain(client) => client,
+            Connection::Prepared(producer) => producer.client(),
+        }
+    }
 }
 
 /// One kind of producer transaction, on its own fresh tables, and what it has done so far.
@@ -383,25 +439,31 @@ struct Producer {
 }
 
 impl Producer {
-    fn new(scratch: &Scratch, extra: Extra) -> Result<Producer> {
+    fn new(scratch: &Scratch, extra: Extra, partitioned: bool) -> Result<Producer> {
         let orders = scratch.orders()?;
+        let columns = "key, topic, aggregate_key, payload, headers";
         let raw = match extra {
             Extra::Raw => Some(format!(
-                "INSERT INTO {} (key, topic, aggregate_key, payload, headers) \
-                 VALUES ($1, $2, $3, $4, $5::text::jsonb)",
+                "INSERT INTO {} ({columns}) VALUES ($1, $2, $3, $4, $5::text::jsonb)",
+                scratch.raw_outbox()?
+            )),
+            Extra::RawLocked => Some(format!(
+                "INSERT INTO {} ({columns}) SELECT $1, $2, $3, $4, $5::text::jsonb \
+                 FROM (SELECT pg_advisory_xact_lock(hashtextextended($3, 0))) AS locked",
                 scratch.raw_outbox()?
             )),
             _ => None,
         };
         let outbox = match extra {
-            Extra::Enqueue(notify) => Some(scratch.outbox(notify)?),
-            Extra::EnqueueWaited => {
-                let outbox = scratch.outbox(true)?;
-                // As an idle relay announces itself.
-                scratch.client()?.batch_execute(&format!(
-                    "INSERT INTO {}_waiting (relay) VALUES ('bench')",
-                    outbox.table()
-                ))?;
+            Extra::Enqueue(how) => {
+                let outbox = scratch.outbox_of(how.notify, partitioned)?;
+                if how.waited {
+                    // As an idle relay announces itself.
+                    scratch.client()?.batch_execute(&format!(
+                        "INSERT INTO {}_waiting (relay) VALUES ('bench')",
+                        outbox.table()
+                    ))?;
+                }
                 Some(outbox)
             }
             _ => None,
@@ -419,12 +481,33 @@ impl Producer {
     /// Runs its transaction on `threads` threads, one connection each, for `secs`.
     fn run(&mut self, scratch: &Scratch, threads: usize, secs: Duration) -> Result<()> {
         let (insert, raw, outbox) = (&self.insert, self.raw.as_ref(), self.outbox.as_ref());
+        let how = match self.extra {
+            Extra::Enqueue(how) => Some(how),
+            _ => None,
+        };
         let (tx, took) = run_threads(threads, secs, || {
-            let mut client = scratch.client()?;
+            let client = scratch.client()?;
+            let mut connection = match (outbox, how) {
+                (Some(outbox), Some(how)) if how.prepared => {
+                    Connection::Prepared(outbox.producer(client)?)
+                }
+                _ => Connection::Plain(client),
+            };
+            let client = connection.client();
             let insert = client.prepare(insert)?;
             let raw = raw.map(|sql| client.prepare(sql)).transpose()?;
+            let ordered = how.is_none_or(|how| how.ordered);
             let payload = payload();
             Ok(move || -> Result<()> {
+                let client = match &mut connection {
+                    Connection::Prepared(producer) => {
+                        let mut tx = producer.transaction()?;
+                        let id: i64 = tx.query_one(&insert, &[&"acme", &4200_i64])?.get(0);
+                        tx.enqueue(event_of(id, ordered))?;
+                        return Ok(tx.commit()?);
+                    }
+                    Connection::Plain(client) => client,
+                };
                 let mut tx = client.transaction()?;
                 let id: i64 = tx.query_one(&insert, &[&"acme", &4200_i64])?.get(0);
                 if let Some(raw) = &raw {
@@ -442,7 +525,7 @@ impl Producer {
                     )?;
                 }
                 if let Some(outbox) = outbox {
-                    outbox.enqueue(&mut tx, event(id))?;
+                    outbox.enqueue(&mut tx, event_of(id, ordered))?;
                 }
                 tx.commit()?;
                 Ok(())
@@ -457,63 +540,91 @@ impl Producer {
         rate(self.tx, self.took)
     }
 
-    fn print(&self, threads: usize, business: f64, raw: f64) {
+    fn print(&self, threads: usize, partitioned: bool, rates: &[(Extra, f64)]) {
+        let of = |extra: Extra| {
+            rates
+                .iter()
+                .find(|(e, _)| *e == extra)
+                .map_or(f64::NAN, |(_, r)| *r)
+        };
         let mut line = match self.extra {
             Extra::Nothing => Line::new("business"),
             Extra::Raw => Line::new("enqueue-raw"),
-            Extra::Enqueue(notify) => {
-                Line::new("enqueue").kv("notify", if notify { "on" } else { "off" })
+            Extra::RawLocked => Line::new("enqueue-raw").kv("locked", true),
+            Extra::Enqueue(how) => {
+                let mut line = Line::new("enqueue")
+                    .kv("path", if how.prepared { "prepared" } else { "text" })
+                    .kv("aggregate", if how.ordered { "yes" } else { "no" })
+                    .kv("notify", if how.notify { "on" } else { "off" });
+                if how.waited {
+                    line = line.kv("relay", "waiting");
+                }
+                line
             }
-            Extra::EnqueueWaited => Line::new("enqueue")
-                .kv("notify", "on")
-                .kv("relay", "waiting"),
         };
+        if partitioned {
+            line = line.kv("table", "partitioned");
+        }
         line = line
             .kv("threads", threads)
             .kv("rounds", PRODUCER_ROUNDS)
             .kv("tx", self.tx)
             .rate(self.tx, self.took);
         if self.extra != Extra::Nothing {
-            line = line.kv("ratio", format!("{:.2}", self.rate() / business));
+            line = line.kv("ratio", format!("{:.2}", self.rate() / of(Extra::Nothing)));
         }
-        if let Extra::Enqueue(_) | Extra::EnqueueWaited = self.extra {
-            line = line.kv("vs_raw", format!("{:.2}", self.rate() / raw));
+        if self.extra != Extra::Raw && self.extra != Extra::Nothing {
+            line = line.kv("vs_raw", format!("{:.2}", self.rate() / of(Extra::Raw)));
+        }
+        if let Extra::Enqueue(how) = self.extra {
+            if how.ordered {
+                line = line.kv(
+                    "vs_locked",
+                    format!("{:.2}", self.rate() / of(Extra::RawLocked)),
+                );
+            }
         }
         line.print();
     }
 }
 
-/// `business`, `enqueue-raw`, and `enqueue notify=on` and `notify=off` against them, at
-/// each thread count. The variants take turns in short rounds, so a change in the machine's
-/// load during the run (other processes, checkpoints) weighs on all of them alike and the
-/// ratios hold.
+/// `business`, `enqueue-raw` (plain and locked), and the crate's enqueues against them, at
+/// each thread count: `Outbox::enqueue` and a `Producer`'s, with notify on and off, with an
+/// aggregate key and without. The variants take turns in short rounds, so a change in the
+/// machine's load during the run (other processes, checkpoints) weighs on all of them alike
+/// and the ratios hold. `OUTBOX_BENCH_PARTITIONED=1`: the outboxes are partitioned by day.
 fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()> {
-    let extras: &[Extra] = if enqueue {
-        &[
-            Extra::Nothing,
-            Extra::Raw,
-            Extra::Enqueue(true),
-            Extra::EnqueueWaited,
-            Extra::Enqueue(false),
-        ]
+    let extras: Vec<Extra> = if enqueue {
+        let mut extras = vec![Extra::Nothing, Extra::Raw, Extra::RawLocked];
+        for prepared in [false, true] {
+            for (notify, ordered) in [(false, true), (true, true), (false, false), (true, false)] {
+                extras.push(Enqueue::extra(prepared, notify, ordered));
+            }
+        }
+        extras.push(Extra::Enqueue(Enqueue {
+            prepared: false,
+            notify: true,
+            ordered: true,
+            waited: true,
+        }));
+        extras
     } else {
-        &[Extra::Nothing]
+        vec![Extra::Nothing]
     };
     let slice = settings.secs / PRODUCER_ROUNDS;
     for &threads in &settings.threads {
         let mut producers = extras
             .iter()
-            .map(|&extra| Producer::new(scratch, extra))
+            .map(|&extra| Producer::new(scratch, extra, settings.partitioned))
             .collect::<Result<Vec<_>>>()?;
         for _ in 0..PRODUCER_ROUNDS {
             for producer in &mut producers {
                 producer.run(scratch, threads, slice)?;
             }
         }
-        let business = producers[0].rate();
-        let raw = producers.get(1).map_or(f64::NAN, Producer::rate);
+        let rates: Vec<(Extra, f64)> = producers.iter().map(|p| (p.extra, p.rate())).collect();
         for producer in &producers {
-            producer.print(threads, business, raw);
+            producer.print(threads, settings.partitioned, &rates);
         }
     }
     Ok(())
@@ -557,7 +668,10 @@ where
 // ------------------------------------------------------------------ enqueue_all
 
 /// `enqueue_all` of 1,000 messages per transaction, taking turns with a binary `COPY` of
-/// the same rows into a table of the same schema.
+/// the same rows into a table of the same schema, and with that `COPY` after the locks a
+/// batch of that many aggregates takes (the sixteen buckets of the table's ordered
+/// enqueues, exclusively: see `sql/functions/locks.sql`), the same guarantee of order by
+/// hand.
 fn enqueue_all(scratch: &Scratch) -> Result<()> {
     let outbox = scratch.outbox(true)?;
     let copied = scratch.outbox(false)?;
@@ -567,10 +681,17 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
     );
     let types = [Type::TEXT, Type::TEXT, Type::TEXT, Type::BYTEA, Type::TEXT];
     let mut client = scratch.client()?;
-    let (mut enqueued, mut copying) = (Duration::ZERO, Duration::ZERO);
+    let lock = client.prepare(
+        "SELECT pg_advisory_xact_lock(7340032 + bucket) FROM generate_series(0, 15) AS bucket",
+    )?;
+    let mut spent = [Duration::ZERO; 3];
     // Each turn's copy time over its enqueue_all's: their median holds still where a
     // stall of a few turns moves the ratio of the sums.
-    let mut turns = Vec::with_capacity(ENQUEUE_ALL_REPS);
+    let mut turns = [
+        Vec::with_capacity(ENQUEUE_ALL_REPS),
+        Vec::with_capacity(ENQUEUE_ALL_REPS),
+    ];
+    let payload = payload();
     for rep in 0..ENQUEUE_ALL_REPS {
         let first = (rep * ENQUEUE_ALL_ROWS) as i64;
         let started = Instant::now();
@@ -581,36 +702,58 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
         )?;
         tx.commit()?;
         let enqueue_took = started.elapsed();
-        enqueued += enqueue_took;
+        spent[0] += enqueue_took;
 
-        let started = Instant::now();
-        let mut tx = client.transaction()?;
-        let mut writer = BinaryCopyInWriter::new(tx.copy_in(&copy)?, &types);
-        let payload = payload();
-        for i in first..first + ENQUEUE_ALL_ROWS as i64 {
-            let key = uuid::Uuid::now_v7().to_string();
-            let aggregate = format!("order-{i}");
-            writer.write(&[
-                &key,
-                &"order.created",
-                &aggregate,
-                &payload,
-                &"application/json",
-            ])?;
+        for (locked, turns) in turns.iter_mut().enumerate() {
+            let started = Instant::now();
+            let mut tx = client.transaction()?;
+            if locked == 1 {
+                tx.execute(&lock, &[])?;
+            }
+            let mut writer = BinaryCopyInWriter::new(tx.copy_in(&copy)?, &types);
+            for i in first..first + ENQUEUE_ALL_ROWS as i64 {
+                let key = uuid::Uuid::now_v7().to_string();
+                let aggregate = format!("order-{i}");
+                writer.write(&[
+                    &key,
+                    &"order.created",
+                    &aggregate,
+                    &payload,
+                    &"application/json",
+                ])?;
+            }
+            writer.finish()?;
+            tx.commit()?;
+            let copy_took = started.elapsed();
+            spent[1 + locked] += copy_took;
+            turns.push(copy_took.as_secs_f64() / enqueue_took.as_secs_f64());
         }
-        writer.finish()?;
-        tx.commit()?;
-        let copy_took = started.elapsed();
-        copying += copy_took;
-        turns.push(copy_took.as_secs_f64() / enqueue_took.as_secs_f64());
     }
-    turns.sort_by(f64::total_cmp);
+    let quartiles = |turns: &mut Vec<f64>| {
+        turns.sort_by(f64::total_cmp);
+        format!(
+            "{:.2}/{:.2}/{:.2}",
+            turns[turns.len() / 4],
+            turns[turns.len() / 2],
+            turns[turns.len() * 3 / 4]
+        )
+    };
     let rows = (ENQUEUE_ALL_REPS * ENQUEUE_ALL_ROWS) as u64;
-    Line::new("copy")
-        .kv("rows", ENQUEUE_ALL_ROWS)
-        .kv("tx", ENQUEUE_ALL_REPS)
-        .rate(rows, copying)
-        .print();
+    for (locked, name) in ["copy", "copy locked=true"].iter().enumerate() {
+        Line::new(name)
+            .kv("rows", ENQUEUE_ALL_ROWS)
+            .kv("tx", ENQUEUE_ALL_REPS)
+            .kv(
+                "ms_per_tx",
+                format!(
+                    "{:.1}",
+                    spent[1 + locked].as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64
+                ),
+            )
+            .rate(rows, spent[1 + locked])
+            .print();
+    }
+    let [copying, locked_copying] = &mut turns;
     Line::new("enqueue_all")
         .kv("rows", ENQUEUE_ALL_ROWS)
         .kv("tx", ENQUEUE_ALL_REPS)
@@ -618,23 +761,20 @@ fn enqueue_all(scratch: &Scratch) -> Result<()> {
             "ms_per_tx",
             format!(
                 "{:.1}",
-                enqueued.as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64
+                spent[0].as_secs_f64() * 1e3 / ENQUEUE_ALL_REPS as f64
             ),
         )
-        .rate(rows, enqueued)
+        .rate(rows, spent[0])
         .kv(
             "vs_copy",
-            format!("{:.2}", copying.as_secs_f64() / enqueued.as_secs_f64()),
+            format!("{:.2}", spent[1].as_secs_f64() / spent[0].as_secs_f64()),
         )
+        .kv("vs_copy_turns", quartiles(copying))
         .kv(
-            "vs_copy_turns",
-            format!(
-                "{:.2}/{:.2}/{:.2}",
-                turns[turns.len() / 4],
-                turns[turns.len() / 2],
-                turns[turns.len() * 3 / 4]
-            ),
+            "vs_copy_locked",
+            format!("{:.2}", spent[2].as_secs_f64() / spent[0].as_secs_f64()),
         )
+        .kv("vs_copy_locked_turns", quartiles(locked_copying))
         .print();
     Ok(())
 }

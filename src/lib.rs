@@ -95,6 +95,7 @@ pub use operations::relays::{PublisherState, RelayReport};
 pub use operations::stats::{Stats, TopicStats};
 pub use producer::message::{Message, MAX_HEADER_BYTES, MAX_INDEXED_KEY, MAX_SHORT_STRING};
 pub use producer::outbox::{Outbox, OutboxBuilder};
+pub use producer::prepared::{Producer, ProducerTransaction};
 pub use publish::metrics::{CycleTimes, Metrics, NoMetrics};
 pub use publish::publisher::{publisher_fn, HandlerError, PublishError, Publisher, PublisherFn};
 pub use publish::record::Record;

@@ -38,8 +38,9 @@ use std::thread;
 use std::time::Duration;
 
 use postgres::Client;
+use postgres::Transaction;
 use postgres_outbox::hooks::{self, Claim, Verdict};
-use postgres_outbox::{Filter, Message, Outbox, Record, Rows};
+use postgres_outbox::{Filter, Message, Outbox, Producer, ProducerTransaction, Record, Rows};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
@@ -104,6 +105,8 @@ enum Step {
         all: bool,
         /// Due in an hour: only `Tick` makes them due.
         delayed: bool,
+        /// Through a `Producer`'s prepared statements, with the crate's keys.
+        prepared: bool,
     },
     /// A producer enqueues and holds its transaction open across steps.
     Open {
@@ -238,9 +241,9 @@ impl ReferenceStateMachine for Reference {
         prop_oneof![
             6 => (aggregate(), 1..4u8, prop_oneof![6 => Just(End::Commit), 1 => Just(End::Rollback), 1 => Just(End::Savepoint)],
                   prop_oneof![2 => Just(None), 1 => any::<bool>().prop_map(Some)],
-                  prop::bool::weighted(0.3), prop::bool::weighted(0.1))
-                .prop_map(|(aggregate, n, end, park, all, delayed)| Step::Produce {
-                    aggregate, n, end, park, all, delayed
+                  prop::bool::weighted(0.3), prop::bool::weighted(0.1), prop::bool::weighted(0.4))
+                .prop_map(|(aggregate, n, end, park, all, delayed, prepared)| Step::Produce {
+                    aggregate, n, end, park, all, delayed, prepared
                 }),
             1 => (aggregate(), 1..3u8).prop_map(|(aggregate, n)| Step::Open { aggregate, n }),
             1 => any::<bool>().prop_map(|commit| Step::Close { commit }),
@@ -302,6 +305,9 @@ impl Status {
 #[derive(Debug, Clone)]
 struct Msg {
     key: String,
+    /// What its payload must be: its key, or for a key the crate made the one it would
+    /// have had.
+    payload: String,
     topic: &'static str,
     aggregate: Option<String>,
     park: Option<bool>,
@@ -332,9 +338,54 @@ struct OpenTx {
     done: thread::JoinHandle<Vec<String>>,
 }
 
+/// A producer's transaction: the caller's, or a `Producer`'s.
+enum Tx<'a> {
+    Plain(Transaction<'a>),
+    Prepared(ProducerTransaction<'a>),
+}
+
+impl Tx<'_> {
+    /// Enqueues `messages`, one at a time or `all` at once, and gives their keys.
+    fn enqueue(&mut self, outbox: &Outbox, messages: Vec<Message>, all: bool) -> Vec<String> {
+        match (self, all) {
+            (Tx::Plain(tx), true) => outbox.enqueue_all(tx, messages).expect("enqueue_all"),
+            (Tx::Plain(tx), false) => messages
+                .into_iter()
+                .map(|m| outbox.enqueue(tx, m).expect("enqueue"))
+                .collect(),
+            (Tx::Prepared(tx), true) => tx.enqueue_all(messages).expect("enqueue_all"),
+            (Tx::Prepared(tx), false) => messages
+                .into_iter()
+                .map(|m| tx.enqueue(m).expect("enqueue"))
+                .collect(),
+        }
+    }
+
+    fn batch_execute(&mut self, sql: &str) {
+        let tx: &mut Transaction<'_> = match self {
+            Tx::Plain(tx) => tx,
+            Tx::Prepared(tx) => tx,
+        };
+        tx.batch_execute(sql).expect(sql);
+    }
+
+    fn end(self, commit: bool) {
+        match (self, commit) {
+            (Tx::Plain(tx), true) => tx.commit().expect("commit"),
+            (Tx::Plain(tx), false) => tx.rollback().expect("rollback"),
+            (Tx::Prepared(tx), true) => tx.commit().expect("commit"),
+            (Tx::Prepared(tx), false) => tx.rollback().expect("rollback"),
+        }
+    }
+}
+
 struct Sut {
     outbox: Outbox,
     client: Client,
+    /// The same outbox's statements, prepared on a connection of their own.
+    producer: Producer,
+    /// The payloads of messages keyed by the crate, by key, until they commit.
+    payloads: std::collections::HashMap<String, String>,
     msgs: BTreeMap<i64, Msg>,
     claims: Vec<ClaimState>,
     open: Vec<OpenTx>,
@@ -347,9 +398,12 @@ impl Sut {
     fn new() -> Sut {
         let (outbox, client) = common::outbox_uncut("model");
         let case = outbox.table().rsplit('_').next().unwrap_or("0").to_owned();
+        let producer = outbox.producer(common::client()).expect("prepare");
         Sut {
             outbox,
             client,
+            producer,
+            payloads: std::collections::HashMap::new(),
             msgs: BTreeMap::new(),
             claims: Vec::new(),
             open: Vec::new(),
@@ -360,10 +414,16 @@ impl Sut {
     }
 
     fn message(&mut self, aggregate: Option<&str>, park: Option<bool>) -> (Message, String) {
+        let (message, key) = self.unkeyed(aggregate, park);
+        (message.key(key.clone()), key)
+    }
+
+    /// A message left for the crate to key, and the key it would have had (its payload).
+    fn unkeyed(&mut self, aggregate: Option<&str>, park: Option<bool>) -> (Message, String) {
         self.next_key += 1;
         let key = format!("m{}-{}", self.case, self.next_key);
         let topic = TOPICS[(self.next_key % 2) as usize];
-        let mut message = Message::new(topic, key.clone().into_bytes()).key(key.clone());
+        let mut message = Message::new(topic, key.clone().into_bytes());
         if let Some(aggregate) = aggregate {
             message = message.aggregate_key(aggregate);
         }
@@ -389,10 +449,12 @@ impl Sut {
         assert_eq!(rows.len(), keys.len(), "I3: a committed message is missing");
         for row in rows {
             let topic: String = row.get(2);
+            let key: String = row.get(1);
             self.msgs.insert(
                 row.get(0),
                 Msg {
-                    key: row.get(1),
+                    payload: self.payloads.remove(&key).unwrap_or_else(|| key.clone()),
+                    key,
                     topic: if topic == TOPICS[0] {
                         TOPICS[0]
                     } else {
@@ -425,6 +487,7 @@ impl Sut {
             park,
             all,
             delayed,
+            prepared,
         } = step
         else {
             return;
@@ -433,51 +496,49 @@ impl Sut {
         if self.aggregate_open(aggregate.as_deref()) {
             return; // it would wait for the open transaction's lock
         }
-        let messages: Vec<_> = (0..n)
+        let (mut messages, payloads): (Vec<Message>, Vec<String>) = (0..n)
             .map(|_| {
-                let (message, key) = self.message(aggregate.as_deref(), park);
+                let (message, payload) = match prepared {
+                    true => self.unkeyed(aggregate.as_deref(), park),
+                    false => self.message(aggregate.as_deref(), park),
+                };
                 match delayed {
-                    true => (message.delay(LATER), key),
-                    false => (message, key),
+                    true => (message.delay(LATER), payload),
+                    false => (message, payload),
                 }
             })
-            .collect();
-        let mut tx = self.client.transaction().expect("begin");
+            .unzip();
+        let mut tx = match prepared {
+            true => Tx::Prepared(self.producer.transaction().expect("begin")),
+            false => Tx::Plain(self.client.transaction().expect("begin")),
+        };
         let kept = match end {
             End::Savepoint => (n as usize).div_ceil(2),
             _ => n as usize,
         };
-        let keys: Vec<String> = messages.iter().map(|(_, key)| key.clone()).collect();
-        let mut messages: Vec<Message> = messages.into_iter().map(|(m, _)| m).collect();
         let rest = messages.split_off(kept);
+        let mut keys = Vec::new();
         for (i, part) in [messages, rest].into_iter().enumerate() {
             if i == 1 && !part.is_empty() {
-                tx.batch_execute("SAVEPOINT rest").expect("savepoint");
+                tx.batch_execute("SAVEPOINT rest");
             }
-            if all {
-                self.outbox.enqueue_all(&mut tx, part).expect("enqueue_all");
-            } else {
-                for message in part {
-                    self.outbox.enqueue(&mut tx, message).expect("enqueue");
-                }
-            }
+            keys.extend(tx.enqueue(&self.outbox, part, all));
         }
-        let mut keys = keys;
         match end {
             End::Rollback => {
-                tx.rollback().expect("rollback");
+                tx.end(false);
                 keys.clear();
             }
             End::Savepoint => {
                 if kept < keys.len() {
-                    tx.batch_execute("ROLLBACK TO SAVEPOINT rest")
-                        .expect("rollback to savepoint");
+                    tx.batch_execute("ROLLBACK TO SAVEPOINT rest");
                 }
-                tx.commit().expect("commit");
+                tx.end(true);
                 keys.truncate(kept);
             }
-            End::Commit => tx.commit().expect("commit"),
+            End::Commit => tx.end(true),
         }
+        self.payloads.extend(keys.iter().cloned().zip(payloads));
         self.committed(&keys, park);
     }
 
@@ -534,38 +595,58 @@ impl Sut {
         if self.aggregate_open(Some(&aggregate)) {
             return;
         }
-        let batches: Vec<Vec<_>> = (0..2)
-            .map(|_| {
+        // The second through a `Producer`, with the crate's keys: its row's id is drawn
+        // after the aggregate's lock, as the first's is.
+        let (batches, payloads): (Vec<Vec<Message>>, Vec<Vec<String>>) = (0..2)
+            .map(|p| {
                 (0..n)
-                    .map(|_| self.message(Some(&aggregate), None))
-                    .collect()
+                    .map(|_| match p {
+                        0 => self.message(Some(&aggregate), None),
+                        _ => self.unkeyed(Some(&aggregate), None),
+                    })
+                    .unzip()
             })
-            .collect();
+            .unzip();
         let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
         let producers: Vec<_> = batches
             .into_iter()
-            .map(|batch| {
+            .enumerate()
+            .map(|(p, batch)| {
                 let outbox = self.outbox.clone();
                 let barrier = barrier.clone();
                 thread::spawn(move || {
-                    let mut client = common::client();
+                    let (mut client, mut producer) = match p {
+                        0 => (Some(common::client()), None),
+                        _ => (
+                            None,
+                            Some(outbox.producer(common::client()).expect("prepare")),
+                        ),
+                    };
                     barrier.wait();
-                    let mut tx = client.transaction().expect("begin");
-                    let keys: Vec<String> = batch
-                        .into_iter()
-                        .map(|(message, key)| {
-                            outbox.enqueue(&mut tx, message).expect("enqueue");
-                            key
-                        })
-                        .collect();
-                    tx.commit().expect("commit");
+                    let mut tx = match (&mut client, &mut producer) {
+                        (Some(client), _) => Tx::Plain(client.transaction().expect("begin")),
+                        (None, producer) => Tx::Prepared(
+                            producer
+                                .as_mut()
+                                .expect("a producer")
+                                .transaction()
+                                .expect("begin"),
+                        ),
+                    };
+                    let keys = tx.enqueue(&outbox, batch, false);
+                    tx.end(true);
                     keys
                 })
             })
             .collect();
         let keys: Vec<String> = producers
             .into_iter()
-            .flat_map(|p| p.join().expect("a racing producer"))
+            .zip(payloads)
+            .flat_map(|(p, payloads)| {
+                let keys = p.join().expect("a racing producer");
+                self.payloads.extend(keys.iter().cloned().zip(payloads));
+                keys
+            })
             .collect();
         self.committed(&keys, None);
     }
@@ -741,7 +822,7 @@ impl Sut {
                 .msgs
                 .get_mut(&record.id)
                 .ok_or("claimed an unknown row")?;
-            if record.payload != msg.key.as_bytes() {
+            if record.payload != msg.payload.as_bytes() {
                 return Err(format!(
                     "the payload of {} handed over is not its own",
                     msg.key
@@ -1245,6 +1326,7 @@ impl Sut {
             park: None,
             all: false,
             delayed: false,
+            prepared: false,
         });
     }
 

@@ -122,6 +122,50 @@ BEGIN
 END
 $fn$;
 
+-- The head mark of a message with an aggregate and the crate's key, for the INSERT a
+-- `Producer` prepares once (src/producer/prepared.rs), which writes the row itself and
+-- calls this from a CTE before it draws the row's id: the aggregate's lock as {enqueue_fn}
+-- takes it, the notification, then the same look for an earlier message, in a statement of
+-- its own, so that it sees what a producer this one waited for committed. Expressions
+-- only, where {enqueue_fn} has PERFORMs: PL/pgSQL evaluates an expression without starting
+-- an executor for it.
+CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text, p_notify boolean)
+RETURNS boolean LANGUAGE plpgsql AS $fn$
+DECLARE
+    held text;
+    lock_key bigint;
+    done text;
+BEGIN
+    lock_key := hashtextextended(p_aggregate_key, {lock_seed});
+    held := current_setting('postgres_outbox.aggregate_locks', true);
+    IF held IS NULL OR NOT starts_with(held, pg_current_xact_id()::text || ':') THEN
+        held := pg_current_xact_id()::text || ':,';
+    END IF;
+    IF strpos(held, ',' || lock_key || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
+        IF length(held) - length(replace(held, ',', '')) <= 64 THEN
+            -- In this order: the bucket, the aggregate, the record of both.
+            done := pg_advisory_xact_lock_shared({table_lock} + (lock_key & 15))::text
+                    || pg_advisory_xact_lock(lock_key)::text
+                    || set_config('postgres_outbox.aggregate_locks', held || lock_key || ',',
+                                  false);
+        ELSE
+            PERFORM pg_advisory_xact_lock({table_lock} + bucket)
+            FROM generate_series(0, 15) AS bucket;
+            done := set_config('postgres_outbox.aggregate_locks',
+                               held || 't{table_lock_text},', false);
+        END IF;
+    END IF;
+    IF p_notify THEN
+        PERFORM {notify_fn}();
+    END IF;
+    RETURN current_setting('transaction_isolation') = 'read committed'
+           AND NOT EXISTS (SELECT 1 FROM {table} o
+                           WHERE o.head IN (false, true)
+                             AND o.aggregate_key = p_aggregate_key
+                             AND o.status IN ('pending', 'parked'));
+END
+$fn$;
+
 -- Many messages, all or nothing: NULL when every one was inserted, otherwise the keys that
 -- already exist, with this call's own rows taken out again (found by their tuple ids, so a
 -- row an earlier statement of the transaction wrote is never touched). Headers travel

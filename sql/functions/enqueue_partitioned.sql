@@ -184,6 +184,50 @@ BEGIN
 END
 $fn$;
 
+-- The head mark for the INSERT a `Producer` prepares, as enqueue.sql's {head_fn} (which says
+-- why it is apart from {enqueue_fn}), looking into the partitions {enqueue_fn} looks into.
+CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text, p_notify boolean)
+RETURNS boolean LANGUAGE plpgsql AS $fn$
+DECLARE
+    held text;
+    lock_key bigint;
+    done text;
+    look bigint[];
+BEGIN
+    lock_key := hashtextextended(p_aggregate_key, {lock_seed});
+    held := current_setting('postgres_outbox.aggregate_locks', true);
+    IF held IS NULL OR NOT starts_with(held, pg_current_xact_id()::text || ':') THEN
+        held := pg_current_xact_id()::text || ':,';
+    END IF;
+    IF strpos(held, ',' || lock_key || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
+        IF length(held) - length(replace(held, ',', '')) <= 64 THEN
+            -- In this order: the bucket, the aggregate, the record of both.
+            done := pg_advisory_xact_lock_shared({table_lock} + (lock_key & 15))::text
+                    || pg_advisory_xact_lock(lock_key)::text
+                    || set_config('postgres_outbox.aggregate_locks', held || lock_key || ',',
+                                  false);
+        ELSE
+            PERFORM pg_advisory_xact_lock({table_lock} + bucket)
+            FROM generate_series(0, 15) AS bucket;
+            done := set_config('postgres_outbox.aggregate_locks',
+                               held || 't{table_lock_text},', false);
+        END IF;
+    END IF;
+    IF p_notify THEN
+        PERFORM {notify_fn}();
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN false;
+    END IF;
+    look := {look_partitions};
+    RETURN NOT EXISTS (SELECT 1 FROM {table} o
+                       WHERE o.head IN (false, true)
+                         AND o.aggregate_key = p_aggregate_key
+                         AND o.status IN ('pending', 'parked')
+                         AND {in_look});
+END
+$fn$;
+
 -- A batch. `p_keys_generated`: every key is the crate's own.
 CREATE OR REPLACE FUNCTION {enqueue_n_fn}(
     p_keys text[], p_topics text[], p_aggregate_keys text[], p_payloads bytea[],

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postgres::error::SqlState;
-use postgres::types::{ToSql, Type};
 use postgres::{Client, GenericClient, IsolationLevel, Transaction};
 
 use crate::error::{Error, Result};
+use crate::producer::arguments::Arguments;
 use crate::producer::batch::Batch;
 use crate::producer::message::Message;
 use crate::producer::sql::ProducerSql;
@@ -468,35 +468,15 @@ impl Outbox {
     /// # }
     /// ```
     pub fn enqueue(&self, tx: &mut Transaction<'_>, message: Message) -> Result<String> {
-        let key = message.validate()?;
-        let (at, delay) = message.schedule();
-        let headers = message.headers_flat();
-        let max_attempts = message.max_attempts_param();
-        let notify = self.inner.notify;
-        let generated = message.key.is_none();
-        let params: [(&(dyn ToSql + Sync), Type); 12] = [
-            (&key, Type::TEXT),
-            (&message.topic, Type::TEXT),
-            (&message.aggregate_key, Type::TEXT),
-            (&message.payload, Type::BYTEA),
-            (&message.content_type, Type::TEXT),
-            (&headers, Type::TEXT_ARRAY),
-            (&at, Type::TIMESTAMPTZ),
-            (&delay, Type::INT8),
-            (&max_attempts, Type::INT4),
-            (&message.park, Type::BOOL),
-            (&notify, Type::BOOL),
-            (&generated, Type::BOOL),
-        ];
+        let arguments = Arguments::new(message, self.inner.notify)?;
         let inserted: bool = tx
-            .query_typed_one(&self.statements::<ProducerSql>().enqueue, &params)
+            .query_typed_one(
+                &self.statements::<ProducerSql>().enqueue,
+                &arguments.typed_call(),
+            )
             .map_err(|e| self.db_error(e))?
             .get(0);
-        if !inserted {
-            return Err(Error::DuplicateKey { keys: vec![key] });
-        }
-        log::trace!("outbox {}: enqueued {key}", self.table());
-        Ok(key)
+        arguments.inserted(inserted, self.table())
     }
 
     /// Enqueues many messages, all or nothing, and returns their keys in order. A batch of 64

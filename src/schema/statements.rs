@@ -198,6 +198,7 @@ pub(crate) fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("relays", table.companion("_relays")),
         ("enqueue_fn", table.companion("_enqueue")),
         ("enqueue_n_fn", table.companion("_enqueue_n")),
+        ("head_fn", table.companion("_head")),
         ("lock_n_fn", table.companion("_lock_n")),
         ("lock_heads_fn", table.companion("_lock_heads")),
         ("notify_fn", table.companion("_notify")),

@@ -23,6 +23,7 @@ pub(crate) const FUNCTIONS: &[&str] = &[
     "_channel",
     "_enqueue",
     "_enqueue_n",
+    "_head",
     "_lock_n",
     "_lock_heads",
     "_busy",
