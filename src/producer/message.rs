@@ -460,6 +460,37 @@ mod tests {
             field_of(Message::new("t", "p").max_attempts(0)),
             "max_attempts"
         );
+        assert_eq!(
+            field_of(Message::new("t", "p").traceparent("00-1-2-01")),
+            "traceparent"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").header("traceparent", "junk")),
+            "traceparent"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").tracestate("a=1")),
+            "tracestate"
+        );
+    }
+
+    #[test]
+    fn a_trace_context_given_twice_replaces_the_first() {
+        let a = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let b = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b8-00";
+        let m = Message::new("t", "p")
+            .traceparent(a)
+            .tracestate("x=1")
+            .traceparent(b)
+            .tracestate("y=2");
+        assert!(m.validate().is_ok());
+        assert_eq!(
+            m.headers,
+            [
+                ("traceparent".to_owned(), b.to_owned()),
+                ("tracestate".to_owned(), "y=2".to_owned())
+            ]
+        );
     }
 
     #[test]
