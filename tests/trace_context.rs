@@ -11,6 +11,9 @@ use postgres_outbox::{Error, Message, Relay, TRACEPARENT};
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const TRACEPARENT_VALUE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
+/// A message's key and the trace context a publisher or handler read from it.
+type Seen = (String, Option<String>, Option<String>, Option<String>);
+
 fn field(e: Error) -> &'static str {
     match e {
         Error::InvalidInput { field, .. } => field,
@@ -99,8 +102,7 @@ fn publishers_and_process_handlers_see_the_producers_trace_context() {
         tx.commit().unwrap();
     };
     enqueue_two(&outbox, &mut client);
-    let seen: Arc<Mutex<Vec<(String, Option<String>, Option<String>, Option<String>)>>> =
-        Arc::default();
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let publisher_seen = seen.clone();
     let config = relay_config(&outbox, move |record| {
         publisher_seen.lock().unwrap().push((
@@ -173,8 +175,7 @@ fn the_consumers_handler_sees_the_producers_trace_id() {
         postgres_outbox::RelayConfig::new(outbox.clone(), pool(2), move || publishing.connect());
     assert_eq!(Relay::run_until_idle(&config).unwrap(), 1);
 
-    let seen: Arc<Mutex<Vec<(String, Option<String>, Option<String>, Option<String>)>>> =
-        Arc::default();
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let handler_seen = seen.clone();
     let consumer = Consumer::spawn(
         ConsumerConfig::new(&amqp_url(), &queue, "traced"),
