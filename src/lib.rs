@@ -130,3 +130,7 @@ struct PartitionsDoctests;
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../docs/upgrading.md")]
 struct UpgradingDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "opentelemetry"))]
+#[doc = include_str!("../docs/tracing.md")]
+struct TracingDoctests;
