@@ -33,10 +33,13 @@ enum Variant {
 
 impl Variant {
     fn all() -> Vec<Variant> {
-        let mut all = vec![Variant::Plain, Variant::Traceparent, Variant::WithState];
-        #[cfg(feature = "opentelemetry")]
-        all.push(Variant::Captured);
-        all
+        vec![
+            Variant::Plain,
+            Variant::Traceparent,
+            Variant::WithState,
+            #[cfg(feature = "opentelemetry")]
+            Variant::Captured,
+        ]
     }
 
     fn name(self) -> &'static str {

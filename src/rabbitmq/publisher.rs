@@ -672,10 +672,10 @@ impl PublisherConfig {
 impl Publisher for RabbitPublisher {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
         #[cfg(feature = "opentelemetry")]
-        let span = crate::trace::otel::publish_span(&self.exchange, batch);
+        let span = crate::trace::spans::publish_span(&self.exchange, batch);
         let results = self.publish_pipelined(batch);
         #[cfg(feature = "opentelemetry")]
-        crate::trace::otel::end_publish(span, results.iter().filter(|r| r.is_err()).count());
+        crate::trace::spans::end_publish(span, results.iter().filter(|r| r.is_err()).count());
         results
     }
 
@@ -697,10 +697,10 @@ impl Publisher for RabbitPublisher {
         proceed: &dyn Fn() -> bool,
     ) {
         #[cfg(feature = "opentelemetry")]
-        let span = crate::trace::otel::publish_span(&self.exchange, batch);
+        let span = crate::trace::spans::publish_span(&self.exchange, batch);
         self.stream(batch, outcomes, proceed);
         #[cfg(feature = "opentelemetry")]
-        crate::trace::otel::end_publish(
+        crate::trace::spans::end_publish(
             span,
             outcomes
                 .iter()

@@ -3,6 +3,8 @@
 
 #[cfg(feature = "opentelemetry")]
 pub(crate) mod otel;
+#[cfg(all(feature = "opentelemetry", feature = "rabbitmq"))]
+pub(crate) mod spans;
 pub(crate) mod w3c;
 
 /// The header that carries the W3C `traceparent`.

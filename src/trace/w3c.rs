@@ -18,10 +18,16 @@ pub(crate) const MAX_TRACESTATE: usize = 512;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TraceParent<'a> {
     pub(crate) trace_id: &'a str,
-    // Read by the OpenTelemetry bridge, which builds a remote span context of them.
-    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    // Read by the RabbitMQ spans (trace/spans.rs), which build a remote span context of them.
+    #[cfg_attr(
+        not(all(feature = "opentelemetry", feature = "rabbitmq")),
+        allow(dead_code)
+    )]
     pub(crate) parent_id: &'a str,
-    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    #[cfg_attr(
+        not(all(feature = "opentelemetry", feature = "rabbitmq")),
+        allow(dead_code)
+    )]
     pub(crate) flags: &'a str,
 }
 

@@ -479,7 +479,7 @@ fn attempt_on(
     #[cfg(feature = "opentelemetry")]
     let handle = || {
         let d = delivery;
-        crate::trace::otel::delivered(
+        crate::trace::spans::delivered(
             &d.exchange,
             &d.routing_key,
             &d.key,
