@@ -76,6 +76,7 @@ mod publish;
 mod relay;
 mod runtime;
 mod schema;
+mod trace;
 
 #[cfg(feature = "rabbitmq")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
@@ -107,6 +108,7 @@ pub use relay::{Relay, RelayConfig, ShutdownReport, DEFAULT_MAX_IN_FLIGHT_BYTES}
 pub use runtime::pool::Connections;
 pub use runtime::retry::{Retry, MAX_DELAY};
 pub use schema::grants::Access;
+pub use trace::{TRACEPARENT, TRACESTATE};
 
 // The Rust examples of the README and the docs pages are compiled as doc tests, so they
 // cannot drift from the API.
@@ -129,3 +131,7 @@ struct PartitionsDoctests;
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../docs/upgrading.md")]
 struct UpgradingDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "opentelemetry"))]
+#[doc = include_str!("../docs/tracing.md")]
+struct TracingDoctests;

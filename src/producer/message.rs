@@ -7,6 +7,8 @@ use crate::error::{Error, Result};
 use crate::runtime::clock::micros;
 use crate::runtime::retry::MAX_DELAY;
 use crate::runtime::wire::{fits_one_frame, properties_size, FRAME_MAX};
+use crate::trace::w3c::{check_tracestate, parse_traceparent};
+use crate::trace::{self, TRACEPARENT, TRACESTATE};
 
 /// AMQP short strings (routing key, message id, content type, header names) carry at most
 /// this many bytes; a longer one makes the broker close the whole connection.
@@ -99,6 +101,44 @@ impl Message {
         self
     }
 
+    /// The W3C Trace Context `traceparent` of the operation that enqueues the message
+    /// (`00-<trace id>-<parent id>-<flags>`), sent as the header `traceparent` and handed to
+    /// publishers and handlers, which continue the trace. Checked at enqueue against the
+    /// spec's grammar: a malformed one is an [`Error::InvalidInput`] and changes nothing.
+    /// Replaces a `traceparent` given before; the header of that name set with
+    /// [`header`](Message::header) is the same thing and is checked the same way.
+    ///
+    /// With the feature `opentelemetry`, a message enqueued without one carries the current
+    /// OpenTelemetry context's.
+    ///
+    /// ```
+    /// use postgres_outbox::Message;
+    ///
+    /// let message = Message::new("order.paid", "{}")
+    ///     .traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    ///     .tracestate("rojo=00f067aa0ba902b7");
+    /// # let _ = message;
+    /// ```
+    pub fn traceparent(self, traceparent: impl Into<String>) -> Message {
+        self.replace_header(TRACEPARENT, traceparent.into())
+    }
+
+    /// The W3C Trace Context `tracestate` that goes with the
+    /// [`traceparent`](Message::traceparent) (vendor `key=value` pairs), sent as the header
+    /// `tracestate`. A `tracestate` without a `traceparent` is refused at enqueue, as is
+    /// one the spec's grammar does not allow (over 32 members, or 512 characters).
+    pub fn tracestate(self, tracestate: impl Into<String>) -> Message {
+        self.replace_header(TRACESTATE, tracestate.into())
+    }
+
+    fn replace_header(mut self, name: &str, value: String) -> Message {
+        match self.headers.iter_mut().find(|(n, _)| n == name) {
+            Some((_, old)) => *old = value,
+            None => self.headers.push((name.to_owned(), value)),
+        }
+        self
+    }
+
     /// Not published until this long after the enqueuing transaction started (the
     /// database's clock decides).
     pub fn delay(mut self, delay: Duration) -> Message {
@@ -175,7 +215,13 @@ impl Message {
             }
             no_nul("header value", value)?;
         }
-        let header_bytes: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        self.check_trace_context()?;
+        let header_bytes: usize = self
+            .headers
+            .iter()
+            .map(|(n, v)| n.len() + v.len())
+            .sum::<usize>()
+            + self.captured_room();
         if header_bytes > MAX_HEADER_BYTES {
             return Err(Error::invalid(
                 "headers",
@@ -189,7 +235,7 @@ impl Message {
             self.content_type.as_deref(),
             self.aggregate_key.as_deref(),
             &self.headers,
-        );
+        ) + self.captured_room();
         if !fits_one_frame(properties) {
             return Err(Error::invalid(
                 "headers",
@@ -231,6 +277,35 @@ impl Message {
         Ok(key)
     }
 
+    /// A `traceparent` as the spec defines it, and a `tracestate` only beside one.
+    fn check_trace_context(&self) -> Result<()> {
+        let traceparent = trace::header(&self.headers, TRACEPARENT);
+        if let Some(traceparent) = traceparent {
+            parse_traceparent(traceparent)?;
+        }
+        if let Some(tracestate) = trace::header(&self.headers, TRACESTATE) {
+            if traceparent.is_none() {
+                return Err(Error::invalid(
+                    "tracestate",
+                    "is given without a traceparent: it means nothing without one",
+                ));
+            }
+            check_tracestate(tracestate)?;
+        }
+        Ok(())
+    }
+
+    /// The room, in header bytes, kept for the trace context enqueue captures from
+    /// OpenTelemetry for a message that carries none, so that it cannot push the headers
+    /// past the limits checked here.
+    fn captured_room(&self) -> usize {
+        #[cfg(feature = "opentelemetry")]
+        if trace::header(&self.headers, TRACEPARENT).is_none() {
+            return trace::otel::CAPTURED_ROOM;
+        }
+        0
+    }
+
     /// The delay in microseconds and the absolute time, as bound parameters.
     pub(crate) fn schedule(&self) -> (Option<SystemTime>, i64) {
         match self.when {
@@ -243,11 +318,22 @@ impl Message {
         self.max_attempts.and_then(|n| i32::try_from(n).ok())
     }
 
+    /// The headers as name, value, name, value, ... With the feature `opentelemetry`, a
+    /// message without a `traceparent` gets the current context's here, at enqueue.
     pub(crate) fn headers_flat(&self) -> Vec<String> {
-        self.headers
+        let given = self
+            .headers
             .iter()
-            .flat_map(|(k, v)| [k.clone(), v.clone()])
-            .collect()
+            .flat_map(|(k, v)| [k.clone(), v.clone()]);
+        #[cfg(feature = "opentelemetry")]
+        let given = given.chain(
+            trace::header(&self.headers, TRACEPARENT)
+                .is_none()
+                .then(trace::otel::current_headers)
+                .into_iter()
+                .flatten(),
+        );
+        given.collect()
     }
 }
 
@@ -373,6 +459,37 @@ mod tests {
         assert_eq!(
             field_of(Message::new("t", "p").max_attempts(0)),
             "max_attempts"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").traceparent("00-1-2-01")),
+            "traceparent"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").header("traceparent", "junk")),
+            "traceparent"
+        );
+        assert_eq!(
+            field_of(Message::new("t", "p").tracestate("a=1")),
+            "tracestate"
+        );
+    }
+
+    #[test]
+    fn a_trace_context_given_twice_replaces_the_first() {
+        let a = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let b = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b8-00";
+        let m = Message::new("t", "p")
+            .traceparent(a)
+            .tracestate("x=1")
+            .traceparent(b)
+            .tracestate("y=2");
+        assert!(m.validate().is_ok());
+        assert_eq!(
+            m.headers,
+            [
+                ("traceparent".to_owned(), b.to_owned()),
+                ("tracestate".to_owned(), "y=2".to_owned())
+            ]
         );
     }
 

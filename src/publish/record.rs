@@ -4,6 +4,9 @@ use std::time::SystemTime;
 
 use postgres::Row;
 
+use crate::trace::w3c::parse_traceparent;
+use crate::trace::{self, TRACEPARENT, TRACESTATE};
+
 /// One outbox row handed to a [`Publisher`](crate::Publisher) or a handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -64,6 +67,24 @@ impl Record {
             lease: None,
             park: None,
         }
+    }
+
+    /// The W3C `traceparent` the producer gave (the header of that name), if any: the
+    /// context to continue the producer's trace from.
+    pub fn traceparent(&self) -> Option<&str> {
+        trace::header(&self.headers, TRACEPARENT)
+    }
+
+    /// The W3C `tracestate` that goes with the [`traceparent`](Self::traceparent), if any.
+    pub fn tracestate(&self) -> Option<&str> {
+        trace::header(&self.headers, TRACESTATE)
+    }
+
+    /// The trace id of a well-formed [`traceparent`](Self::traceparent): 32 lowercase hex
+    /// digits, the same at the producer, the relay and every consumer.
+    pub fn trace_id(&self) -> Option<&str> {
+        let traceparent = self.traceparent()?;
+        parse_traceparent(traceparent).ok().map(|p| p.trace_id)
     }
 
     /// A first-attempt record with an empty payload, keyed by its id.

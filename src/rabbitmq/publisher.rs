@@ -671,6 +671,49 @@ impl PublisherConfig {
 
 impl Publisher for RabbitPublisher {
     fn publish(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
+        #[cfg(feature = "opentelemetry")]
+        let span = crate::trace::spans::publish_span(&self.exchange, batch);
+        let results = self.publish_pipelined(batch);
+        #[cfg(feature = "opentelemetry")]
+        crate::trace::spans::end_publish(span, results.iter().filter(|r| r.is_err()).count());
+        results
+    }
+
+    /// Broken once a failure said so, or once the connection's I/O thread has ended (a
+    /// connection lost while nothing was published on it).
+    fn is_broken(&self) -> bool {
+        self.broken.is_some() || self.lost()
+    }
+
+    /// One channel: the broker puts each queue's messages in the order they were published.
+    fn keeps_order(&self) -> bool {
+        true
+    }
+
+    fn publish_in_order(
+        &mut self,
+        batch: &[Record],
+        outcomes: &mut [Option<Result<(), PublishError>>],
+        proceed: &dyn Fn() -> bool,
+    ) {
+        #[cfg(feature = "opentelemetry")]
+        let span = crate::trace::spans::publish_span(&self.exchange, batch);
+        self.stream(batch, outcomes, proceed);
+        #[cfg(feature = "opentelemetry")]
+        crate::trace::spans::end_publish(
+            span,
+            outcomes
+                .iter()
+                .filter(|o| !matches!(o, Some(Ok(()))))
+                .count(),
+        );
+    }
+}
+
+impl RabbitPublisher {
+    /// [`Publisher::publish`]: every record of the batch goes out at once, then the
+    /// confirms are awaited.
+    fn publish_pipelined(&mut self, batch: &[Record]) -> Vec<Result<(), PublishError>> {
         if let Some(why) = self.unavailable() {
             return batch
                 .iter()
@@ -710,7 +753,7 @@ impl Publisher for RabbitPublisher {
             // alone, before it is sent, and they go again on the new channel.
             let again: Vec<usize> = (0..batch.len()).filter(|&i| results[i].is_none()).collect();
             let records: Vec<Record> = again.iter().map(|&i| batch[i].clone()).collect();
-            for (i, result) in again.into_iter().zip(self.publish(&records)) {
+            for (i, result) in again.into_iter().zip(self.publish_pipelined(&records)) {
                 results[i] = Some(result);
             }
         }
@@ -723,21 +766,10 @@ impl Publisher for RabbitPublisher {
             .collect()
     }
 
-    /// Broken once a failure said so, or once the connection's I/O thread has ended (a
-    /// connection lost while nothing was published on it).
-    fn is_broken(&self) -> bool {
-        self.broken.is_some() || self.lost()
-    }
-
-    /// One channel: the broker puts each queue's messages in the order they were published.
-    fn keeps_order(&self) -> bool {
-        true
-    }
-
-    /// Streams: the first record of every aggregate (and every record without a key) goes
+    /// [`Publisher::publish_in_order`]. Streams: the first record of every aggregate (and every record without a key) goes
     /// out at once, and each aggregate's next one as soon as the broker confirms the one
     /// before it, so no aggregate waits for another's confirm.
-    fn publish_in_order(
+    fn stream(
         &mut self,
         batch: &[Record],
         outcomes: &mut [Option<Result<(), PublishError>>],

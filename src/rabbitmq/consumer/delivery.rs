@@ -3,6 +3,8 @@
 use amiquip::{AmqpValue, FieldTable};
 
 use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::trace::w3c::parse_traceparent;
+use crate::trace::{self, TRACEPARENT, TRACESTATE};
 
 /// A delivery as the handler sees it.
 #[derive(Debug, Clone)]
@@ -56,6 +58,24 @@ impl Delivery {
             attempt: None,
             redelivered: false,
         }
+    }
+
+    /// The W3C `traceparent` the producer gave (the header of that name), if any: the
+    /// context to continue the producer's trace from.
+    pub fn traceparent(&self) -> Option<&str> {
+        trace::header(&self.headers, TRACEPARENT)
+    }
+
+    /// The W3C `tracestate` that goes with the [`traceparent`](Self::traceparent), if any.
+    pub fn tracestate(&self) -> Option<&str> {
+        trace::header(&self.headers, TRACESTATE)
+    }
+
+    /// The trace id of a well-formed [`traceparent`](Self::traceparent): 32 lowercase hex
+    /// digits, the same at the producer, the relay and every consumer.
+    pub fn trace_id(&self) -> Option<&str> {
+        let traceparent = self.traceparent()?;
+        parse_traceparent(traceparent).ok().map(|p| p.trace_id)
     }
 }
 

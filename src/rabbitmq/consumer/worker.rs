@@ -472,12 +472,23 @@ fn attempt_on(
             }
         }
     }
-    watch
-        .unbounded(|| {
-            catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
-                .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
-        })
-        .map_err(Failure::of_handler)?;
+    let handle = || {
+        catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
+            .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
+    };
+    #[cfg(feature = "opentelemetry")]
+    let handle = || {
+        let d = delivery;
+        crate::trace::spans::delivered(
+            &d.exchange,
+            &d.routing_key,
+            &d.key,
+            &d.headers,
+            suspect,
+            handle,
+        )
+    };
+    watch.unbounded(handle).map_err(Failure::of_handler)?;
     // The consumer's own table: missing, it is not migrated (and the consumer stops).
     tx.execute_typed(&sql.forget_failures, &params)
         .map_err(|e| match e.code() {
