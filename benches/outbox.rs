@@ -13,17 +13,24 @@
 //! - `enqueue-raw`: the same transaction plus a hand-written, prepared INSERT of an outbox
 //!   row (bigserial id, unique uuid key, topic, aggregate key, bytea payload, jsonb headers,
 //!   status, attempts, available_at, lease_until, created_at; one partial index on
-//!   `(available_at, id)` for pending rows), on a table of its own;
-//! - `enqueue notify=on|off`: the same transaction plus `Outbox::enqueue` of a 512-byte
-//!   message with an aggregate key and a content type, with `ratio=` its rate over
-//!   `business` and `vs_raw=` over `enqueue-raw` at the same thread count (the variants take
-//!   turns in 5 rounds, so load changes during the run hit them alike). No relay runs, so
-//!   `notify=on` sends no notification; `notify=on relay=waiting` has a relay announced as
-//!   waiting, so every commit notifies;
-//! - `copy`, `enqueue_all`: 1,000 such messages per transaction, in rows per second, by a
-//!   binary `COPY` into an outbox table and by `enqueue_all`, taking turns (100 each);
-//!   `vs_copy=` is `enqueue_all`'s rate over `copy`'s, `vs_copy_turns=` the quartiles of
-//!   the turns' own ratios (the median the figure to read where a few turns stall);
+//!   `(available_at, id)` for pending rows), on a table of its own; `enqueue-raw
+//!   locked=true` takes the aggregate's transaction-scoped advisory lock first, in the same
+//!   prepared statement: all it takes by hand to keep commit order per aggregate;
+//! - `enqueue path=text|prepared aggregate=yes|no notify=on|off`: the same transaction plus
+//!   `Outbox::enqueue` (`text`) or a `Producer`'s (`prepared`) of a 512-byte message with a
+//!   content type, with an aggregate key or without, with `ratio=` its rate over
+//!   `business`, `vs_raw=` over `enqueue-raw` and `vs_locked=` over `enqueue-raw
+//!   locked=true` at the same thread count (the variants take turns in
+//!   `OUTBOX_BENCH_ROUNDS` rounds, so load changes during the run hit them alike). No relay
+//!   runs, so `notify=on` sends no notification; `relay=waiting` has a relay announced as
+//!   waiting, so every commit notifies. `OUTBOX_BENCH_PARTITIONED=1`: the outboxes are
+//!   partitioned by day (`table=partitioned`);
+//! - `copy`, `copy locked=true`, `enqueue_all`: 1,000 such messages per transaction, by a
+//!   binary `COPY` into an outbox table (after the sixteen bucket locks a batch of that many
+//!   aggregates takes, with `locked=true`) and by `enqueue_all`, taking turns (100 each);
+//!   `vs_copy=` and `vs_copy_locked=` are `enqueue_all`'s rate over each `COPY`'s,
+//!   `vs_copy_turns=` and `vs_copy_locked_turns=` the quartiles of the turns' own ratios
+//!   (the median the figure to read where a few turns stall);
 //! - `enqueue_all backlog=0|100000 path=copy|function`: milliseconds per `enqueue_all` of
 //!   1,000 messages of new aggregates beside that many pending rows (each its own
 //!   aggregate), due at once (written by `COPY`) or scheduled (by the batch function), the
@@ -70,7 +77,8 @@
 //! Every measurement gets fresh tables in a scratch schema that is dropped at the end.
 //! Env: `OUTBOX_BENCH_DATABASE_URL` or `DATABASE_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`), `OUTBOX_BENCH_SECS` (seconds per producer
-//! variant and thread count, default 5), `OUTBOX_BENCH_THREADS` (default `1,4,16`), `OUTBOX_BENCH_ROWS`
+//! variant and thread count, default 5), `OUTBOX_BENCH_ROUNDS` (the turns they take,
+//! default 5), `OUTBOX_BENCH_THREADS` (default `1,4,16`), `OUTBOX_BENCH_ROWS`
 //! (rows the relay drains, default 100000), `OUTBOX_BENCH_ORDERED_ROWS` (backlog per
 //! `ordered` shape, default 20000), `OUTBOX_BENCH_ORDERED_CAP_SECS` (time cap per shape,
 //! default 120), `OUTBOX_BENCH_RSS_ROWS` (1 MiB rows for `rss`, default 2000: 2 GiB through
@@ -98,7 +106,6 @@ use postgres_outbox::{publisher_fn, Message, Outbox, Relay, RelayConfig, Rows};
 use r2d2_postgres::PostgresConnectionManager;
 
 const PAYLOAD_BYTES: usize = 512;
-const PRODUCER_ROUNDS: u32 = 5;
 const ENQUEUE_ALL_ROWS: usize = 1_000;
 const ENQUEUE_ALL_REPS: usize = 100;
 const RELAY_BATCHES: [usize; 2] = [100, 500];
@@ -160,6 +167,7 @@ struct Settings {
     scale_pending: usize,
     scale_plans: bool,
     partitioned: bool,
+    rounds: u32,
     scale_tables: Vec<TableKind>,
     filter: Option<String>,
 }
@@ -186,6 +194,7 @@ impl Settings {
             scale_pending: env_or("OUTBOX_BENCH_SCALE_PENDING", 1_000_000)?,
             scale_plans: env_or("OUTBOX_BENCH_SCALE_PLANS", 0_u8)? == 1,
             partitioned: env_or("OUTBOX_BENCH_PARTITIONED", 0_u8)? == 1,
+            rounds: env_or("OUTBOX_BENCH_ROUNDS", 5)?,
             scale_tables: match std::env::var("OUTBOX_BENCH_SCALE_TABLES").as_deref() {
                 Ok("plain") => vec![TableKind::Plain],
                 Ok("partitioned") => vec![TableKind::Partitioned],
@@ -540,7 +549,7 @@ impl Producer {
         rate(self.tx, self.took)
     }
 
-    fn print(&self, threads: usize, partitioned: bool, rates: &[(Extra, f64)]) {
+    fn print(&self, threads: usize, settings: &Settings, rates: &[(Extra, f64)]) {
         let of = |extra: Extra| {
             rates
                 .iter()
@@ -562,12 +571,12 @@ impl Producer {
                 line
             }
         };
-        if partitioned {
+        if settings.partitioned {
             line = line.kv("table", "partitioned");
         }
         line = line
             .kv("threads", threads)
-            .kv("rounds", PRODUCER_ROUNDS)
+            .kv("rounds", settings.rounds)
             .kv("tx", self.tx)
             .rate(self.tx, self.took);
         if self.extra != Extra::Nothing {
@@ -611,20 +620,20 @@ fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()
     } else {
         vec![Extra::Nothing]
     };
-    let slice = settings.secs / PRODUCER_ROUNDS;
+    let slice = settings.secs / settings.rounds;
     for &threads in &settings.threads {
         let mut producers = extras
             .iter()
             .map(|&extra| Producer::new(scratch, extra, settings.partitioned))
             .collect::<Result<Vec<_>>>()?;
-        for _ in 0..PRODUCER_ROUNDS {
+        for _ in 0..settings.rounds {
             for producer in &mut producers {
                 producer.run(scratch, threads, slice)?;
             }
         }
         let rates: Vec<(Extra, f64)> = producers.iter().map(|p| (p.extra, p.rate())).collect();
         for producer in &producers {
-            producer.print(threads, settings.partitioned, &rates);
+            producer.print(threads, settings, &rates);
         }
     }
     Ok(())

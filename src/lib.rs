@@ -129,6 +129,10 @@ struct OperationsDoctests;
 struct PartitionsDoctests;
 
 #[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/producing.md")]
+struct ProducingDoctests;
+
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
 #[doc = include_str!("../docs/upgrading.md")]
 struct UpgradingDoctests;
 
