@@ -14,7 +14,7 @@ pub(crate) struct ProducerSql {
     /// writes it: the row the function writes for it, by a plain INSERT ($1..$9, see
     /// `Arguments::plain`), as one statement prepared once does it cheapest.
     pub(crate) plain: String,
-    /// `plain`, notifying a waiting relay.
+    /// `plain`, notifying a waiting relay first.
     pub(crate) plain_notify: String,
     /// A message with an aggregate and the crate's key, as a [`Producer`](crate::Producer)
     /// writes it: the row the function writes for it, by an INSERT of $1..$10 (see
@@ -49,8 +49,6 @@ impl Statements for ProducerSql {
                 "lock_heads_fn",
                 "notify_fn",
                 "head_fn",
-                "channel_fn",
-                "waiting",
             ],
         )?;
         let mut values = Values::new(&borrowed(&vars))?;
@@ -71,17 +69,12 @@ impl Statements for ProducerSql {
                  VALUES ($1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
                          $8, $9)",
             )?,
-            // The waiting relay is looked for as {notify_fn} (notify.sql) looks, written
-            // out: calling the function costs this statement a third of what it saves by
-            // being prepared (measured with `cargo bench --bench outbox enqueue`).
             plain_notify: values.render(
                 "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
                                       max_attempts, park) \
                  SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
                         $8, $9 \
-                 FROM (SELECT count(pg_notify({channel_fn}(), '')) \
-                       FROM (SELECT FROM {waiting} WHERE seen > now() - interval '1 minute' \
-                             LIMIT 1) AS waiting) AS notified",
+                 FROM {notify_fn}() AS notified",
             )?,
             ordered: values.render(
                 "WITH marked AS MATERIALIZED (SELECT {head_fn}($3, $11) AS head) \
