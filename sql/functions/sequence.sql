@@ -1,0 +1,37 @@
+-- Places in an aggregate's publication sequence (`OutboxBuilder::sequence`, migration 7),
+-- for the rows an enqueue function just wrote: the rows of the keys `p_keys` that have an
+-- aggregate and no place yet, each aggregate's in id order, after the last place its
+-- counter gave. Called in the producer's transaction once the enqueue function returned,
+-- which took the aggregates' locks (locks.sql): no other producer of these aggregates can
+-- take a place until this transaction ends, so places follow commit order, and a rollback
+-- takes them back with the counter. Returns how many rows it placed.
+--
+-- A place given after the insert costs the row a second version; the single enqueue of a
+-- message with the crate's key, the common one, gets its place in its INSERT instead (the
+-- statements of src/producer/sql.rs).
+CREATE OR REPLACE FUNCTION {place_fn}(p_keys text[]) RETURNS bigint
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    placed bigint;
+BEGIN
+    WITH fresh AS MATERIALIZED (
+        SELECT t.id, t.aggregate_key COLLATE "C" AS aggregate_key,
+               row_number() OVER (PARTITION BY t.aggregate_key ORDER BY t.id) AS n,
+               count(*) OVER (PARTITION BY t.aggregate_key) AS total
+        FROM {table} t
+        WHERE t.key = ANY (p_keys) AND t.aggregate_key IS NOT NULL AND t.sequence IS NULL),
+    bumped AS (
+        INSERT INTO {sequences} AS s (aggregate_key, last)
+        SELECT aggregate_key, max(total) FROM fresh GROUP BY aggregate_key
+        ORDER BY aggregate_key
+        ON CONFLICT (aggregate_key) DO UPDATE SET last = s.last + excluded.last
+        RETURNING s.aggregate_key, s.last),
+    written AS (
+        UPDATE {table} t SET sequence = b.last - f.total + f.n
+        FROM fresh f JOIN bumped b ON b.aggregate_key = f.aggregate_key
+        WHERE t.id = f.id
+        RETURNING 1)
+    SELECT count(*) INTO placed FROM written;
+    RETURN placed;
+END
+$fn$;
