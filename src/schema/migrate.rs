@@ -756,7 +756,7 @@ mod tests {
             ("notify", 1, "b3dadc4228355c04", "ff9be915f331c01c"),
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
-            ("sequence", 1, "d7cc1ab9c12b68cb", "2f511dccbfdbd9cf"),
+            ("sequence", 1, "7d2b48f0a74168ec", "a7f204feab669b16"),
             ("enqueue", 1, "138191a027216e24", "43c2ccd197994f0f"),
             (
                 "earlier_producers",
