@@ -39,3 +39,30 @@ BEGIN
     RETURN placed;
 END
 $fn$;
+
+-- A message with an aggregate and the crate's key, with its place, for `Outbox::enqueue`:
+-- what the INSERT a `Producer` prepares does (src/producer/sql.rs, `ordered_placed`), in a
+-- function, whose statements are planned once per session where that INSERT sent as text
+-- is planned on every call (measured over an enqueue without places: 170-210 us
+-- against 35-75).
+-- The head mark takes the aggregate's lock first, then the counter gives the place.
+CREATE OR REPLACE FUNCTION {placed_fn}(
+    p_key text, p_topic text, p_aggregate_key text, p_payload bytea, p_content_type text,
+    p_headers text[], p_at timestamptz, p_delay_us bigint, p_max_attempts integer,
+    p_park boolean, p_notify boolean)
+RETURNS void LANGUAGE plpgsql AS $fn$
+DECLARE
+    is_head boolean;
+    place bigint;
+BEGIN
+    is_head := {head_fn}(p_aggregate_key, p_notify);
+    INSERT INTO {sequences} AS s (aggregate_key, last) VALUES (p_aggregate_key, 1)
+    ON CONFLICT (aggregate_key) DO UPDATE SET last = s.last + 1
+    RETURNING s.last INTO place;
+    INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
+                         available_at, max_attempts, park, head, sequence)
+    VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
+            coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
+            p_park, is_head, place);
+END
+$fn$;

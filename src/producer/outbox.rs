@@ -500,7 +500,7 @@ impl Outbox {
         let sql: &ProducerSql = self.statements();
         if self.sequenced() {
             if let Some(ordered) = arguments.typed_ordered() {
-                tx.execute_typed(&sql.ordered_placed, &ordered)
+                tx.execute_typed(&sql.enqueue_one_placed, &ordered)
                     .map_err(|e| self.db_error(e))?;
                 return arguments.inserted(true, self.table());
             }

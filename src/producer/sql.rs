@@ -27,6 +27,10 @@ pub(crate) struct ProducerSql {
     /// the place of its row if it went in with an aggregate (`sql/functions/sequence.sql`),
     /// in the same round trip. Returns whether the row went in, as `enqueue`.
     pub(crate) enqueue_placed: String,
+    /// `Outbox::enqueue` of a message with an aggregate and the crate's key on an outbox
+    /// that gives places: `ordered_placed` in a function (`sql/functions/sequence.sql`),
+    /// as text is parsed and planned on every call; $1..$10 the message, $11 notify.
+    pub(crate) enqueue_one_placed: String,
     /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
     /// head mark took its lock, and the row written with its place, so it is written once.
     pub(crate) ordered_placed: String,
@@ -60,6 +64,7 @@ impl Statements for ProducerSql {
                 "notify_fn",
                 "head_fn",
                 "place_fn",
+                "placed_fn",
                 "sequences",
                 "channel_fn",
                 "waiting",
@@ -112,6 +117,8 @@ impl Statements for ProducerSql {
                  FROM (SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
                               AS inserted OFFSET 0) AS e",
             )?,
+            enqueue_one_placed: values
+                .render("SELECT {placed_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")?,
             ordered_placed: values.render(
                 "WITH marked AS MATERIALIZED (SELECT {head_fn}($3, $11) AS head), \
                  placed AS (INSERT INTO {sequences} AS s (aggregate_key, last) \

@@ -351,6 +351,7 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
             "ids_drawn_fn",
             "head_fn",
             "place_fn",
+            "placed_fn",
         ]
         .contains(name)
     });
@@ -756,7 +757,7 @@ mod tests {
             ("notify", 1, "b3dadc4228355c04", "ff9be915f331c01c"),
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
-            ("sequence", 1, "7d2b48f0a74168ec", "a7f204feab669b16"),
+            ("sequence", 1, "b39bfb0ef83e2f08", "179e444ed8917364"),
             ("enqueue", 1, "138191a027216e24", "43c2ccd197994f0f"),
             (
                 "earlier_producers",

@@ -202,6 +202,7 @@ pub(crate) fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("enqueue_n_fn", table.companion("_enqueue_n")),
         ("head_fn", table.companion("_head")),
         ("place_fn", table.companion("_place")),
+        ("placed_fn", table.companion("_placed")),
         ("lock_n_fn", table.companion("_lock_n")),
         ("lock_heads_fn", table.companion("_lock_heads")),
         ("notify_fn", table.companion("_notify")),

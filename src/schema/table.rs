@@ -27,6 +27,7 @@ pub(crate) const FUNCTIONS: &[&str] = &[
     "_enqueue_n",
     "_head",
     "_place",
+    "_placed",
     "_lock_n",
     "_lock_heads",
     "_busy",
