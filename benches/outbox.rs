@@ -52,6 +52,14 @@
 //!   (`insert_sent_us`); its commits do not wait for the WAL flush (`synchronous_commit =
 //!   off` on its connection), so the parts are server and client work, not the disk's
 //!   time, which moves more than they do between turns;
+//! - `sequence`: what places in aggregates' sequences (`OutboxBuilder::sequence`) cost, on
+//!   one connection each, in microseconds per transaction over an empty one, with
+//!   `synchronous_commit = off` as `enqueue-parts`: `enqueue` (`text`), a `Producer`
+//!   (`prepared`), `enqueue` with the caller's key (`keyed`) and an `enqueue_all` of 100 due
+//!   at once (`batch100`, by `COPY` without places, by the batch function with them), each
+//!   without places (`_off`) and with (`_on`), messages spread over 1,000 aggregates, the
+//!   variants taking turns; and a consumer's transaction, `dedupe` alone against `dedupe`
+//!   and the upsert of its last place (`consume_off`, `consume_on`);
 //! - `wake`: an idle relay (polling once an hour) woken by enqueues' notifications: the
 //!   median, 90th percentile and maximum time from commit to the publisher, in ms;
 //! - `rss`: `Relay` with default settings draining rows of 1 MiB payloads into a no-op
@@ -145,6 +153,9 @@ fn main() -> Result<()> {
     }
     if settings.wants("partitions") {
         partitions(&scratch)?;
+    }
+    if settings.wants("sequence") {
+        sequence(&scratch)?;
     }
     // Last, and only when asked for by name: it writes millions of rows.
     if settings.filter.as_deref() == Some("scale") {
@@ -1069,6 +1080,127 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
     let empty = micros(spent[0]);
     let mut line = Line::new("enqueue-parts")
         .kv("rounds", PARTS_ROUNDS)
+        .kv("empty_us", format!("{empty:.0}"));
+    for (v, variant) in variants.iter().enumerate().skip(1) {
+        line = line.kv(
+            &format!("{variant}_us"),
+            format!("{:.0}", micros(spent[v]) - empty),
+        );
+    }
+    line.print();
+    Ok(())
+}
+
+// ------------------------------------------------------------------ sequence
+
+const SEQUENCE_ROUNDS: u32 = 4;
+
+/// What places cost the producer and the consumer (see the module's documentation).
+fn sequence(scratch: &Scratch) -> Result<()> {
+    let off = scratch.outbox(false)?;
+    let on = Outbox::builder()
+        .table(off.table())
+        .notify(false)
+        .sequence(true)
+        .build()?;
+    let connect = || -> Result<Client> {
+        let mut client = scratch.client()?;
+        client.batch_execute("SET synchronous_commit = off")?;
+        Ok(client)
+    };
+    let mut client = connect()?;
+    let mut prepared_off = off.producer(connect()?)?;
+    let mut prepared_on = on.producer(connect()?)?;
+    let consumed = match off.table().split_once('.') {
+        Some((schema, name)) => format!("{schema}.{name}_consumed"),
+        None => format!("{}_consumed", off.table()),
+    };
+    // The consumer's statement (src/rabbitmq/consumer/sql.rs), by hand: the bench builds
+    // without the rabbitmq feature.
+    let place = client.prepare(&format!(
+        "WITH prior AS (SELECT last FROM {consumed} WHERE consumer = $1 AND aggregate_key = $2 \
+                        FOR UPDATE), \
+         kept AS (INSERT INTO {consumed} AS c (consumer, aggregate_key, last) \
+                  VALUES ($1, $2, $3) ON CONFLICT (consumer, aggregate_key) \
+                  DO UPDATE SET last = greatest(c.last, excluded.last)) \
+         SELECT (SELECT last FROM prior)"
+    ))?;
+    let payload = payload();
+    let message = |n: u64| {
+        Message::new("order.created", payload.clone())
+            .aggregate_key(format!("order-{}", n % 1000))
+            .content_type("application/json")
+    };
+    let variants = [
+        "empty",
+        "text_off",
+        "text_on",
+        "prepared_off",
+        "prepared_on",
+        "keyed_off",
+        "keyed_on",
+        "batch100_off",
+        "batch100_on",
+        "consume_off",
+        "consume_on",
+    ];
+    let mut spent = vec![(Duration::ZERO, 0u64); variants.len()];
+    let mut places = 0i64;
+    for _ in 0..SEQUENCE_ROUNDS {
+        for (v, variant) in variants.iter().enumerate() {
+            let started = Instant::now();
+            let mut n = 0u64;
+            while started.elapsed() < Duration::from_secs(1) {
+                match *variant {
+                    "prepared_off" | "prepared_on" => {
+                        let producer = if *variant == "prepared_on" {
+                            &mut prepared_on
+                        } else {
+                            &mut prepared_off
+                        };
+                        let mut tx = producer.transaction()?;
+                        tx.enqueue(message(n))?;
+                        tx.commit()?;
+                    }
+                    _ => {
+                        let outbox = if variant.ends_with("_on") { &on } else { &off };
+                        let mut tx = client.transaction()?;
+                        match *variant {
+                            "text_off" | "text_on" => {
+                                outbox.enqueue(&mut tx, message(n))?;
+                            }
+                            "keyed_off" | "keyed_on" => {
+                                let key = uuid::Uuid::now_v7().to_string();
+                                outbox.enqueue(&mut tx, message(n).key(key))?;
+                            }
+                            "batch100_off" | "batch100_on" => {
+                                outbox
+                                    .enqueue_all(&mut tx, (0..100).map(|i| message(n * 100 + i)))?;
+                            }
+                            "consume_off" | "consume_on" => {
+                                let key = uuid::Uuid::now_v7().to_string();
+                                outbox.dedupe(&mut tx, "bench", &key)?;
+                                if *variant == "consume_on" {
+                                    places += 1;
+                                    let aggregate = format!("order-{}", n % 1000);
+                                    tx.query_one(&place, &[&"bench", &aggregate, &places])?;
+                                }
+                            }
+                            _ => {}
+                        }
+                        tx.commit()?;
+                    }
+                }
+                n += 1;
+            }
+            spent[v].0 += started.elapsed();
+            spent[v].1 += n;
+        }
+    }
+    let micros = |(took, n): (Duration, u64)| took.as_secs_f64() * 1e6 / n.max(1) as f64;
+    let empty = micros(spent[0]);
+    let mut line = Line::new("sequence")
+        .kv("rounds", SEQUENCE_ROUNDS)
         .kv("empty_us", format!("{empty:.0}"));
     for (v, variant) in variants.iter().enumerate().skip(1) {
         line = line.kv(

@@ -27,6 +27,8 @@
 //! | `outbox_consumer_failed_total` | counter | `queue`, `consumer` | handler failures |
 //! | `outbox_consumer_dead_lettered_total` | counter | `queue`, `consumer` | deliveries given up on |
 //! | `outbox_consumer_database_failures_total` | counter | `queue`, `consumer` | database trouble, deliveries held |
+//! | `outbox_consumer_sequence_gaps_total` | counter | `queue`, `consumer`, `gap` (`hole`, `behind`) | deliveries out of their aggregate's sequence |
+//! | `outbox_consumer_sequence_missing_total` | counter | `queue`, `consumer` | places the holes skipped |
 //!
 //! Topics become label values: keep them a bounded set (event types, not ids).
 

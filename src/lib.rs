@@ -136,6 +136,10 @@ struct ProducingDoctests;
 #[doc = include_str!("../docs/upgrading.md")]
 struct UpgradingDoctests;
 
+#[cfg(all(doctest, feature = "rabbitmq", feature = "metrics"))]
+#[doc = include_str!("../docs/rabbitmq.md")]
+struct RabbitmqDoctests;
+
 #[cfg(all(doctest, feature = "rabbitmq", feature = "opentelemetry"))]
 #[doc = include_str!("../docs/tracing.md")]
 struct TracingDoctests;

@@ -77,8 +77,8 @@ impl Outbox {
             .map(|row| {
                 Ok(DeadLetter {
                     record: Record::from_row(row)?,
-                    last_error: row.try_get(12)?,
-                    dead_at: row.try_get(13)?,
+                    last_error: row.try_get(13)?,
+                    dead_at: row.try_get(14)?,
                 })
             })
             .collect::<Result<_, postgres::Error>>()

@@ -124,6 +124,17 @@ impl Arguments {
         Some(call)
     }
 
+    /// [`Arguments::ordered`] with their types, for a statement sent as text.
+    pub(crate) fn typed_ordered(&self) -> Option<Vec<(&(dyn ToSql + Sync), Type)>> {
+        let ordered = self.ordered()?;
+        Some(ordered.into_iter().zip(CALL_TYPES).collect())
+    }
+
+    /// Whether the message has an aggregate and the caller's key.
+    pub(crate) fn ordered_by_caller(&self) -> bool {
+        !self.generated && self.message.aggregate_key.is_some()
+    }
+
     /// The key, once the function said whether the row went in.
     pub(crate) fn inserted(self, inserted: bool, table: &str) -> Result<String> {
         if !inserted {

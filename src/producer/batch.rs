@@ -116,22 +116,32 @@ impl Batch {
         self.generated
     }
 
+    /// Whether any message has an aggregate: on an outbox that gives places, such a batch
+    /// takes them (see [`Batch::write`]).
+    pub(crate) fn ordered(&self) -> bool {
+        self.aggregate_keys.iter().any(Option::is_some)
+    }
+
     /// Writes the batch, all or nothing, and returns its keys in order; an existing key
     /// leaves nothing written and the transaction usable. With `notify`, a waiting relay is
     /// woken at commit; with `copy` (the caller's decision, from [`copies`](Batch::copies)),
-    /// it goes in by `COPY`.
+    /// it goes in by `COPY`; with `placed`, its messages with an aggregate take their places
+    /// in their aggregates' sequences, by the batch function and never by `COPY`.
     pub(crate) fn write(
         self,
         target: (&ProducerSql, &TableName),
         notify: bool,
         copy: bool,
+        placed: bool,
         tx: &mut Transaction<'_>,
     ) -> Result<Vec<String>> {
         let (sql, table) = target;
-        if copy {
+        if placed {
+            self.insert(&sql.enqueue_all_placed, table, notify, tx)?;
+        } else if copy {
             self.copy(sql, table, notify, tx)?;
         } else {
-            self.insert(sql, table, notify, tx)?;
+            self.insert(&sql.enqueue_all, table, notify, tx)?;
         }
         log::trace!(
             "outbox {}: enqueued {} messages",
@@ -141,10 +151,10 @@ impl Batch {
         Ok(self.keys)
     }
 
-    /// One round trip: the batch enqueue function.
+    /// One round trip: the batch enqueue function, called by `statement`.
     fn insert(
         &self,
-        sql: &ProducerSql,
+        statement: &str,
         table: &TableName,
         notify: bool,
         tx: &mut Transaction<'_>,
@@ -167,7 +177,7 @@ impl Batch {
         ];
         // NULL when all went in; otherwise the keys that exist, with nothing written.
         let existing: Option<Vec<String>> = tx
-            .query_typed_one(&sql.enqueue_all, &params)
+            .query_typed_one(statement, &params)
             .map_err(|e| db_error(table, e))?
             .get(0);
         match existing {

@@ -52,6 +52,8 @@ struct Inner {
     lease: Duration,
     retry: Retry,
     park: bool,
+    /// Whether enqueue gives messages their places in their aggregates' sequences.
+    sequence: bool,
     /// Each part's statements, rendered on its first use.
     sql: Rendered,
 }
@@ -92,6 +94,7 @@ pub struct OutboxBuilder {
     lease: Duration,
     retry: Retry,
     park: bool,
+    sequence: bool,
 }
 
 impl Default for OutboxBuilder {
@@ -103,6 +106,7 @@ impl Default for OutboxBuilder {
             lease: Duration::from_secs(30),
             retry: Retry::default(),
             park: false,
+            sequence: false,
         }
     }
 }
@@ -155,6 +159,24 @@ impl OutboxBuilder {
         self
     }
 
+    /// Whether enqueue gives each message with an aggregate key its place in its aggregate's
+    /// publication sequence (default false): 1, 2, 3, ..., consecutive, in the order the
+    /// aggregate's producers commit (a rolled-back enqueue takes its place back). Relays
+    /// hand it to publishers as [`Record::sequence`](crate::Record::sequence) and the
+    /// RabbitMQ publisher sends it as the integer header `x-outbox-sequence`, so that the
+    /// RabbitMQ consumer can tell a message that skips places (one the queue dropped, an
+    /// operator skipped, or a broker lost) or comes behind, and report it to its handler.
+    ///
+    /// It costs the producer a counter per aggregate (`<table>_sequences`, one row each,
+    /// kept through purges) bumped in its transaction, and writes a large `enqueue_all` by
+    /// the batch function rather than by `COPY` (docs/rabbitmq.md, "Publication sequence",
+    /// says how much). Turn it on in every producer of the outbox: messages of a producer
+    /// without it carry no place, and the places count only those that do.
+    pub fn sequence(mut self, sequence: bool) -> OutboxBuilder {
+        self.sequence = sequence;
+        self
+    }
+
     /// Makes the table, when [`Outbox::migrate`] creates it, partitioned by time: each
     /// partition takes the messages enqueued in one interval (from 1 minute to 366 days;
     /// a day suits most), and [`Outbox::purge`] of sent rows by age drops a partition
@@ -187,6 +209,7 @@ impl OutboxBuilder {
                 lease: self.lease,
                 retry: self.retry,
                 park: self.park,
+                sequence: self.sequence,
                 sql: Rendered::new(table),
             }),
         })
@@ -267,6 +290,11 @@ impl Outbox {
 
     pub(crate) fn retry(&self) -> Retry {
         self.inner.retry
+    }
+
+    /// Whether enqueue gives places in aggregates' sequences.
+    pub(crate) fn sequenced(&self) -> bool {
+        self.inner.sequence
     }
 
     /// Whether a dead message parks its aggregate unless it says otherwise.
@@ -469,11 +497,21 @@ impl Outbox {
     /// ```
     pub fn enqueue(&self, tx: &mut Transaction<'_>, message: Message) -> Result<String> {
         let arguments = Arguments::new(message, self.inner.notify)?;
+        let sql: &ProducerSql = self.statements();
+        if self.sequenced() {
+            if let Some(ordered) = arguments.typed_ordered() {
+                tx.execute_typed(&sql.enqueue_one_placed, &ordered)
+                    .map_err(|e| self.db_error(e))?;
+                return arguments.inserted(true, self.table());
+            }
+        }
+        let statement = if self.sequenced() && arguments.ordered_by_caller() {
+            &sql.enqueue_placed
+        } else {
+            &sql.enqueue
+        };
         let inserted: bool = tx
-            .query_typed_one(
-                &self.statements::<ProducerSql>().enqueue,
-                &arguments.typed_call(),
-            )
+            .query_typed_one(statement, &arguments.typed_call())
             .map_err(|e| self.db_error(e))?
             .get(0);
         arguments.inserted(inserted, self.table())
@@ -499,7 +537,8 @@ impl Outbox {
         // The caller's keys in a partitioned table are unique across partitions by the
         // batch function's look into each (see `sql/partitioned.sql`), which COPY skips.
         let copy = batch.copies() && (batch.generated() || !self.partitioned(tx)?);
+        let placed = self.sequenced() && batch.ordered();
         let target = (self.statements::<ProducerSql>(), self.table_name());
-        batch.write(target, self.notifies(), copy, tx)
+        batch.write(target, self.notifies(), copy, placed, tx)
     }
 }

@@ -77,12 +77,19 @@ impl Outbox {
         } else {
             &sql.plain
         };
+        // An outbox that gives places prepares the statements that give them (a message
+        // without an aggregate takes none: the plain INSERT serves it either way).
+        let (call, ordered) = if self.sequenced() {
+            (&sql.enqueue_placed, &sql.ordered_placed)
+        } else {
+            (&sql.enqueue, &sql.ordered)
+        };
         let connection = client.borrow_mut();
         let call = connection
-            .prepare_typed(&sql.enqueue, &CALL_TYPES)
+            .prepare_typed(call, &CALL_TYPES)
             .map_err(|e| self.db_error(e))?;
         let ordered = connection
-            .prepare_typed(&sql.ordered, &CALL_TYPES[..11])
+            .prepare_typed(ordered, &CALL_TYPES[..11])
             .map_err(|e| self.db_error(e))?;
         let plain = connection
             .prepare_typed(plain, &PLAIN_TYPES)

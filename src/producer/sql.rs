@@ -23,9 +23,23 @@ pub(crate) struct ProducerSql {
     /// before the lock could be lower than that of an earlier producer's row committed
     /// while this one waited (`sql/functions/enqueue.sql`).
     pub(crate) ordered: String,
+    /// `enqueue` on an outbox that gives places (`OutboxBuilder::sequence`): the call, then
+    /// the place of its row if it went in with an aggregate (`sql/functions/sequence.sql`),
+    /// in the same round trip. Returns whether the row went in, as `enqueue`.
+    pub(crate) enqueue_placed: String,
+    /// `Outbox::enqueue` of a message with an aggregate and the crate's key on an outbox
+    /// that gives places: `ordered_placed` in a function (`sql/functions/sequence.sql`),
+    /// as text is parsed and planned on every call; $1..$10 the message, $11 notify.
+    pub(crate) enqueue_one_placed: String,
+    /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
+    /// head mark took its lock, and the row written with its place, so it is written once.
+    pub(crate) ordered_placed: String,
     /// Calls the batch enqueue function (`sql/functions/enqueue.sql`): $1..$12 the columns, $13
     /// notify, $14 whether every key is the crate's own.
     pub(crate) enqueue_all: String,
+    /// `enqueue_all` on an outbox that gives places: the call, then, when every row went in,
+    /// their places. Returns what `enqueue_all` returns.
+    pub(crate) enqueue_all_placed: String,
     /// Before a batch is copied in: locks its aggregates ($1), notifies if $2 and a relay
     /// waits, and returns the aggregates that cannot take a new head (`sql/functions/enqueue.sql`).
     pub(crate) lock_heads: String,
@@ -49,6 +63,9 @@ impl Statements for ProducerSql {
                 "lock_heads_fn",
                 "notify_fn",
                 "head_fn",
+                "place_fn",
+                "placed_fn",
+                "sequences",
             ],
         )?;
         let mut values = Values::new(&borrowed(&vars))?;
@@ -83,6 +100,36 @@ impl Statements for ProducerSql {
                  SELECT $1, $2, $3, $4, $5, $6, \
                         coalesce($7, now() + $8 * interval '1 microsecond'), $9, $10, head \
                  FROM marked",
+            )?,
+            // The call in a subquery of its own (OFFSET 0 keeps it from being merged), so
+            // that it has run when the place is given; CASE runs the place only when a row
+            // with an aggregate went in.
+            enqueue_placed: values.render(
+                "SELECT CASE WHEN e.inserted AND $3::text IS NOT NULL \
+                             THEN {place_fn}(ARRAY[$1::text]) >= 0 ELSE e.inserted END \
+                 FROM (SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                              AS inserted OFFSET 0) AS e",
+            )?,
+            enqueue_one_placed: values
+                .render("SELECT {placed_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")?,
+            ordered_placed: values.render(
+                "WITH marked AS MATERIALIZED (SELECT {head_fn}($3, $11) AS head), \
+                 placed AS (INSERT INTO {sequences} AS s (aggregate_key, last) \
+                            SELECT $3, 1 FROM marked \
+                            ON CONFLICT (aggregate_key) DO UPDATE SET last = s.last + 1 \
+                            RETURNING s.last) \
+                 INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers, \
+                                      available_at, max_attempts, park, head, sequence) \
+                 SELECT $1, $2, $3, $4, $5, $6, \
+                        coalesce($7, now() + $8 * interval '1 microsecond'), $9, $10, \
+                        marked.head, placed.last \
+                 FROM marked, placed",
+            )?,
+            enqueue_all_placed: values.render(
+                "SELECT CASE WHEN e.existing IS NOT NULL THEN e.existing \
+                             WHEN {place_fn}($1) >= 0 THEN NULL END \
+                 FROM (SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, \
+                                             $13, $14) AS existing OFFSET 0) AS e",
             )?,
             enqueue_all: values.render(
                 "SELECT {enqueue_n_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \

@@ -31,6 +31,11 @@ pub struct Record {
     pub max_attempts: Option<u32>,
     /// When the message was enqueued (the database's clock).
     pub created_at: SystemTime,
+    /// The message's place in its aggregate's publication sequence (1, 2, 3, ... in the
+    /// order its aggregate's producers committed), when the outbox gives places
+    /// ([`OutboxBuilder::sequence`](crate::OutboxBuilder::sequence)) and the message has an
+    /// aggregate; the RabbitMQ publisher sends it as `x-outbox-sequence`.
+    pub sequence: Option<i64>,
     /// The lease the claim stamped: with `attempt`, the fencing token of every outcome.
     pub(crate) lease: Option<SystemTime>,
     /// The message's own say on whether its death parks its aggregate.
@@ -64,6 +69,7 @@ impl Record {
             attempt: 1,
             max_attempts: None,
             created_at: SystemTime::now(),
+            sequence: None,
             lease: None,
             park: None,
         }
@@ -121,6 +127,7 @@ impl Record {
             created_at: row.try_get(9)?,
             lease: row.try_get(10)?,
             park: row.try_get(11)?,
+            sequence: row.try_get(12)?,
         })
     }
 

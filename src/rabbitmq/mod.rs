@@ -13,13 +13,13 @@ mod error;
 mod publisher;
 mod publisher_config;
 
-pub use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+pub use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER, SEQUENCE_HEADER};
 pub use connect::Endpoints;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub use consumer::QueueMetrics;
 pub use consumer::{
-    Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, QueueType,
+    Consumer, ConsumerConfig, ConsumerMetrics, ConsumerReport, Delivery, QueueType, SequenceGap,
     DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER, DEAD_QUEUE_HEADER,
     DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };

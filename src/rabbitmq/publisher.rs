@@ -18,7 +18,7 @@ use crate::producer::message::MAX_SHORT_STRING;
 use crate::publish::publisher::{PublishError, Publisher};
 use crate::publish::record::Record;
 use crate::runtime::wire::{
-    fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX,
+    fits_one_frame, properties_size, AGGREGATE_HEADER, ATTEMPT_HEADER, FRAME_MAX, SEQUENCE_HEADER,
 };
 
 /// How long closing a connection may take before it is left to finish in the background.
@@ -44,8 +44,9 @@ const CLOSE_BOUND: Duration = Duration::from_secs(2);
 ///
 /// Messages are persistent; the routing key is the topic, the message id the record's key,
 /// the timestamp its enqueue time; the record's headers travel as AMQP headers, plus
-/// `x-outbox-aggregate-key` when set and `x-outbox-attempt` (the attempt, 1 for the first),
-/// as the wire format consumers read. [`first_attempt_header(false)`](PublisherConfig::first_attempt_header)
+/// `x-outbox-aggregate-key` when set, `x-outbox-sequence` when the record has a place in its
+/// aggregate's sequence ([`Record::sequence`]) and `x-outbox-attempt` (the attempt, 1 for
+/// the first), as the wire format consumers read. [`first_attempt_header(false)`](PublisherConfig::first_attempt_header)
 /// leaves the header off first attempts, so a message with no other header carries no
 /// header table, which the broker reads for every message that has one (see
 /// BENCHMARKS.md).
@@ -210,6 +211,9 @@ impl RabbitPublisher {
                 AGGREGATE_HEADER.to_owned(),
                 AmqpValue::LongString(aggregate.clone()),
             );
+        }
+        if let Some(place) = record.sequence {
+            headers.insert(SEQUENCE_HEADER.to_owned(), AmqpValue::LongLongInt(place));
         }
         let timestamp = record
             .created_at

@@ -366,7 +366,8 @@ fn claimed_columns() -> Result<String, RenderError> {
 /// column holds the length of a payload left out.
 const CLAIM_REPLY: &str = "SELECT r.id, r.key, r.topic, r.aggregate_key,
        CASE WHEN r.inline THEN r.payload END AS payload, r.content_type, r.headers,
-       r.attempt, r.max_attempts, r.created_at, r.lease_until, r.park, r.status, r.claims,
+       r.attempt, r.max_attempts, r.created_at, r.lease_until, r.park, r.sequence, r.status,
+       r.claims,
        CASE WHEN NOT r.inline THEN octet_length(r.payload) END AS deferred
      FROM (SELECT u.*, u.status <> 'pending'
                        OR sum(octet_length(u.payload)) OVER (ORDER BY u.id) <= $10 AS inline

@@ -146,14 +146,14 @@ pub(crate) fn claim(
     // Each row is dropped once read, so its raw bytes and its Record are not held together.
     for row in rows {
         // The cursor rides on every row, and alone on an empty claim.
-        claimed.cursor = row.try_get(15).map_err(Error::Db)?;
-        claimed.seen = row.try_get(16).map_err(Error::Db)?;
+        claimed.cursor = row.try_get(16).map_err(Error::Db)?;
+        claimed.seen = row.try_get(17).map_err(Error::Db)?;
         let Some(id) = row.try_get::<_, Option<i64>>(0).map_err(Error::Db)? else {
             continue;
         };
-        let deferred: Option<i32> = row.try_get(14).map_err(Error::Db)?;
+        let deferred: Option<i32> = row.try_get(15).map_err(Error::Db)?;
         // Dead or parked: claimed more often in a row than `max_claims` allows.
-        let dead = row.try_get::<_, &str>(12).map_err(Error::Db)? != "pending";
+        let dead = row.try_get::<_, &str>(13).map_err(Error::Db)? != "pending";
         if dead {
             // Read alone: it must stop its aggregate even when the rest of the row is bad.
             if let Ok(Some(aggregate)) = row.try_get::<_, Option<String>>(3) {
@@ -162,7 +162,7 @@ pub(crate) fn claim(
         }
         match Record::from_row(&row) {
             Ok(record) if dead => {
-                let claims = row.try_get(13).map_err(Error::Db)?;
+                let claims = row.try_get(14).map_err(Error::Db)?;
                 claimed.dead.push((record, claims));
             }
             Ok(record) => {

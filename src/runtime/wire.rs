@@ -8,6 +8,11 @@ pub const ATTEMPT_HEADER: &str = "x-outbox-attempt";
 /// The header carrying the aggregate key, when the message has one.
 pub const AGGREGATE_HEADER: &str = "x-outbox-aggregate-key";
 
+/// The header carrying the message's place in its aggregate's publication sequence, when
+/// the outbox gives places (`OutboxBuilder::sequence`): an integer, 1 for an aggregate's
+/// first message.
+pub const SEQUENCE_HEADER: &str = "x-outbox-sequence";
+
 /// The frame size RabbitMQ offers by default (`frame_max`). A message's properties travel in
 /// one frame, so properties larger than that make the broker close the channel.
 pub(crate) const FRAME_MAX: usize = 131_072;
@@ -31,8 +36,11 @@ pub(crate) fn properties_size(
         .iter()
         .map(|(name, value)| header(name.len(), value.len()))
         .sum();
+    // A place comes only with an aggregate.
     let ours = header(ATTEMPT_HEADER.len(), 8)
-        + aggregate_key.map_or(0, |a| header(AGGREGATE_HEADER.len(), a.len()));
+        + aggregate_key.map_or(0, |a| {
+            header(AGGREGATE_HEADER.len(), a.len()) + header(SEQUENCE_HEADER.len(), 8)
+        });
     let fixed = 1 + key.len() + content_type.map_or(0, |c| 1 + c.len()) + 16;
     4 + given + ours + fixed
 }

@@ -10,14 +10,16 @@ use crate::schema::table::TableName;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Access {
-    /// `enqueue` and `enqueue_all`.
+    /// `enqueue` and `enqueue_all` (and the places of an outbox built with
+    /// [`sequence`](crate::OutboxBuilder::sequence)).
     Produce,
     /// A relay, and `process`: claims, records, reports, and keeps a partitioned table's
     /// partitions.
     Relay,
     /// `dedupe` alone.
     Dedupe,
-    /// The RabbitMQ `Consumer`: `dedupe`, and its failure counts.
+    /// The RabbitMQ `Consumer`: `dedupe`, its failure counts, and the last place it
+    /// processed of each aggregate.
     Consume,
     /// `purge` and `would_purge` by age on a partitioned table: drops partitions whose rows
     /// are all sent.
@@ -48,6 +50,8 @@ fn grant_template(access: Access) -> &'static str {
     match access {
         Access::Produce => {
             "GRANT SELECT, INSERT ON {table} TO {role};
+GRANT UPDATE (sequence) ON {table} TO {role};
+GRANT SELECT, INSERT, UPDATE ON {sequences} TO {role};
 GRANT SELECT ON {waiting}, {partitions} TO {role};
 "
         }
@@ -66,6 +70,7 @@ GRANT EXECUTE ON FUNCTION {partition_fn}(boolean), {settle_fn}(), {ids_drawn_fn}
         Access::Consume => {
             "GRANT SELECT, INSERT ON {inbox} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {failures} TO {role};
+GRANT SELECT, INSERT, UPDATE ON {consumed} TO {role};
 "
         }
         Access::Retire => {

@@ -138,6 +138,12 @@ pub(crate) const FUNCTIONS: &[Functions] = &[
         template: include_str!("../../sql/functions/partitions.sql"),
     },
     Functions {
+        name: "sequence",
+        revision: 1,
+        form: Form::Any,
+        template: include_str!("../../sql/functions/sequence.sql"),
+    },
+    Functions {
         name: "enqueue",
         revision: 1,
         form: Form::Plain,
@@ -344,6 +350,8 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
             "retire_fn",
             "ids_drawn_fn",
             "head_fn",
+            "place_fn",
+            "placed_fn",
         ]
         .contains(name)
     });
@@ -377,7 +385,7 @@ fn render_migrations(table: &TableName) -> Result<Vec<String>, RenderError> {
 /// Renders the function files together, as `render_migrations` the migrations.
 fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
     let mut vars = objects(table);
-    vars.retain(|(name, _)| !["inbox", "failures", "relays"].contains(name));
+    vars.retain(|(name, _)| !["inbox", "failures", "relays", "consumed"].contains(name));
     let partitions = table.companion("_partitions");
     vars.extend([
         ("channel", table.channel()),
@@ -749,6 +757,7 @@ mod tests {
             ("notify", 1, "b3dadc4228355c04", "ff9be915f331c01c"),
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
+            ("sequence", 1, "b39bfb0ef83e2f08", "179e444ed8917364"),
             ("enqueue", 1, "138191a027216e24", "43c2ccd197994f0f"),
             (
                 "earlier_producers",

@@ -169,7 +169,7 @@ pub(crate) const PARTITIONS_AHEAD: i32 = 2;
 /// `{attempt}`.
 pub(crate) const RECORD_TEMPLATE: &str =
     "t.id, t.key, t.topic, t.aggregate_key, t.payload, t.content_type, \
-     t.headers, {attempt}, t.max_attempts, t.created_at, t.lease_until, t.park";
+     t.headers, {attempt}, t.max_attempts, t.created_at, t.lease_until, t.park, t.sequence";
 
 /// Whether a row that dies parks its aggregate: it has one, and its own setting, or else
 /// the caller's (`$8` in the statements that use it), says so.
@@ -193,12 +193,16 @@ pub(crate) fn objects(table: &TableName) -> Vec<(&'static str, String)> {
         ("table", table.quoted()),
         ("inbox", table.companion("_inbox")),
         ("failures", table.companion("_failures")),
+        ("sequences", table.companion("_sequences")),
+        ("consumed", table.companion("_consumed")),
         ("waiting", table.companion("_waiting")),
         ("counts", table.companion("_counts")),
         ("relays", table.companion("_relays")),
         ("enqueue_fn", table.companion("_enqueue")),
         ("enqueue_n_fn", table.companion("_enqueue_n")),
         ("head_fn", table.companion("_head")),
+        ("place_fn", table.companion("_place")),
+        ("placed_fn", table.companion("_placed")),
         ("lock_n_fn", table.companion("_lock_n")),
         ("lock_heads_fn", table.companion("_lock_heads")),
         ("notify_fn", table.companion("_notify")),

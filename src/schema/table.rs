@@ -9,6 +9,8 @@ const MAX_IDENT: usize = 63;
 pub(crate) const COMPANION_TABLES: &[&str] = &[
     "_inbox",
     "_failures",
+    "_sequences",
+    "_consumed",
     "_counts",
     "_waiting",
     "_relays",
@@ -24,6 +26,8 @@ pub(crate) const FUNCTIONS: &[&str] = &[
     "_enqueue",
     "_enqueue_n",
     "_head",
+    "_place",
+    "_placed",
     "_lock_n",
     "_lock_heads",
     "_busy",

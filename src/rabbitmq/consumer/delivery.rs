@@ -2,7 +2,7 @@
 
 use amiquip::{AmqpValue, FieldTable};
 
-use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER};
+use crate::runtime::wire::{AGGREGATE_HEADER, ATTEMPT_HEADER, SEQUENCE_HEADER};
 use crate::trace::w3c::parse_traceparent;
 use crate::trace::{self, TRACEPARENT, TRACESTATE};
 
@@ -31,6 +31,65 @@ pub struct Delivery {
     pub attempt: Option<u32>,
     /// True if the broker delivered it before.
     pub redelivered: bool,
+    /// Its place in its aggregate's publication sequence (`x-outbox-sequence`, sent by the
+    /// relay of an outbox built with
+    /// [`sequence(true)`](crate::OutboxBuilder::sequence)), if it carries one.
+    pub sequence: Option<i64>,
+    /// How its place follows the last place this consumer processed of its aggregate, when
+    /// not as the next one: a hole (places skipped: a message dropped by the queue, skipped
+    /// by an operator, lost) or a delivery behind (reordered, or an older place again).
+    /// `None` in order, and for a delivery without an aggregate or a place. The consumer
+    /// still calls the handler, which decides: process it, or fail it (a
+    /// [`HandlerError`](crate::HandlerError), retried or dead-lettered as any other).
+    pub gap: Option<SequenceGap>,
+}
+
+/// A delivery's place out of its aggregate's order, as the consumer found it against the
+/// last place it processed of that aggregate (see [`Delivery::gap`]).
+///
+/// After a hole the consumer's last place becomes the delivery's, once its handler commits:
+/// the places skipped are reported once, and the next delivery in order after it is in
+/// order again. After a delivery behind, the last place stays where it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SequenceGap {
+    /// Places were skipped: the consumer expected `expected` (its last place plus one, or 1
+    /// for an aggregate it never processed) and got `got`, a later one.
+    Hole {
+        /// The place that should have come.
+        expected: i64,
+        /// The place that came.
+        got: i64,
+    },
+    /// The delivery's place `got` is not after the last one processed, `last`: it was
+    /// reordered behind a later place, or is an older message again under a new key.
+    Behind {
+        /// The last place this consumer processed of the aggregate.
+        last: i64,
+        /// The place that came.
+        got: i64,
+    },
+}
+
+impl SequenceGap {
+    /// How `got` follows `last` (the last place processed of the aggregate, `None` for
+    /// none): `None` when it is the next one.
+    pub fn between(last: Option<i64>, got: i64) -> Option<SequenceGap> {
+        let expected = last.unwrap_or(0).saturating_add(1);
+        match last {
+            _ if got == expected => None,
+            Some(last) if got <= last => Some(SequenceGap::Behind { last, got }),
+            _ => Some(SequenceGap::Hole { expected, got }),
+        }
+    }
+
+    /// The places skipped by a hole (`expected..got`); none for a delivery behind.
+    pub fn missing(&self) -> std::ops::Range<i64> {
+        match *self {
+            SequenceGap::Hole { expected, got } => expected..got,
+            SequenceGap::Behind { .. } => 0..0,
+        }
+    }
 }
 
 impl Delivery {
@@ -57,6 +116,8 @@ impl Delivery {
             aggregate_key: None,
             attempt: None,
             redelivered: false,
+            sequence: None,
+            gap: None,
         }
     }
 
@@ -113,6 +174,7 @@ pub(super) fn view(delivery: &mut amiquip::Delivery) -> Delivery {
         .get(ATTEMPT_HEADER)
         .and_then(as_i64)
         .and_then(|n| u32::try_from(n).ok());
+    let sequence = table.get(SEQUENCE_HEADER).and_then(as_i64);
     Delivery {
         key,
         exchange: delivery.exchange.clone(),
@@ -123,5 +185,36 @@ pub(super) fn view(delivery: &mut amiquip::Delivery) -> Delivery {
         aggregate_key,
         attempt,
         redelivered: delivery.redelivered,
+        sequence,
+        gap: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SequenceGap;
+
+    #[test]
+    fn a_place_is_in_order_a_hole_or_behind() {
+        assert_eq!(SequenceGap::between(None, 1), None);
+        assert_eq!(SequenceGap::between(Some(4), 5), None);
+        let hole = SequenceGap::between(None, 3).unwrap();
+        assert_eq!(
+            hole,
+            SequenceGap::Hole {
+                expected: 1,
+                got: 3
+            }
+        );
+        assert_eq!(hole.missing(), 1..3);
+        let hole = SequenceGap::between(Some(4), 7).unwrap();
+        assert_eq!(hole.missing(), 5..7);
+        let behind = SequenceGap::between(Some(4), 4).unwrap();
+        assert_eq!(behind, SequenceGap::Behind { last: 4, got: 4 });
+        assert!(behind.missing().is_empty());
+        assert_eq!(
+            SequenceGap::between(Some(4), 2),
+            Some(SequenceGap::Behind { last: 4, got: 2 })
+        );
     }
 }

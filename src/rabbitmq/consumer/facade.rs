@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use metrics::{counter, histogram};
 
-use super::delivery::Delivery;
+use super::delivery::{Delivery, SequenceGap};
 use super::metrics::ConsumerMetrics;
 use crate::publish::publisher::HandlerError;
 
@@ -57,6 +57,21 @@ impl ConsumerMetrics for QueueMetrics {
     fn database_failed(&self, _error: &crate::error::Error) {
         counter!("outbox_consumer_database_failures_total", &self.labels).increment(1);
     }
+
+    fn out_of_sequence(&self, _delivery: &Delivery, gap: &SequenceGap) {
+        let missing = gap.missing();
+        let (kind, missing) = match gap {
+            SequenceGap::Hole { .. } => ("hole", missing.end - missing.start),
+            _ => ("behind", 0),
+        };
+        let [queue, consumer] = &self.labels;
+        let labels = [queue.clone(), consumer.clone(), ("gap", kind.to_owned())];
+        counter!("outbox_consumer_sequence_gaps_total", &labels).increment(1);
+        if missing > 0 {
+            counter!("outbox_consumer_sequence_missing_total", &self.labels)
+                .increment(u64::try_from(missing).unwrap_or(u64::MAX));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -71,18 +86,8 @@ mod tests {
 
     #[test]
     fn consumer_events_become_counters_and_a_histogram_per_queue() {
-        use crate::rabbitmq::{ConsumerMetrics, Delivery};
-        let delivery = Delivery {
-            key: "k".into(),
-            exchange: String::new(),
-            routing_key: "t".into(),
-            body: Vec::new(),
-            content_type: None,
-            headers: Vec::new(),
-            aggregate_key: None,
-            attempt: None,
-            redelivered: false,
-        };
+        use crate::rabbitmq::{ConsumerMetrics, Delivery, SequenceGap};
+        let delivery = Delivery::new("k", "t", Vec::new());
         let metrics = QueueMetrics::new("invoices", "billing");
         let seen = reported(|| {
             metrics.handled(&delivery, Duration::from_millis(500));
@@ -90,6 +95,14 @@ mod tests {
             metrics.failed(&delivery, &PublishError::transient("no"));
             metrics.failed(&delivery, &PublishError::transient("no"));
             metrics.dead_lettered(&delivery);
+            metrics.out_of_sequence(
+                &delivery,
+                &SequenceGap::Hole {
+                    expected: 2,
+                    got: 5,
+                },
+            );
+            metrics.out_of_sequence(&delivery, &SequenceGap::Behind { last: 5, got: 4 });
         });
         let names: Vec<(String, Vec<String>, DebugValue)> = seen
             .into_iter()
@@ -121,8 +134,31 @@ mod tests {
                 ),
                 (
                     "outbox_consumer_handled_total".into(),
-                    labels,
+                    labels.clone(),
                     DebugValue::Counter(1)
+                ),
+                (
+                    "outbox_consumer_sequence_gaps_total".into(),
+                    vec![
+                        "consumer=billing".to_owned(),
+                        "gap=behind".to_owned(),
+                        "queue=invoices".to_owned()
+                    ],
+                    DebugValue::Counter(1)
+                ),
+                (
+                    "outbox_consumer_sequence_gaps_total".into(),
+                    vec![
+                        "consumer=billing".to_owned(),
+                        "gap=hole".to_owned(),
+                        "queue=invoices".to_owned()
+                    ],
+                    DebugValue::Counter(1)
+                ),
+                (
+                    "outbox_consumer_sequence_missing_total".into(),
+                    labels,
+                    DebugValue::Counter(3)
                 ),
             ]
         );

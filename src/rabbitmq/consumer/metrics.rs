@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use super::delivery::Delivery;
+use super::delivery::{Delivery, SequenceGap};
 use crate::publish::publisher::HandlerError;
 
 /// Observes a [`Consumer`](crate::rabbitmq::Consumer). Every method has a no-op default, so
@@ -35,6 +35,9 @@ pub trait ConsumerMetrics: Send + Sync {
     fn dead_lettered(&self, _delivery: &Delivery) {}
     /// The database failed while handling a delivery, which is held and tried again.
     fn database_failed(&self, _error: &crate::error::Error) {}
+    /// A delivery came out of its aggregate's publication sequence (see
+    /// [`Delivery::gap`]): called before its handler runs, each time it runs.
+    fn out_of_sequence(&self, _delivery: &Delivery, _gap: &SequenceGap) {}
 }
 
 pub(super) struct NoConsumerMetrics;

@@ -32,7 +32,7 @@ pub use dead_letter::{
     QueueType, DEAD_CONSUMER_HEADER, DEAD_EXPIRATION_HEADER, DEAD_FAILURES_HEADER,
     DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, DEAD_USER_ID_HEADER,
 };
-pub use delivery::Delivery;
+pub use delivery::{Delivery, SequenceGap};
 #[cfg(feature = "metrics")]
 pub use facade::QueueMetrics;
 pub use metrics::ConsumerMetrics;

@@ -18,13 +18,18 @@ pub(crate) struct ConsumerSql {
     /// Records that the dead letter of a message given up on is stored.
     pub(crate) mark_buried: String,
     pub(crate) forget_failures: String,
+    /// Records that consumer $1 processes place $3 of aggregate $2 (in the handler's
+    /// transaction, so it commits with the handler's work) and returns the last place it
+    /// had processed (NULL for none). The last place only moves forward: a delivery behind
+    /// leaves it where it was.
+    pub(crate) record_place: String,
     /// Fails when the consumer's tables are missing.
     pub(crate) probe_consumer: String,
 }
 
 impl Statements for ConsumerSql {
     fn render(table: &TableName) -> Result<Self, RenderError> {
-        let vars = shared(table, &["inbox", "failures"])?;
+        let vars = shared(table, &["inbox", "failures", "consumed"])?;
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = ConsumerSql {
             // $1 consumer, $2 key, $3 the error, already made storable, $4 whether it is
@@ -61,8 +66,21 @@ impl Statements for ConsumerSql {
             )?,
             forget_failures: values
                 .render("DELETE FROM {failures} WHERE consumer = $1 AND key = $2")?,
+            // The row is locked before it is read: a second consumer of the same name
+            // handling the same aggregate waits, and reads what the first committed.
+            record_place: values.render(
+                "WITH prior AS (
+                   SELECT last FROM {consumed} WHERE consumer = $1 AND aggregate_key = $2
+                   FOR UPDATE),
+                 kept AS (
+                   INSERT INTO {consumed} AS c (consumer, aggregate_key, last) VALUES ($1, $2, $3)
+                   ON CONFLICT (consumer, aggregate_key)
+                   DO UPDATE SET last = greatest(c.last, excluded.last))
+                 SELECT (SELECT last FROM prior)",
+            )?,
             probe_consumer: values.render(
-                "SELECT 1 FROM {inbox} LIMIT 0; SELECT attempt, buried FROM {failures} LIMIT 0",
+                "SELECT 1 FROM {inbox} LIMIT 0; SELECT attempt, buried FROM {failures} LIMIT 0; \
+                 SELECT last FROM {consumed} LIMIT 0",
             )?,
         };
         values.finish()?;

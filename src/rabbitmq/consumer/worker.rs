@@ -12,7 +12,7 @@ use postgres::types::Type;
 use uuid::Uuid;
 
 use super::dead_letter::DEAD_CONSUMER_HEADER;
-use super::delivery::Delivery;
+use super::delivery::{Delivery, SequenceGap};
 use super::lanes::Tag;
 use super::shared::Shared;
 use super::sql::{self, ConsumerSql};
@@ -472,6 +472,34 @@ fn attempt_on(
             }
         }
     }
+    let gap = match (&delivery.aggregate_key, delivery.sequence) {
+        (Some(aggregate), Some(place)) => {
+            let placed: [(&(dyn postgres::types::ToSql + Sync), Type); 3] = [
+                (&shared.config.name, Type::TEXT),
+                (aggregate, Type::TEXT),
+                (&place, Type::INT8),
+            ];
+            let last: Option<i64> = tx
+                .query_typed_one(&sql.record_place, &placed)
+                .map_err(|e| Failure::classify(shared.outbox.db_error(e)))?
+                .get(0);
+            SequenceGap::between(last, place)
+        }
+        _ => None,
+    };
+    // Copied only when out of sequence: the handler sees the gap on its delivery.
+    let out_of_sequence;
+    let delivery = match gap {
+        Some(gap) => {
+            report_gap(shared, delivery, &gap);
+            out_of_sequence = Delivery {
+                gap: Some(gap),
+                ..delivery.clone()
+            };
+            &out_of_sequence
+        }
+        None => delivery,
+    };
     let handle = || {
         catch_unwind(AssertUnwindSafe(|| (shared.handler)(&mut tx, delivery)))
             .unwrap_or_else(|_| Err(HandlerError::transient("handler panicked")))
@@ -502,6 +530,24 @@ fn attempt_on(
         })?;
     tx.commit().map_err(Failure::db)?;
     Ok(Outcome::Committed(started.elapsed()))
+}
+
+/// Logs and counts a delivery out of its aggregate's sequence (never its body).
+fn report_gap(shared: &Shared, delivery: &Delivery, gap: &SequenceGap) {
+    let (name, key) = (&shared.config.name, &delivery.key);
+    let aggregate = delivery.aggregate_key.as_deref().unwrap_or_default();
+    match *gap {
+        SequenceGap::Hole { expected, got } => log::warn!(
+            "rabbitmq consumer {name}: aggregate {aggregate:?} skipped places {expected} to {}: \
+             expected {expected}, got {got} (message {key}); its handler decides",
+            got - 1
+        ),
+        SequenceGap::Behind { last, got } => log::warn!(
+            "rabbitmq consumer {name}: aggregate {aggregate:?} is behind: processed up to \
+             {last}, got {got} (message {key}); its handler decides"
+        ),
+    }
+    shared.observe(|m| m.out_of_sequence(delivery, gap));
 }
 
 /// A copy of a dead letter of this consumer's, moved back to the queue: it carries the
