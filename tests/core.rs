@@ -1848,22 +1848,46 @@ fn a_table_of_a_build_between_releases_is_brought_to_migration_7() -> TestResult
     let migrations = format!("\"{schema}\".events_migrations");
     client.batch_execute(&format!(
         "UPDATE {migrations} SET name = '0007_head_flags' WHERE version = 7;
-         INSERT INTO {migrations} (version, name)
-         VALUES (8, '0008_head_probes_per_aggregate'), (23, '0023_writes_without_checks');
+         UPDATE {migrations} SET name = '0008_head_probes_per_aggregate' WHERE version = 8;
+         INSERT INTO {migrations} (version, name) VALUES (23, '0023_writes_without_checks');
          DELETE FROM \"{schema}\".events_functions;"
     ))?;
     outbox.migrate(&mut client)?;
-    let recorded: Vec<(i32, String)> = client
-        .query(
-            &format!("SELECT version, name FROM {migrations} ORDER BY 1"),
-            &[],
-        )?
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
-    assert_eq!(recorded.len(), 7, "{recorded:?}");
-    assert_eq!(recorded[6], (7, "0007_since_0_2_0".to_owned()));
+    let recorded = |client: &mut Client| -> Result<Vec<(i32, String)>, postgres::Error> {
+        Ok(client
+            .query(
+                &format!("SELECT version, name FROM {migrations} ORDER BY 1"),
+                &[],
+            )?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect())
+    };
+    let after = recorded(&mut client)?;
+    assert_eq!(after.len(), 8, "{after:?}");
+    assert_eq!(after[6], (7, "0007_since_0_2_0".to_owned()));
+    assert_eq!(after[7], (8, "0008_publication_sequence".to_owned()));
     common::assert_same_catalog(&common::catalog(&mut client, &schema), &today);
+
+    // A build of 0.3.0 that applied migration 7 before the sequence was added to the
+    // schema: migration 8 brings it.
+    client.batch_execute(&format!(
+        "DELETE FROM {migrations} WHERE version = 8;
+         ALTER TABLE \"{schema}\".events DROP COLUMN sequence;
+         DROP TABLE \"{schema}\".events_sequences, \"{schema}\".events_consumed;"
+    ))?;
+    outbox.migrate(&mut client)?;
+    assert_eq!(recorded(&mut client)?, after);
+    assert!(exists(&mut client, &format!("{schema}.events_sequences")));
+    assert!(exists(&mut client, &format!("{schema}.events_consumed")));
+    let columns: i64 = client
+        .query_one(
+            "SELECT count(*) FROM information_schema.columns
+             WHERE table_schema = $1 AND table_name = 'events' AND column_name = 'sequence'",
+            &[&schema],
+        )?
+        .get(0);
+    assert_eq!(columns, 1);
     enqueue_keys(&outbox, &mut client, SEND, &["after"])?;
     assert_eq!(settle(&outbox, &mut client)?, (1, 0));
     Ok(())

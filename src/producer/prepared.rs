@@ -8,7 +8,9 @@
 //! see BENCHMARKS.md). A prepared statement belongs to the connection that prepared it, and
 //! binding it on another fails and aborts that transaction. So a [`Producer`] owns (or
 //! borrows) its connection and hands out the transactions its statements run in: a
-//! statement can only ever meet the connection that prepared it.
+//! statement meets only the connection that prepared it (unless the client behind
+//! `Producer::client` is swapped for another, which the next enqueue reports as
+//! PostgreSQL's error 26000).
 
 use std::borrow::BorrowMut;
 use std::fmt;

@@ -74,6 +74,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "0007_since_0_2_0",
         template: include_str!("../../sql/0007_since_0_2_0.sql"),
     },
+    Migration {
+        version: 8,
+        name: "0008_publication_sequence",
+        template: include_str!("../../sql/0008_publication_sequence.sql"),
+    },
 ];
 
 /// The migrations numbered 7 to 23 that builds between 0.2.0 and 0.3.0 applied, never

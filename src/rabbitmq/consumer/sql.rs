@@ -67,7 +67,8 @@ impl Statements for ConsumerSql {
             forget_failures: values
                 .render("DELETE FROM {failures} WHERE consumer = $1 AND key = $2")?,
             // The row is locked before it is read: a second consumer of the same name
-            // handling the same aggregate waits, and reads what the first committed.
+            // handling the same aggregate waits, and reads what the first committed. (Of an
+            // aggregate's first place there is no row to lock yet: both read none.)
             record_place: values.render(
                 "WITH prior AS (
                    SELECT last FROM {consumed} WHERE consumer = $1 AND aggregate_key = $2
