@@ -1076,10 +1076,17 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
             spent[v].1 += n;
         }
     }
+    parts_line("enqueue-parts", PARTS_ROUNDS, &variants, &spent).print();
+    Ok(())
+}
+
+/// A line of microseconds per transaction over an empty one (the first variant), for
+/// each other variant: `spent` holds each variant's time and transactions.
+fn parts_line(name: &str, rounds: u32, variants: &[&str], spent: &[(Duration, u64)]) -> Line {
     let micros = |(took, n): (Duration, u64)| took.as_secs_f64() * 1e6 / n.max(1) as f64;
     let empty = micros(spent[0]);
-    let mut line = Line::new("enqueue-parts")
-        .kv("rounds", PARTS_ROUNDS)
+    let mut line = Line::new(name)
+        .kv("rounds", rounds)
         .kv("empty_us", format!("{empty:.0}"));
     for (v, variant) in variants.iter().enumerate().skip(1) {
         line = line.kv(
@@ -1087,8 +1094,7 @@ fn enqueue_parts(scratch: &Scratch) -> Result<()> {
             format!("{:.0}", micros(spent[v]) - empty),
         );
     }
-    line.print();
-    Ok(())
+    line
 }
 
 // ------------------------------------------------------------------ sequence
@@ -1197,18 +1203,7 @@ fn sequence(scratch: &Scratch) -> Result<()> {
             spent[v].1 += n;
         }
     }
-    let micros = |(took, n): (Duration, u64)| took.as_secs_f64() * 1e6 / n.max(1) as f64;
-    let empty = micros(spent[0]);
-    let mut line = Line::new("sequence")
-        .kv("rounds", SEQUENCE_ROUNDS)
-        .kv("empty_us", format!("{empty:.0}"));
-    for (v, variant) in variants.iter().enumerate().skip(1) {
-        line = line.kv(
-            &format!("{variant}_us"),
-            format!("{:.0}", micros(spent[v]) - empty),
-        );
-    }
-    line.print();
+    parts_line("sequence", SEQUENCE_ROUNDS, &variants, &spent).print();
     Ok(())
 }
 

@@ -405,3 +405,45 @@ fn a_producers_transaction_of_many_aggregates_takes_a_bounded_number_of_locks() 
     assert_eq!(client.query_one(&sql, &[])?.get::<_, i64>(0), 80 + 101);
     Ok(())
 }
+
+/// docs/producing.md: `migrate` remaking the functions a producer's statements call is
+/// safe, and `DISCARD ALL` makes the next enqueue fail with PostgreSQL's error, not write
+/// anything else.
+#[test]
+fn a_producer_outlives_functions_made_again_and_says_when_its_statements_are_gone() -> TestResult {
+    let (outbox, mut client) = common::outbox("producer_remade");
+    let mut producer = outbox.producer(common::client())?;
+    let mut tx = producer.transaction()?;
+    tx.enqueue(Message::new("t", "before").aggregate_key("a"))?;
+    tx.commit()?;
+
+    // Every function file made again, as an upgrade would.
+    client.batch_execute(&format!(
+        "DELETE FROM {}",
+        common::quoted_with(&outbox, "_functions")
+    ))?;
+    outbox.migrate(&mut client)?;
+    let mut tx = producer.transaction()?;
+    tx.enqueue(Message::new("t", "after").aggregate_key("a"))?;
+    tx.enqueue(Message::new("t", "loose"))?;
+    tx.enqueue(Message::new("t", "keyed").key("keyed").aggregate_key("a"))?;
+    tx.commit()?;
+
+    producer.client().batch_execute("DISCARD ALL")?;
+    let mut tx = producer.transaction()?;
+    let e = tx.enqueue(Message::new("t", "lost")).unwrap_err();
+    assert_eq!(
+        e.code(),
+        Some(&postgres::error::SqlState::INVALID_SQL_STATEMENT_NAME),
+        "{e}"
+    );
+    drop(tx);
+
+    let sql = format!(
+        "SELECT convert_from(payload, 'UTF8') FROM {} ORDER BY id",
+        quoted(&outbox)
+    );
+    let payloads: Vec<String> = client.query(&sql, &[])?.iter().map(|r| r.get(0)).collect();
+    assert_eq!(payloads, ["before", "after", "loose", "keyed"]);
+    Ok(())
+}

@@ -89,8 +89,9 @@ impl Arguments {
     }
 
     /// The function's arguments with their types, for a statement sent as text.
-    pub(crate) fn typed_call(&self) -> Vec<(&(dyn ToSql + Sync), Type)> {
-        self.call().into_iter().zip(CALL_TYPES).collect()
+    pub(crate) fn typed_call(&self) -> [(&(dyn ToSql + Sync), Type); 12] {
+        let call = self.call();
+        std::array::from_fn(|i| (call[i], CALL_TYPES[i].clone()))
     }
 
     /// The arguments of the plain INSERT, when the message needs nothing the function does:
@@ -125,9 +126,9 @@ impl Arguments {
     }
 
     /// [`Arguments::ordered`] with their types, for a statement sent as text.
-    pub(crate) fn typed_ordered(&self) -> Option<Vec<(&(dyn ToSql + Sync), Type)>> {
+    pub(crate) fn typed_ordered(&self) -> Option<[(&(dyn ToSql + Sync), Type); 11]> {
         let ordered = self.ordered()?;
-        Some(ordered.into_iter().zip(CALL_TYPES).collect())
+        Some(std::array::from_fn(|i| (ordered[i], CALL_TYPES[i].clone())))
     }
 
     /// Whether the message has an aggregate and the caller's key.
