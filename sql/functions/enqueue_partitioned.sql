@@ -82,30 +82,14 @@ RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE
     held text;
     lock_key bigint;
+    done text;
     new_id bigint;
     look bigint[];
 BEGIN
-    -- The lock of {lock_n_fn} for one aggregate, written out here: calling a function from
-    -- this one cost five times what the lock does.
+    -- The lock of {lock_n_fn} for one aggregate, written out here (calling a function from
+    -- this one cost five times what the lock does): `LOCK_AGGREGATE` in src/schema/statements.rs.
     IF p_aggregate_key IS NOT NULL THEN
-        lock_key := hashtextextended(p_aggregate_key, {lock_seed});
-        held := current_setting('postgres_outbox.aggregate_locks', true);
-        IF held IS NULL OR NOT starts_with(held, pg_current_xact_id()::text || ':') THEN
-            held := pg_current_xact_id()::text || ':,';
-        END IF;
-        IF strpos(held, ',' || lock_key || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
-            IF length(held) - length(replace(held, ',', '')) <= 64 THEN
-                PERFORM pg_advisory_xact_lock_shared({table_lock} + (lock_key & 15)),
-                        pg_advisory_xact_lock(lock_key),
-                        set_config('postgres_outbox.aggregate_locks', held || lock_key || ',',
-                                   false);
-            ELSE
-                PERFORM pg_advisory_xact_lock({table_lock} + bucket)
-                FROM generate_series(0, 15) AS bucket;
-                PERFORM set_config('postgres_outbox.aggregate_locks',
-                                   held || 't{table_lock_text},', false);
-            END IF;
-        END IF;
+{lock_aggregate}
     END IF;
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
@@ -194,25 +178,7 @@ DECLARE
     done text;
     look bigint[];
 BEGIN
-    lock_key := hashtextextended(p_aggregate_key, {lock_seed});
-    held := current_setting('postgres_outbox.aggregate_locks', true);
-    IF held IS NULL OR NOT starts_with(held, pg_current_xact_id()::text || ':') THEN
-        held := pg_current_xact_id()::text || ':,';
-    END IF;
-    IF strpos(held, ',' || lock_key || ',') = 0 AND strpos(held, ',t{table_lock_text},') = 0 THEN
-        IF length(held) - length(replace(held, ',', '')) <= 64 THEN
-            -- In this order: the bucket, the aggregate, the record of both.
-            done := pg_advisory_xact_lock_shared({table_lock} + (lock_key & 15))::text
-                    || pg_advisory_xact_lock(lock_key)::text
-                    || set_config('postgres_outbox.aggregate_locks', held || lock_key || ',',
-                                  false);
-        ELSE
-            PERFORM pg_advisory_xact_lock({table_lock} + bucket)
-            FROM generate_series(0, 15) AS bucket;
-            done := set_config('postgres_outbox.aggregate_locks',
-                               held || 't{table_lock_text},', false);
-        END IF;
-    END IF;
+{lock_aggregate}
     IF p_notify THEN
         PERFORM {notify_fn}();
     END IF;

@@ -24,8 +24,8 @@ use postgres::{GenericClient, Transaction};
 use crate::schema::partitioning::render_partitioned;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::{
-    bigint, borrowed, checked, in_look, objects, shared, Statements, LOOK_PARTITIONS, LOOK_RANGES,
-    PARTITION_ID_BITS,
+    bigint, borrowed, checked, in_look, objects, shared, Statements, LOCK_AGGREGATE,
+    LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
 };
 use crate::schema::table::{quote, TableName};
 
@@ -416,6 +416,17 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
         ),
         ("in_look", in_look()),
         ("id_bits", PARTITION_ID_BITS.to_string()),
+        (
+            "lock_aggregate",
+            render(
+                LOCK_AGGREGATE,
+                &[
+                    ("lock_seed", &bigint(table.aggregate_lock_seed())),
+                    ("table_lock", &bigint(table.ordered_lock_key())),
+                    ("table_lock_text", &table.ordered_lock_key().to_string()),
+                ],
+            )?,
+        ),
     ]);
     let mut values = Values::new(&borrowed(&vars))?;
     let rendered = FUNCTIONS
@@ -763,7 +774,7 @@ mod tests {
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
             ("sequence", 1, "b39bfb0ef83e2f08", "179e444ed8917364"),
-            ("enqueue", 1, "138191a027216e24", "43c2ccd197994f0f"),
+            ("enqueue", 1, "3fd36ad528518971", "ecea32a0d98964e6"),
             (
                 "earlier_producers",
                 1,
@@ -773,8 +784,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "bd3d8f03d1c87e34",
-                "bc2cf4e9e5a657c4",
+                "bc484b45fabb1e41",
+                "e1557fb9560a1f1d",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();
