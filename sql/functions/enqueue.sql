@@ -110,9 +110,7 @@ $fn$;
 -- `Producer` prepares once (src/producer/prepared.rs), which writes the row itself and
 -- calls this from a CTE before it draws the row's id: the aggregate's lock as {enqueue_fn}
 -- takes it, the notification, then the same look for an earlier message, in a statement of
--- its own, so that it sees what a producer this one waited for committed. Expressions
--- only, where {enqueue_fn} has PERFORMs: PL/pgSQL evaluates an expression without starting
--- an executor for it.
+-- its own, so that it sees what a producer this one waited for committed.
 CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text, p_notify boolean)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE

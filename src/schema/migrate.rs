@@ -774,7 +774,7 @@ mod tests {
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
             ("sequence", 1, "b39bfb0ef83e2f08", "179e444ed8917364"),
-            ("enqueue", 1, "3fd36ad528518971", "ecea32a0d98964e6"),
+            ("enqueue", 1, "dfb3e172ad1cf220", "77e79621cc13a116"),
             (
                 "earlier_producers",
                 1,
