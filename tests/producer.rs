@@ -376,8 +376,10 @@ fn a_producers_transaction_of_many_aggregates_takes_a_bounded_number_of_locks() 
     for i in 0..100 {
         tx.enqueue(Message::new("t", "x").aggregate_key(format!("m{i}")))?;
     }
+    // The caller's key's aggregate, locked by the function; 64 by the producer's INSERTs;
+    // the buckets shared, then all sixteen exclusively.
     let held = advisory_locks(&mut client, pid);
-    assert!(held <= 96 + keys, "{held} advisory locks");
+    assert!(held <= 1 + 64 + 16 + 16 + keys, "{held} advisory locks");
     // Meanwhile other ordered producers of this table wait; unordered ones do not.
     let mut other = common::client();
     other.batch_execute("SET lock_timeout = '200ms'")?;
@@ -403,6 +405,63 @@ fn a_producers_transaction_of_many_aggregates_takes_a_bounded_number_of_locks() 
         quoted(&outbox)
     );
     assert_eq!(client.query_one(&sql, &[])?.get::<_, i64>(0), 80 + 101);
+    Ok(())
+}
+
+/// A savepoint rolled back lets go of the aggregate locks taken after it; the producer's
+/// next enqueue of such an aggregate takes its lock again, and so it does after a
+/// savepoint rolled back the table's lock its 65th aggregate took.
+#[test]
+fn a_savepoint_rolled_back_leaves_a_producers_next_enqueue_its_lock() -> TestResult {
+    let (outbox, mut client) = common::outbox("producer_savepoint");
+    let mut producer = outbox.producer(common::client())?;
+    let mut other = common::client();
+    other.batch_execute("SET lock_timeout = '200ms'")?;
+    // Whether another producer of `aggregate` must wait for this one.
+    let mut held = |aggregate: &str| -> Result<bool, Box<dyn std::error::Error>> {
+        let mut tx = other.transaction()?;
+        let message = Message::new("t", "other").aggregate_key(aggregate);
+        let outcome = outbox.enqueue(&mut tx, message);
+        tx.rollback()?;
+        match outcome {
+            Ok(_) => Ok(false),
+            Err(e) if e.code() == Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE) => Ok(true),
+            Err(e) => Err(e.into()),
+        }
+    };
+
+    let mut tx = producer.transaction()?;
+    tx.batch_execute("SAVEPOINT s")?;
+    tx.enqueue(Message::new("t", "gone").aggregate_key("a"))?;
+    assert!(held("a")?, "the lock taken after the savepoint");
+    tx.batch_execute("ROLLBACK TO SAVEPOINT s")?;
+    assert!(!held("a")?, "let go with the savepoint");
+    tx.enqueue(Message::new("t", "kept").aggregate_key("a"))?;
+    assert!(held("a")?, "taken again");
+    tx.commit()?;
+
+    let mut tx = producer.transaction()?;
+    for i in 0..60 {
+        tx.enqueue(Message::new("t", "x").aggregate_key(format!("many{i}")))?;
+    }
+    tx.batch_execute("SAVEPOINT s")?;
+    for i in 60..70 {
+        tx.enqueue(Message::new("t", "x").aggregate_key(format!("many{i}")))?;
+    }
+    assert!(held("elsewhere")?, "the table's ordered enqueues locked");
+    tx.batch_execute("ROLLBACK TO SAVEPOINT s")?;
+    assert!(!held("elsewhere")?, "let go with the savepoint");
+    tx.enqueue(Message::new("t", "kept").aggregate_key("b"))?;
+    assert!(held("b")?, "the aggregate's lock taken again");
+    assert!(!held("elsewhere")?, "and no more than that");
+    tx.commit()?;
+
+    let sql = format!(
+        "SELECT aggregate_key FROM {} WHERE aggregate_key IN ('a', 'b') ORDER BY id",
+        quoted(&outbox)
+    );
+    let kept: Vec<String> = client.query(&sql, &[])?.iter().map(|r| r.get(0)).collect();
+    assert_eq!(kept, ["a", "b"]);
     Ok(())
 }
 

@@ -106,22 +106,15 @@ BEGIN
 END
 $fn$;
 
--- The head mark of a message with an aggregate and the crate's key, for the INSERT a
--- `Producer` prepares once (src/producer/prepared.rs), which writes the row itself and
--- calls this from a CTE before it draws the row's id: the aggregate's lock as {enqueue_fn}
--- takes it, the notification, then the same look for an earlier message, in a statement of
--- its own, so that it sees what a producer this one waited for committed.
-CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text, p_notify boolean)
+-- The head mark of a message with an aggregate and the crate's key, for the INSERTs a
+-- `Producer` prepares (src/producer/sql.rs), which take the aggregate's lock themselves
+-- before they call this: the look for an earlier message, in a statement of its own, so that
+-- its snapshot follows the lock and sees what a producer this one waited for committed (the
+-- INSERT's own snapshot predates the lock). {placed_fn} calls it the same way.
+DROP FUNCTION IF EXISTS {head_fn}(text, boolean);
+CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
-DECLARE
-    held text;
-    lock_key bigint;
-    done text;
 BEGIN
-{lock_aggregate}
-    IF p_notify THEN
-        PERFORM {notify_fn}();
-    END IF;
     RETURN current_setting('transaction_isolation') = 'read committed'
            AND NOT EXISTS (SELECT 1 FROM {table} o
                            WHERE o.head IN (false, true)

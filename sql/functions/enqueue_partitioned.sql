@@ -168,20 +168,14 @@ BEGIN
 END
 $fn$;
 
--- The head mark for the INSERT a `Producer` prepares, as enqueue.sql's {head_fn} (which says
--- why it is apart from {enqueue_fn}), looking into the partitions {enqueue_fn} looks into.
-CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text, p_notify boolean)
+-- The head mark for the INSERTs a `Producer` prepares, as enqueue.sql's {head_fn} (which says
+-- why it is apart from the INSERT), looking into the partitions {enqueue_fn} looks into.
+DROP FUNCTION IF EXISTS {head_fn}(text, boolean);
+CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text)
 RETURNS boolean LANGUAGE plpgsql AS $fn$
 DECLARE
-    held text;
-    lock_key bigint;
-    done text;
     look bigint[];
 BEGIN
-{lock_aggregate}
-    IF p_notify THEN
-        PERFORM {notify_fn}();
-    END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN false;
     END IF;

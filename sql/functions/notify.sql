@@ -12,10 +12,11 @@ CREATE OR REPLACE FUNCTION {channel_fn}() RETURNS text LANGUAGE sql IMMUTABLE AS
     SELECT '{channel}'::text
 $fn$;
 
+-- Whether a relay waits, and the notification if one does, is `NOTIFY_IF_WAITING` in
+-- src/schema/statements.rs: the enqueue functions call this one, and the statements a
+-- `Producer` prepares hold the same expression.
 CREATE OR REPLACE FUNCTION {notify_fn}() RETURNS void LANGUAGE plpgsql AS $fn$
 BEGIN
-    IF EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute') THEN
-        PERFORM pg_notify('{channel}', '');
-    END IF;
+    PERFORM {notify_if_waiting};
 END
 $fn$;

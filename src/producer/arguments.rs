@@ -115,9 +115,22 @@ impl Arguments {
         ])
     }
 
-    /// The arguments of the ordered INSERT ($1..$10 the message, $11 notify), when the
-    /// message has an aggregate and the crate's key. `None` otherwise.
-    pub(crate) fn ordered(&self) -> Option<[&(dyn ToSql + Sync); 11]> {
+    /// The arguments of a [`Producer`](crate::Producer)'s ordered INSERT ($1..$10 the
+    /// message), when the message has an aggregate and the crate's key. `None` otherwise.
+    pub(crate) fn ordered(&self) -> Option<[&(dyn ToSql + Sync); 10]> {
+        let [message @ .., _notify] = self.placed()?;
+        Some(message)
+    }
+
+    /// The arguments of the function that writes a message with an aggregate, the crate's
+    /// key and its place ($1..$10 the message, $11 notify; `sql/functions/sequence.sql`),
+    /// with their types, for a statement sent as text. `None` for other messages.
+    pub(crate) fn typed_placed(&self) -> Option<[(&(dyn ToSql + Sync), Type); 11]> {
+        let placed = self.placed()?;
+        Some(std::array::from_fn(|i| (placed[i], CALL_TYPES[i].clone())))
+    }
+
+    fn placed(&self) -> Option<[&(dyn ToSql + Sync); 11]> {
         if !self.generated || self.message.aggregate_key.is_none() {
             return None;
         }
@@ -125,10 +138,9 @@ impl Arguments {
         Some(call)
     }
 
-    /// [`Arguments::ordered`] with their types, for a statement sent as text.
-    pub(crate) fn typed_ordered(&self) -> Option<[(&(dyn ToSql + Sync), Type); 11]> {
-        let ordered = self.ordered()?;
-        Some(std::array::from_fn(|i| (ordered[i], CALL_TYPES[i].clone())))
+    /// The message's aggregate key, if any.
+    pub(crate) fn aggregate_key(&self) -> Option<&str> {
+        self.message.aggregate_key.as_deref()
     }
 
     /// Whether the message has an aggregate and the caller's key.

@@ -499,8 +499,8 @@ impl Outbox {
         let arguments = Arguments::new(message, self.inner.notify)?;
         let sql: &ProducerSql = self.statements();
         if self.sequenced() {
-            if let Some(ordered) = arguments.typed_ordered() {
-                tx.execute_typed(&sql.enqueue_one_placed, &ordered)
+            if let Some(placed) = arguments.typed_placed() {
+                tx.execute_typed(&sql.enqueue_one_placed, &placed)
                     .map_err(|e| self.db_error(e))?;
                 return arguments.inserted(true, self.table());
             }

