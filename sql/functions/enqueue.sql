@@ -110,10 +110,11 @@ $fn$;
 -- `Producer` prepares (src/producer/sql.rs), which take the aggregate's lock themselves
 -- before they call this: the look for an earlier message, in a statement of its own, so that
 -- its snapshot follows the lock and sees what a producer this one waited for committed (the
--- INSERT's own snapshot predates the lock). {placed_fn} calls it the same way.
+-- INSERT's own snapshot predates the lock). VOLATILE, as it must stay: a stable function's
+-- statements run in its caller's snapshot. {placed_fn} calls it the same way.
 DROP FUNCTION IF EXISTS {head_fn}(text, boolean);
 CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text)
-RETURNS boolean LANGUAGE plpgsql AS $fn$
+RETURNS boolean LANGUAGE plpgsql VOLATILE AS $fn$
 BEGIN
     RETURN current_setting('transaction_isolation') = 'read committed'
            AND NOT EXISTS (SELECT 1 FROM {table} o

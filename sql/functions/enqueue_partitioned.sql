@@ -172,7 +172,7 @@ $fn$;
 -- why it is apart from the INSERT), looking into the partitions {enqueue_fn} looks into.
 DROP FUNCTION IF EXISTS {head_fn}(text, boolean);
 CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text)
-RETURNS boolean LANGUAGE plpgsql AS $fn$
+RETURNS boolean LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     look bigint[];
 BEGIN

@@ -240,7 +240,7 @@ impl Outbox {
         }
         .map_err(|e| self.db_error(e))?;
         if n > 0 {
-            tx.execute(&self.statements::<ProducerSql>().notify_if_waiting, &[])
+            tx.execute(&self.statements::<ProducerSql>().notify, &[])
                 .map_err(|e| self.db_error(e))?;
         }
         tx.commit()?;

@@ -59,10 +59,14 @@ struct Prepared {
     ordered: Statement,
     /// The plain INSERT of the others (notifying or not, as the outbox says).
     plain: Statement,
+    /// `ProducerSql::lock_many`, as rendered for the resolved name (sent as text: once in
+    /// a transaction of more than `PRODUCER_LOCKS` aggregates).
+    lock_many: String,
 }
 
 impl Outbox {
-    /// Prepares this outbox's enqueue statements on `client` (three round trips), for a
+    /// Prepares this outbox's enqueue statements on `client` (four round trips: the
+    /// schema the table resolves to, then three statements), for a
     /// producer that keeps its connection: each [`ProducerTransaction::enqueue`] then binds
     /// a statement prepared once, where [`Outbox::enqueue`] sends one as text to be parsed
     /// and planned again. What is written, and every guarantee of order, key and
@@ -113,6 +117,7 @@ impl Outbox {
                 call,
                 ordered,
                 plain,
+                lock_many: sql.lock_many.clone(),
             },
         })
     }
@@ -221,17 +226,19 @@ impl ProducerTransaction<'_> {
         if self.locked.iter().any(|locked| locked == aggregate) {
             return Ok(Some(ordered));
         }
-        self.locked.push(aggregate.to_owned());
-        if self.locked.len() <= PRODUCER_LOCKS {
+        if self.locked.len() < PRODUCER_LOCKS {
+            self.locked.push(aggregate.to_owned());
             return Ok(Some(ordered));
         }
-        let outbox = &self.prepared.outbox;
-        let sql = &outbox.statements::<ProducerSql>().lock_many;
-        self.tx
-            .execute(sql, &[&self.locked])
-            .map_err(|e| outbox.db_error(e))?;
+        let mut all = std::mem::take(&mut self.locked);
+        all.push(aggregate.to_owned());
+        let prepared = self.prepared;
+        if let Err(e) = self.tx.execute(&prepared.lock_many, &[&all]) {
+            all.pop();
+            self.locked = all;
+            return Err(prepared.outbox.db_error(e));
+        }
         self.many = true;
-        self.locked = Vec::new();
         Ok(None)
     }
 

@@ -56,7 +56,7 @@ pub(crate) struct ProducerSql {
     /// whether each row is its aggregate's head.
     pub(crate) copy_in: String,
     pub(crate) existing_keys: String,
-    pub(crate) notify_if_waiting: String,
+    pub(crate) notify: String,
     pub(crate) dedupe: String,
 }
 
@@ -89,7 +89,7 @@ impl Statements for ProducerSql {
             lock_heads: values.render("SELECT {lock_heads_fn}($1, $2)")?,
             existing_keys: values
                 .render("SELECT key FROM {table} WHERE key = ANY($1) ORDER BY key")?,
-            notify_if_waiting: values.render("SELECT {notify_fn}()")?,
+            notify: values.render("SELECT {notify_fn}()")?,
             enqueue: values
                 .render("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")?,
             plain: values.render(
@@ -103,7 +103,7 @@ impl Statements for ProducerSql {
                                       max_attempts, park) \
                  SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
                         $8, $9 \
-                 FROM (SELECT {notify_if_waiting}) AS notified",
+                 FROM (SELECT {notify_if_waiting} OFFSET 0) AS notified",
             )?,
             ordered: values.render(&ordered(""))?,
             ordered_notify: values.render(&ordered(", {notify_if_waiting}"))?,

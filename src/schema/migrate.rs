@@ -775,7 +775,7 @@ mod tests {
             ("locks", 1, "bf905854dcdb635b", "b3c22edf51415f53"),
             ("partitions", 1, "c971ed11eb57e220", "64321eae82fbd4c5"),
             ("sequence", 1, "a30442308d969497", "643c96ade25568e0"),
-            ("enqueue", 1, "87f0940cc19d027c", "a051b709fbc8198e"),
+            ("enqueue", 1, "08daa0e4730a9a96", "6c0ce5d87a8177d2"),
             (
                 "earlier_producers",
                 1,
@@ -785,8 +785,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "f12d9d5ebe36e695",
-                "5ba9e1aefd4ecbfc",
+                "1ba3777e7cd0cd5d",
+                "77c92194aaa8eeae",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();

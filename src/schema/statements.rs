@@ -197,7 +197,10 @@ pub(crate) const LOCK_ONE: &str = "pg_advisory_xact_lock_shared({table_lock}
 /// The notification of an enqueue, while a relay waits for work: the one place that decides
 /// (see `sql/functions/notify.sql`, whose function runs it). An expression, so that a
 /// statement can hold it without calling the function (a plain enqueue that called it cost
-/// 6% more, measured with synchronous commit).
+/// 6% more, measured with synchronous commit). In a statement it reads the statement's
+/// snapshot: an ordered INSERT that waited for its aggregate's lock misses a relay that
+/// began to wait meanwhile, which finds the row when it next polls (the function, called
+/// after the lock, read a snapshot of its own).
 pub(crate) const NOTIFY_IF_WAITING: &str =
     "CASE WHEN EXISTS (SELECT 1 FROM {waiting} WHERE seen > now() - interval '1 minute')
           THEN pg_notify('{channel}', '') END";
