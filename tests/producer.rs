@@ -405,6 +405,20 @@ fn a_producers_transaction_of_many_aggregates_takes_a_bounded_number_of_locks() 
         quoted(&outbox)
     );
     assert_eq!(client.query_one(&sql, &[])?.get::<_, i64>(0), 80 + 101);
+
+    // docs/producing.md: `enqueue` and the producer's INSERTs count their 64 apart, so a
+    // transaction using both holds 128 aggregate locks at most (and the buckets, shared).
+    let mut tx = producer.transaction()?;
+    for i in 0..64 {
+        outbox.enqueue(
+            &mut tx,
+            Message::new("t", "x").aggregate_key(format!("f{i}")),
+        )?;
+        tx.enqueue(Message::new("t", "x").aggregate_key(format!("p{i}")))?;
+    }
+    let held = advisory_locks(&mut client, pid);
+    assert!((128..=128 + 16).contains(&held), "{held} advisory locks");
+    tx.commit()?;
     Ok(())
 }
 

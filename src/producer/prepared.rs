@@ -23,8 +23,8 @@ use crate::error::Result;
 use crate::producer::arguments::{Arguments, CALL_TYPES, PLAIN_TYPES};
 use crate::producer::message::Message;
 use crate::producer::outbox::Outbox;
-use crate::producer::sql::ProducerSql;
-use crate::schema::statements::{checked, Statements};
+use crate::producer::sql::{PreparedSql, ProducerSql};
+use crate::schema::statements::checked;
 
 /// A connection with an outbox's enqueue statements prepared on it, and the transactions
 /// that use them. Made by [`Outbox::producer`].
@@ -59,9 +59,6 @@ struct Prepared {
     ordered: Statement,
     /// The plain INSERT of the others (notifying or not, as the outbox says).
     plain: Statement,
-    /// `ProducerSql::lock_many`, as rendered for the resolved name (sent as text: once in
-    /// a transaction of more than `PRODUCER_LOCKS` aggregates).
-    lock_many: String,
 }
 
 impl Outbox {
@@ -87,19 +84,20 @@ impl Outbox {
             crate::Error::Db(e) => self.db_error(e),
             other => other,
         })?;
-        let sql = &checked(ProducerSql::render(&resolved));
+        let prepared = checked(PreparedSql::render(&resolved));
+        let sql = self.statements::<ProducerSql>();
         let plain = if self.notifies() {
-            &sql.plain_notify
+            &prepared.plain_notify
         } else {
-            &sql.plain
+            &prepared.plain
         };
         // An outbox that gives places prepares the statements that give them (a message
         // without an aggregate takes none: the plain INSERT serves it either way).
         let (call, ordered) = match (self.sequenced(), self.notifies()) {
-            (true, true) => (&sql.enqueue_placed, &sql.ordered_placed_notify),
-            (true, false) => (&sql.enqueue_placed, &sql.ordered_placed),
-            (false, true) => (&sql.enqueue, &sql.ordered_notify),
-            (false, false) => (&sql.enqueue, &sql.ordered),
+            (true, true) => (&sql.enqueue_placed, &prepared.ordered_placed_notify),
+            (true, false) => (&sql.enqueue_placed, &prepared.ordered_placed),
+            (false, true) => (&sql.enqueue, &prepared.ordered_notify),
+            (false, false) => (&sql.enqueue, &prepared.ordered),
         };
         let call = connection
             .prepare_typed(call, &CALL_TYPES)
@@ -117,7 +115,6 @@ impl Outbox {
                 call,
                 ordered,
                 plain,
-                lock_many: sql.lock_many.clone(),
             },
         })
     }
@@ -232,11 +229,12 @@ impl ProducerTransaction<'_> {
         }
         let mut all = std::mem::take(&mut self.locked);
         all.push(aggregate.to_owned());
-        let prepared = self.prepared;
-        if let Err(e) = self.tx.execute(&prepared.lock_many, &[&all]) {
+        let outbox = &self.prepared.outbox;
+        let lock_many = &outbox.statements::<ProducerSql>().lock_many;
+        if let Err(e) = self.tx.execute(lock_many, &[&all]) {
             all.pop();
             self.locked = all;
-            return Err(prepared.outbox.db_error(e));
+            return Err(outbox.db_error(e));
         }
         self.many = true;
         Ok(None)

@@ -1,7 +1,7 @@
-//! The producer's statements, rendered once per table.
+//! The producer's statements, rendered once per table, and those a `Producer` prepares.
 
 use crate::schema::render::{RenderError, Values};
-use crate::schema::statements::{borrowed, shared, Statements};
+use crate::schema::statements::{borrowed, lock_one, notify_if_waiting, shared, Statements};
 use crate::schema::table::TableName;
 
 /// The producer's statements: enqueues, the batch path, and deduplication.
@@ -10,21 +10,6 @@ pub(crate) struct ProducerSql {
     /// Calls the enqueue function (`sql/functions/enqueue.sql`): $1..$10 the message, $11 notify,
     /// $12 whether the key is the crate's own.
     pub(crate) enqueue: String,
-    /// A message without an aggregate, with the crate's key, as a [`Producer`](crate::Producer)
-    /// writes it: the row the function writes for it, by a plain INSERT ($1..$9, see
-    /// `Arguments::plain`), as one statement prepared once does it cheapest.
-    pub(crate) plain: String,
-    /// `plain`, notifying a waiting relay first.
-    pub(crate) plain_notify: String,
-    /// A message with an aggregate and the crate's key, as a [`Producer`](crate::Producer)
-    /// writes it: the row the function writes for it, by an INSERT of $1..$10 (see
-    /// `Arguments::ordered`) that takes the aggregate's lock (`LOCK_ONE`) in a subquery,
-    /// so before it draws the row's id (an id drawn before the lock could be lower than that
-    /// of an earlier producer's row committed while this one waited), then marks the head
-    /// by the head function's look (`sql/functions/enqueue.sql`).
-    pub(crate) ordered: String,
-    /// `ordered`, notifying a waiting relay.
-    pub(crate) ordered_notify: String,
     /// `enqueue` on an outbox that gives places (`OutboxBuilder::sequence`): the call, then
     /// the place of its row if it went in with an aggregate (`sql/functions/sequence.sql`),
     /// in the same round trip. Returns whether the row went in, as `enqueue`.
@@ -33,11 +18,6 @@ pub(crate) struct ProducerSql {
     /// that gives places: `ordered_placed` in a function (`sql/functions/sequence.sql`),
     /// as text is parsed and planned on every call; $1..$10 the message, $11 notify.
     pub(crate) enqueue_one_placed: String,
-    /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
-    /// lock, and the row written with its place, so it is written once.
-    pub(crate) ordered_placed: String,
-    /// `ordered_placed`, notifying a waiting relay.
-    pub(crate) ordered_placed_notify: String,
     /// A `Producer`'s transaction past `PRODUCER_LOCKS` aggregates of its own: the
     /// aggregates it locked ($1) recorded as the enqueue functions record theirs, which
     /// makes them lock the table's ordered enqueues (`sql/functions/locks.sql`); its later
@@ -71,13 +51,9 @@ impl Statements for ProducerSql {
                 "enqueue_n_fn",
                 "lock_heads_fn",
                 "notify_fn",
-                "head_fn",
                 "lock_n_fn",
-                "lock_one",
-                "notify_if_waiting",
                 "place_fn",
                 "placed_fn",
-                "sequences",
             ],
         )?;
         let mut values = Values::new(&borrowed(&vars))?;
@@ -92,23 +68,6 @@ impl Statements for ProducerSql {
             notify: values.render("SELECT {notify_fn}()")?,
             enqueue: values
                 .render("SELECT {enqueue_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)")?,
-            plain: values.render(
-                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
-                                      max_attempts, park) \
-                 VALUES ($1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
-                         $8, $9)",
-            )?,
-            plain_notify: values.render(
-                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
-                                      max_attempts, park) \
-                 SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
-                        $8, $9 \
-                 FROM (SELECT {notify_if_waiting} OFFSET 0) AS notified",
-            )?,
-            ordered: values.render(&ordered(""))?,
-            ordered_notify: values.render(&ordered(", {notify_if_waiting}"))?,
-            ordered_placed: values.render(&ordered_placed(""))?,
-            ordered_placed_notify: values.render(&ordered_placed(", {notify_if_waiting}"))?,
             lock_many: values.render("SELECT {lock_n_fn}($1)")?,
             // The call in a subquery of its own (OFFSET 0 keeps it from being merged), so
             // that it has run when the place is given; CASE runs the place only when a row
@@ -135,6 +94,70 @@ impl Statements for ProducerSql {
                 "INSERT INTO {inbox} (consumer, key) VALUES ($1, $2)
                  ON CONFLICT DO NOTHING",
             )?,
+        };
+        values.finish()?;
+        Ok(statements)
+    }
+}
+
+/// The statements a [`Producer`](crate::Producer) prepares besides the enqueue function's
+/// call: rendered for the name the table resolves to on the producer's connection (see
+/// [`PreparedSql::render`]), never cached by the `Outbox`, whose parts are rendered for the
+/// name as configured.
+#[derive(Debug)]
+pub(crate) struct PreparedSql {
+    /// A message without an aggregate, with the crate's key, as a [`Producer`](crate::Producer)
+    /// writes it: the row the function writes for it, by a plain INSERT ($1..$9, see
+    /// `Arguments::plain`), as one statement prepared once does it cheapest.
+    pub(crate) plain: String,
+    /// `plain`, notifying a waiting relay first.
+    pub(crate) plain_notify: String,
+    /// A message with an aggregate and the crate's key, as a [`Producer`](crate::Producer)
+    /// writes it: the row the function writes for it, by an INSERT of $1..$10 (see
+    /// `Arguments::ordered`) that takes the aggregate's lock (`LOCK_ONE`) in a subquery,
+    /// so before it draws the row's id (an id drawn before the lock could be lower than that
+    /// of an earlier producer's row committed while this one waited), then marks the head
+    /// by the head function's look (`sql/functions/enqueue.sql`).
+    pub(crate) ordered: String,
+    /// `ordered`, notifying a waiting relay.
+    pub(crate) ordered_notify: String,
+    /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
+    /// lock, and the row written with its place, so it is written once.
+    pub(crate) ordered_placed: String,
+    /// `ordered_placed`, notifying a waiting relay.
+    pub(crate) ordered_placed_notify: String,
+}
+
+impl PreparedSql {
+    /// The statements for `resolved`, the table's schema-qualified name as `migrate` resolved
+    /// it: the aggregate locks' keys (`LOCK_ONE`) and the notification's channel
+    /// (`NOTIFY_IF_WAITING`) derive from the name, and must be those of the functions
+    /// `migrate` made, so a lock taken here meets the lock the functions take.
+    pub(crate) fn render(resolved: &TableName) -> Result<PreparedSql, RenderError> {
+        let mut vars = shared(resolved, &["table", "head_fn", "sequences"])?;
+        vars.extend([
+            ("lock_one", lock_one(resolved)),
+            ("notify_if_waiting", notify_if_waiting(resolved)),
+        ]);
+        let mut values = Values::new(&borrowed(&vars))?;
+        let statements = PreparedSql {
+            plain: values.render(
+                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
+                                      max_attempts, park) \
+                 VALUES ($1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
+                         $8, $9)",
+            )?,
+            plain_notify: values.render(
+                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
+                                      max_attempts, park) \
+                 SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
+                        $8, $9 \
+                 FROM (SELECT {notify_if_waiting} OFFSET 0) AS notified",
+            )?,
+            ordered: values.render(&ordered(""))?,
+            ordered_notify: values.render(&ordered(", {notify_if_waiting}"))?,
+            ordered_placed: values.render(&ordered_placed(""))?,
+            ordered_placed_notify: values.render(&ordered_placed(", {notify_if_waiting}"))?,
         };
         values.finish()?;
         Ok(statements)
@@ -180,10 +203,37 @@ fn ordered_placed(more: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schema::statements::tests::renders_for_every_table;
+    use crate::schema::render::placeholders;
+    use crate::schema::statements::bigint;
+    use crate::schema::statements::tests::{renders_for_every_table, tables};
 
     #[test]
     fn every_template_renders_for_every_table() {
         renders_for_every_table::<ProducerSql>();
+    }
+
+    /// A `Producer`'s INSERTs take the locks of the name they were rendered for, and notify
+    /// on its channel: the keys and channel `migrate` renders into the functions.
+    #[test]
+    fn a_producers_statements_take_the_locks_and_channel_of_their_name() {
+        for table in tables() {
+            let sql = PreparedSql::render(&table).unwrap();
+            let every_statement = format!("{sql:?}");
+            assert!(
+                placeholders(&every_statement).is_empty(),
+                "{every_statement}"
+            );
+            let (seed, bucket) = (
+                bigint(table.aggregate_lock_seed()),
+                bigint(table.ordered_lock_key()),
+            );
+            for ordered in [&sql.ordered, &sql.ordered_notify, &sql.ordered_placed] {
+                assert!(ordered.contains(&format!("hashtextextended($3, {seed})")));
+                assert!(ordered.contains(&format!("pg_advisory_xact_lock_shared({bucket}")));
+            }
+            let notify = format!("pg_notify('{}', '')", table.channel());
+            assert!(sql.plain_notify.contains(&notify) && sql.ordered_notify.contains(&notify));
+            assert!(!sql.plain.contains("pg_notify") && !sql.ordered.contains("pg_notify"));
+        }
     }
 }

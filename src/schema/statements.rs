@@ -89,8 +89,6 @@ pub(crate) fn shared(
         ("schema_text", format!("'{}'", table.schema_prefix())),
         ("name_text", format!("'{}_p'", table.name())),
         ("id_bits", PARTITION_ID_BITS.to_string()),
-        ("lock_one", lock_one(table)),
-        ("notify_if_waiting", notify_if_waiting(table)),
     ]);
     names
         .iter()
