@@ -24,7 +24,8 @@
 //!   `OUTBOX_BENCH_ROUNDS` rounds, so load changes during the run hit them alike). No relay
 //!   runs, so `notify=on` sends no notification; `relay=waiting` has a relay announced as
 //!   waiting, so every commit notifies. `OUTBOX_BENCH_PARTITIONED=1`: the outboxes are
-//!   partitioned by day (`table=partitioned`);
+//!   partitioned by day (`table=partitioned`), and so is the hand-written table, as the
+//!   crate makes its own (by id ranges, the key unique in each partition);
 //! - `copy`, `copy locked=true`, `enqueue_all`: 1,000 such messages per transaction, by a
 //!   binary `COPY` into an outbox table (after the sixteen bucket locks a batch of that many
 //!   aggregates takes, with `locked=true`) and by `enqueue_all`, taking turns (100 each);
@@ -284,11 +285,24 @@ impl Scratch {
 
     /// A fresh table holding outbox rows as a careful engineer would write them by hand.
     fn raw_outbox(&self) -> Result<String> {
+        self.raw_outbox_of(false)
+    }
+
+    /// The hand-written outbox table, plain or, with `partitioned`, made as the crate makes
+    /// its own: partitioned by ranges of 2^40 ids, the open one and two ahead, the key
+    /// unique in each partition by an index of its own.
+    fn raw_outbox_of(&self, partitioned: bool) -> Result<String> {
         let table = self.fresh_name("raw_outbox");
-        self.client()?.batch_execute(&format!(
+        let (key, by) = if partitioned {
+            ("key uuid NOT NULL", " PARTITION BY RANGE (id)")
+        } else {
+            ("key uuid NOT NULL UNIQUE", "")
+        };
+        let mut client = self.client()?;
+        client.batch_execute(&format!(
             "CREATE TABLE {table} (
                  id bigserial PRIMARY KEY,
-                 key uuid NOT NULL UNIQUE,
+                 {key},
                  topic text NOT NULL,
                  aggregate_key text,
                  payload bytea NOT NULL,
@@ -297,9 +311,21 @@ impl Scratch {
                  attempts integer NOT NULL DEFAULT 0,
                  available_at timestamptz NOT NULL DEFAULT now(),
                  lease_until timestamptz,
-                 created_at timestamptz NOT NULL DEFAULT now());
+                 created_at timestamptz NOT NULL DEFAULT now()){by};
              CREATE INDEX ON {table} (available_at, id) WHERE status = 'pending';"
         ))?;
+        if partitioned {
+            const WIDTH: i64 = 1 << 40;
+            for k in 0..=2 {
+                client.batch_execute(&format!(
+                    "CREATE TABLE {table}_p{k} PARTITION OF {table}
+                         FOR VALUES FROM ({}) TO ({});
+                     CREATE UNIQUE INDEX ON {table}_p{k} (key);",
+                    k * WIDTH,
+                    (k + 1) * WIDTH
+                ))?;
+            }
+        }
         Ok(table)
     }
 
@@ -461,16 +487,17 @@ struct Producer {
 impl Producer {
     fn new(scratch: &Scratch, extra: Extra, partitioned: bool) -> Result<Producer> {
         let orders = scratch.orders()?;
+        let raw_outbox = || scratch.raw_outbox_of(partitioned);
         let columns = "key, topic, aggregate_key, payload, headers";
         let raw = match extra {
             Extra::Raw => Some(format!(
                 "INSERT INTO {} ({columns}) VALUES ($1, $2, $3, $4, $5::text::jsonb)",
-                scratch.raw_outbox()?
+                raw_outbox()?
             )),
             Extra::RawLocked => Some(format!(
                 "INSERT INTO {} ({columns}) SELECT $1, $2, $3, $4, $5::text::jsonb \
                  FROM (SELECT pg_advisory_xact_lock(hashtextextended($3, 0))) AS locked",
-                scratch.raw_outbox()?
+                raw_outbox()?
             )),
             _ => None,
         };
@@ -612,7 +639,8 @@ impl Producer {
 /// each thread count: `Outbox::enqueue` and a `Producer`'s, with notify on and off, with an
 /// aggregate key and without. The variants take turns in short rounds, so a change in the
 /// machine's load during the run (other processes, checkpoints) weighs on all of them alike
-/// and the ratios hold. `OUTBOX_BENCH_PARTITIONED=1`: the outboxes are partitioned by day.
+/// and the ratios hold. `OUTBOX_BENCH_PARTITIONED=1`: the outboxes are partitioned by day,
+/// the hand-written one too.
 fn producers(settings: &Settings, scratch: &Scratch, enqueue: bool) -> Result<()> {
     let extras: Vec<Extra> = if enqueue {
         let mut extras = vec![Extra::Nothing, Extra::Raw, Extra::RawLocked];
