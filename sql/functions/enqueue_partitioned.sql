@@ -17,7 +17,10 @@
 -- look's cost follows the backlog, not the partitions kept. The partitions are a variable,
 -- so the look leaves the quiet ones out when it starts. As a subquery of the same statement
 -- it gave back half of what it saves, from a function of its own a fifth to a third
--- (`cargo bench --bench outbox partitions`).
+-- (`cargo bench --bench outbox partitions`). When those partitions follow one another (the
+-- open one and those ahead, nothing held back before them), the look is one range from the
+-- first of them, which leaves the others out for less than half of what the ranges' ORs
+-- cost the plan (`LOOK_IN_ONE_RUN` in src/schema/statements.rs).
 
 -- What an enqueue of keys the caller gave does first: hold off the next cut until this
 -- transaction ends, and look for the keys in every partition. The look is forced to probe
@@ -63,6 +66,15 @@ BEGIN
     look := {look_partitions};
     -- A probe per aggregate: with every key in one condition, ranges of the primary key
     -- look cheaper to the planner, and it reads every row in them.
+    IF {look_in_one_run} THEN
+        RETURN ARRAY(SELECT k
+                     FROM (SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k) AS keys,
+                          LATERAL (SELECT 1 FROM {table} o
+                                   WHERE o.head IN (false, true) AND o.aggregate_key = keys.k
+                                     AND o.status IN ('pending', 'parked')
+                                     AND {from_look}
+                                   LIMIT 1) AS found);
+    END IF;
     RETURN ARRAY(SELECT k
                  FROM (SELECT DISTINCT k FROM unnest(p_aggregate_keys) AS k) AS keys,
                       LATERAL (SELECT 1 FROM {table} o
@@ -85,29 +97,38 @@ DECLARE
     done text;
     new_id bigint;
     look bigint[];
+    is_head boolean := false;
 BEGIN
     -- The lock of {lock_n_fn} for one aggregate, written out here (calling a function from
     -- this one cost five times what the lock does): `LOCK_AGGREGATE` in src/schema/statements.rs.
     IF p_aggregate_key IS NOT NULL THEN
 {lock_aggregate}
     END IF;
+    -- After the lock, so the look's snapshot sees what earlier producers of the aggregate
+    -- committed.
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
         look := {look_partitions};
+        IF {look_in_one_run} THEN
+            is_head := NOT EXISTS (SELECT 1 FROM {table} o
+                                   WHERE o.head IN (false, true)
+                                     AND o.aggregate_key = p_aggregate_key
+                                     AND o.status IN ('pending', 'parked')
+                                     AND {from_look});
+        ELSE
+            is_head := NOT EXISTS (SELECT 1 FROM {table} o
+                                   WHERE o.head IN (false, true)
+                                     AND o.aggregate_key = p_aggregate_key
+                                     AND o.status IN ('pending', 'parked')
+                                     AND {in_look});
+        END IF;
     END IF;
     IF p_key_generated THEN
         INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
                              available_at, max_attempts, park, head)
         VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
                 coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
-                p_park,
-                p_aggregate_key IS NOT NULL
-                AND current_setting('transaction_isolation') = 'read committed'
-                AND NOT EXISTS (SELECT 1 FROM {table} o
-                                WHERE o.head IN (false, true)
-                                  AND o.aggregate_key = p_aggregate_key
-                                  AND o.status IN ('pending', 'parked')
-                                  AND {in_look}));
+                p_park, is_head);
     -- Under REPEATABLE READ, ON CONFLICT meets a key a transaction committed after this
     -- one's snapshot as a serialization failure: a duplicate all the same, and in a block of
     -- its own it leaves the caller's transaction usable (see migration 0005).
@@ -141,14 +162,7 @@ BEGIN
                              available_at, max_attempts, park, head)
         VALUES (p_key, p_topic, p_aggregate_key, p_payload, p_content_type, p_headers,
                 coalesce(p_at, now() + p_delay_us * interval '1 microsecond'), p_max_attempts,
-                p_park,
-                p_aggregate_key IS NOT NULL
-                AND current_setting('transaction_isolation') = 'read committed'
-                AND NOT EXISTS (SELECT 1 FROM {table} o
-                                WHERE o.head IN (false, true)
-                                  AND o.aggregate_key = p_aggregate_key
-                                  AND o.status IN ('pending', 'parked')
-                                  AND {in_look}))
+                p_park, is_head)
         ON CONFLICT DO NOTHING
         RETURNING id INTO new_id;
         IF new_id IS NULL THEN
@@ -180,6 +194,13 @@ BEGIN
         RETURN false;
     END IF;
     look := {look_partitions};
+    IF {look_in_one_run} THEN
+        RETURN NOT EXISTS (SELECT 1 FROM {table} o
+                           WHERE o.head IN (false, true)
+                             AND o.aggregate_key = p_aggregate_key
+                             AND o.status IN ('pending', 'parked')
+                             AND {from_look});
+    END IF;
     RETURN NOT EXISTS (SELECT 1 FROM {table} o
                        WHERE o.head IN (false, true)
                          AND o.aggregate_key = p_aggregate_key

@@ -24,8 +24,8 @@ use postgres::{GenericClient, Transaction};
 use crate::schema::partitioning::render_partitioned;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::{
-    bigint, borrowed, checked, in_look, notify_if_waiting, objects, shared, Statements,
-    LOCK_AGGREGATE, LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
+    bigint, borrowed, checked, from_look, in_look, notify_if_waiting, objects, shared, Statements,
+    LOCK_AGGREGATE, LOOK_IN_ONE_RUN, LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
 };
 use crate::schema::table::{quote, TableName};
 
@@ -415,6 +415,8 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
             )?,
         ),
         ("in_look", in_look()),
+        ("from_look", from_look()),
+        ("look_in_one_run", LOOK_IN_ONE_RUN.to_owned()),
         ("id_bits", PARTITION_ID_BITS.to_string()),
         ("notify_if_waiting", notify_if_waiting(table)),
         (
@@ -785,8 +787,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "1ba3777e7cd0cd5d",
-                "77c92194aaa8eeae",
+                "c1310d09e3c9eec5",
+                "d88845d03c5c32a6",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();
