@@ -18,13 +18,15 @@
 #                statement's snapshot predates the lock, so after a wait it marks wrongly)
 #   ordered      the `Producer`'s ordered INSERT: `locked`, marking by the head function,
 #                whose look reads a snapshot taken after the lock
-#   enqueue      the enqueue function, called as `Outbox::enqueue` calls it
+#   enqueue      the enqueue function with the same message, notify off (prepared here, where
+#                `Outbox::enqueue` sends the call as text)
 # With PARTITIONED=1 the crate's table and the hand-written one are both partitioned by id
-# ranges, the open partition and two ahead, the key unique in each partition.
+# ranges, the open partition and two ahead, the key unique in each partition: the looks
+# read those three, in one range (no partition is held back by an old message).
 # Prints `bench=enqueue-candidate table=<plain|partitioned> clients=<n> variant=<v>
-# tps=<median> vs_raw=<ratio> vs_locked=<ratio>`, each against the median of `raw` and of
-# `raw_locked` at the same client count. Needs psql, pgbench and cargo; uses a scratch
-# schema dropped at the end.
+# tps=<median> runs=[<each round's tps>] vs_raw=<ratio> vs_locked=<ratio>`, the median
+# against those of `raw` and of `raw_locked` at the same client count. Needs psql, pgbench
+# and cargo; uses a scratch schema dropped at the end.
 set -euo pipefail
 
 url=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
@@ -49,7 +51,8 @@ if [ "$partitioned" = 1 ]; then
 fi
 psql -qX -v ON_ERROR_STOP=1 "$url" -c "CREATE SCHEMA $schema"
 cargo run -q --release --features cli --bin postgres-outbox -- \
-    --database-url "$url" --table "$schema.ob" migrate "${migrate_args[@]}" >/dev/null 2>&1
+    --database-url "$url" --table "$schema.ob" migrate ${migrate_args[@]+"${migrate_args[@]}"} \
+    >/dev/null 2>"$dir/err" || { cat "$dir/err" >&2; exit 1; }
 
 if [ "$partitioned" = 1 ]; then
     raw_key="key uuid NOT NULL"
@@ -106,7 +109,7 @@ for c in $clients; do
         for v in $variants; do
             # libpq takes the URL where pgbench takes a database name.
             t=$(pgbench -n -M prepared -c "$c" -j "$((c < 4 ? c : 4))" -T "$secs" \
-                -f "$dir/$v.sql" "$url" 2>"$dir/err" | awk '/^tps/ {print int($3)}') ||
+                -f "$dir/$v.sql" "$url" 2>"$dir/err" | awk '/^tps/ {t = int($3)} END {print t}') ||
                 { cat "$dir/err" >&2; exit 1; }
             [ -n "$t" ] || { cat "$dir/err" >&2; exit 1; }
             tps[$v]="${tps[$v]:-} $t"

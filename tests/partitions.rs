@@ -1533,6 +1533,25 @@ fn a_message_held_in_an_old_partition_keeps_no_later_one_in_the_looks() {
         outbox.stats(client).unwrap()
     });
     assert_eq!((stats.pending, stats.dead, stats.exact), (5, 2, true));
+
+    // A `Producer`'s messages too: its head function looks into partitions 0 and 2 alone.
+    for aggregate in ["a", "c"] {
+        let next = produce(&outbox, aggregate);
+        assert!(!is_head(&mut client, &outbox, &next), "{aggregate}");
+    }
+    assert!(is_head(&mut client, &outbox, &produce(&outbox, "d")));
+}
+
+/// Enqueues a message of `aggregate` with the crate's key through a `Producer`, whose
+/// ordered INSERT marks the head by the head function; returns its key.
+fn produce(outbox: &Outbox, aggregate: &str) -> String {
+    let mut producer = outbox.producer(common::client()).unwrap();
+    let mut tx = producer.transaction().unwrap();
+    let key = tx
+        .enqueue(Message::new("t", b"{}".to_vec()).aggregate_key(aggregate))
+        .unwrap();
+    tx.commit().unwrap();
+    key
 }
 
 /// Messages held in more old partitions than `stats()` reads in ranges (four): it reads
@@ -1720,6 +1739,8 @@ fn a_parked_message_keeps_its_partition_in_producers_looks() {
     assert!(!is_quiet(&mut client, &outbox, 0));
     assert!(looks_into(&mut client, &outbox, of("after"))[0] > 0);
     assert!(!is_head(&mut client, &outbox, "after"));
+    let produced = produce(&outbox, "a");
+    assert!(!is_head(&mut client, &outbox, &produced));
 
     assert_eq!(
         outbox
@@ -1729,7 +1750,7 @@ fn a_parked_message_keeps_its_partition_in_producers_looks() {
     );
     upkeep(&mut client, &outbox, false);
     assert!(is_quiet(&mut client, &outbox, 0));
-    assert_eq!(send_all(&outbox).keys(), vec!["after".to_owned()]);
+    assert_eq!(send_all(&outbox).keys(), vec!["after".to_owned(), produced]);
 }
 
 /// The upkeep runs with the owner's rights for a role granted it, and for no other: a relay

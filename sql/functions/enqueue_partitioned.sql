@@ -19,8 +19,8 @@
 -- it gave back half of what it saves, from a function of its own a fifth to a third
 -- (`cargo bench --bench outbox partitions`). When those partitions follow one another (the
 -- open one and those ahead, nothing held back before them), the look is one range from the
--- first of them, which leaves the others out for less than half of what the ranges' ORs
--- cost the plan (`LOOK_IN_ONE_RUN` in src/schema/statements.rs).
+-- first of them, which leaves the others out at a fraction of what pruning by the ranges'
+-- ORs costs (`LOOK_IN_ONE_RUN` in src/schema/statements.rs).
 
 -- What an enqueue of keys the caller gave does first: hold off the next cut until this
 -- transaction ends, and look for the keys in every partition. The look is forced to probe

@@ -787,8 +787,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "c1310d09e3c9eec5",
-                "d88845d03c5c32a6",
+                "b9f4055289ff2849",
+                "b4cf270172de8d06",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();

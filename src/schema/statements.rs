@@ -151,9 +151,9 @@ pub(crate) const PARTITION_ID_BITS: u32 = 40;
 /// every one from the next on. Quiet partitions hold sent and dead rows only, and a
 /// redrive marks a partition not quiet before a row of it is pending again, so the quiet
 /// ones between (after messages scheduled far ahead, or parked, in old partitions) are left
-/// out (`sql/functions/enqueue_partitioned.sql`). Each range is an OR in the look's plan:
-/// four cost the common case (one run of partitions, the open one and those made ahead)
-/// nothing measurable against two (`cargo bench --bench outbox partitions`, 2026-12-06).
+/// out (`sql/functions/enqueue_partitioned.sql`). Each range is an OR in the look's plan,
+/// which the common case (one run of partitions, the open one and those made ahead) does
+/// without ([`LOOK_IN_ONE_RUN`]).
 pub(crate) const LOOK_RANGES: usize = 4;
 
 /// The lock of one aggregate (see `sql/functions/locks.sql`) as the enqueue functions take it,
@@ -211,23 +211,22 @@ pub(crate) const LOOK_PARTITIONS: &str =
                                  ORDER BY n LIMIT {look_ranges}), ARRAY[]::bigint[]),
              ARRAY[0::bigint])";
 
-/// Whether the partitions of `look` follow one another, as in the common case (the open one
-/// and those made ahead, nothing held back in older ones): then [`from_look`] says what
-/// [`in_look`] says, in one range, whose plan leaves the partitions before it out for less
-/// than half of what the ranges' ORs cost (measured with pgbench, 2026-12-07: an ordered
-/// enqueue on a partitioned table 0.71-0.74 of the hand-written one, against 0.66-0.70).
+/// Whether the partitions of `look` follow one another (its numbers are distinct and sorted,
+/// as `LOOK_PARTITIONS` reads them), as in the common case: the open one and those made
+/// ahead, nothing held back in older ones. Then [`from_look`] says what [`in_look`] says,
+/// in one range, whose plan leaves the partitions before it out at a fraction of what
+/// pruning by the ranges' ORs costs (BENCHMARKS.md, "Producing").
 pub(crate) const LOOK_IN_ONE_RUN: &str =
     "look[cardinality(look)] - look[1] = cardinality(look) - 1";
 
 /// Whether row `o` is in the first partition of `look` or any after it: [`in_look`] when
 /// the partitions of `look` are one run ([`LOOK_IN_ONE_RUN`]).
 pub(crate) fn from_look() -> String {
-    format!("o.id >= look[1] << {PARTITION_ID_BITS}")
+    format!("(o.id >= look[1] << {PARTITION_ID_BITS})")
 }
 
 /// Whether row `o` is in one of the partitions of `look` (see `LOOK_RANGES`): in one of the
-/// first partitions alone, or in the last or any after it. With `look` NULL (an enqueue
-/// that does not look), in none, so the plan holds no partition.
+/// first partitions alone, or in the last or any after it.
 pub(crate) fn in_look() -> String {
     let bits = PARTITION_ID_BITS;
     let alone = (1..LOOK_RANGES)
