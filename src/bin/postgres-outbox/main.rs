@@ -15,6 +15,7 @@ macro_rules! say {
     };
 }
 
+mod logs;
 mod serve;
 
 use std::error::Error;
@@ -316,15 +317,7 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
-    // The PostgreSQL driver logs every statement's parameters (payloads) at debug level, and
-    // the AMQP client its handshake (the password): never above info here, whatever
-    // RUST_LOG asks for.
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default_level))
-        .filter_module("tokio_postgres", log::LevelFilter::Info)
-        .filter_module("postgres", log::LevelFilter::Info)
-        // amiquip logs the AMQP handshake at debug level, the PLAIN password included.
-        .filter_module("amiquip", log::LevelFilter::Info)
-        .init();
+    logs::init(default_level);
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         // The reader of stdout went away (`| head -1`): it has what it wanted.
