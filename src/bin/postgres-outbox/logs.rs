@@ -1,5 +1,5 @@
-//! The binary's logger: `env_logger` as `RUST_LOG` asks, with the crates that log secrets
-//! held at info level whatever it asks.
+//! The binary's logger: `env_logger` as `RUST_LOG` asks, the crates that log secrets never
+//! above info whatever it asks.
 
 use log::{Level, Log, Metadata, Record};
 
@@ -10,9 +10,9 @@ const CAPPED: [&str; 3] = ["tokio_postgres", "postgres", "amiquip"];
 /// Logs as `RUST_LOG` asks (`default` where it is not set), never above info for the
 /// crates of [`CAPPED`].
 ///
-/// A cap, not a level: `env_logger`'s `filter_module("postgres", ..)` set the driver's
-/// level whatever `RUST_LOG` said (its NOTICEs came through where only warnings were asked
-/// for), and matched by prefix, so it set this crate's (`postgres_outbox`) too.
+/// A cap over `env_logger` rather than one of its directives: a directive sets a level
+/// (raising the driver to info where only warnings are asked for) and matches targets by
+/// prefix (`postgres` matches `postgres_outbox`).
 pub(crate) fn init(default: &str) {
     let logger =
         env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
@@ -45,7 +45,8 @@ impl Log for Capped {
     }
 
     fn log(&self, record: &Record<'_>) {
-        if self.enabled(record.metadata()) {
+        // env_logger's own log() applies its filter.
+        if !Capped::capped(record.metadata()) {
             self.0.log(record);
         }
     }
@@ -63,7 +64,9 @@ mod tests {
     fn a_cap_holds_the_crates_it_names_and_no_other() {
         let at = |level, target| Metadata::builder().level(level).target(target).build();
         for target in [
+            "tokio_postgres",
             "tokio_postgres::query",
+            "postgres",
             "postgres::config",
             "amiquip",
             "amiquip::io",
@@ -71,7 +74,12 @@ mod tests {
             assert!(Capped::capped(&at(Level::Debug, target)), "{target}");
             assert!(!Capped::capped(&at(Level::Info, target)), "{target}");
         }
-        for target in ["postgres_outbox::relay", "postgres_outbox", "amiquipx"] {
+        for target in [
+            "postgres_outbox::relay",
+            "postgres_outbox",
+            "postgres_native_tls",
+            "amiquipx",
+        ] {
             assert!(!Capped::capped(&at(Level::Trace, target)), "{target}");
         }
     }
