@@ -104,24 +104,12 @@ BEGIN
     IF p_aggregate_key IS NOT NULL THEN
 {lock_aggregate}
     END IF;
-    -- After the lock, so the look's snapshot sees what earlier producers of the aggregate
-    -- committed.
+    -- The look for an earlier message, after the lock, so that its snapshot sees what earlier
+    -- producers of the aggregate committed: `LOOK_EARLIER` in src/schema/statements.rs, as
+    -- {head_fn} has it.
     IF p_aggregate_key IS NOT NULL
        AND current_setting('transaction_isolation') = 'read committed' THEN
-        look := {look_partitions};
-        IF {look_in_one_run} THEN
-            is_head := NOT EXISTS (SELECT 1 FROM {table} o
-                                   WHERE o.head IN (false, true)
-                                     AND o.aggregate_key = p_aggregate_key
-                                     AND o.status IN ('pending', 'parked')
-                                     AND {from_look});
-        ELSE
-            is_head := NOT EXISTS (SELECT 1 FROM {table} o
-                                   WHERE o.head IN (false, true)
-                                     AND o.aggregate_key = p_aggregate_key
-                                     AND o.status IN ('pending', 'parked')
-                                     AND {in_look});
-        END IF;
+{look_earlier}
     END IF;
     IF p_key_generated THEN
         INSERT INTO {table} (key, topic, aggregate_key, payload, content_type, headers,
@@ -189,23 +177,14 @@ CREATE OR REPLACE FUNCTION {head_fn}(p_aggregate_key text)
 RETURNS boolean LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     look bigint[];
+    is_head boolean;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN false;
     END IF;
-    look := {look_partitions};
-    IF {look_in_one_run} THEN
-        RETURN NOT EXISTS (SELECT 1 FROM {table} o
-                           WHERE o.head IN (false, true)
-                             AND o.aggregate_key = p_aggregate_key
-                             AND o.status IN ('pending', 'parked')
-                             AND {from_look});
-    END IF;
-    RETURN NOT EXISTS (SELECT 1 FROM {table} o
-                       WHERE o.head IN (false, true)
-                         AND o.aggregate_key = p_aggregate_key
-                         AND o.status IN ('pending', 'parked')
-                         AND {in_look});
+    -- `LOOK_EARLIER` in src/schema/statements.rs, as {enqueue_fn} has it.
+{look_earlier}
+    RETURN is_head;
 END
 $fn$;
 

@@ -80,33 +80,28 @@ impl Outbox {
         // Rendered for the name the table resolves to on this connection, as `migrate`
         // renders the functions: the aggregate locks' keys and the channel derive from it,
         // so a lock the INSERT takes is the one the functions take.
-        let resolved = self.resolved(connection).map_err(|e| match e {
-            crate::Error::Db(e) => self.db_error(e),
-            other => other,
-        })?;
-        let prepared = checked(PreparedSql::render(&resolved));
+        let resolved = self.resolved(connection)?;
+        let prepared = checked(PreparedSql::render(
+            &resolved,
+            self.notifies(),
+            self.sequenced(),
+        ));
         let sql = self.statements::<ProducerSql>();
-        let plain = if self.notifies() {
-            &prepared.plain_notify
+        // An outbox that gives places prepares the call that gives them (a message without
+        // an aggregate takes none: the plain INSERT serves it either way).
+        let call = if self.sequenced() {
+            &sql.enqueue_placed
         } else {
-            &prepared.plain
-        };
-        // An outbox that gives places prepares the statements that give them (a message
-        // without an aggregate takes none: the plain INSERT serves it either way).
-        let (call, ordered) = match (self.sequenced(), self.notifies()) {
-            (true, true) => (&sql.enqueue_placed, &prepared.ordered_placed_notify),
-            (true, false) => (&sql.enqueue_placed, &prepared.ordered_placed),
-            (false, true) => (&sql.enqueue, &prepared.ordered_notify),
-            (false, false) => (&sql.enqueue, &prepared.ordered),
+            &sql.enqueue
         };
         let call = connection
             .prepare_typed(call, &CALL_TYPES)
             .map_err(|e| self.db_error(e))?;
         let ordered = connection
-            .prepare_typed(ordered, &CALL_TYPES[..10])
+            .prepare_typed(&prepared.ordered, &CALL_TYPES[..10])
             .map_err(|e| self.db_error(e))?;
         let plain = connection
-            .prepare_typed(plain, &PLAIN_TYPES)
+            .prepare_typed(&prepared.plain, &PLAIN_TYPES)
             .map_err(|e| self.db_error(e))?;
         Ok(Producer {
             client,

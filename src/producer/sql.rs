@@ -100,69 +100,82 @@ impl Statements for ProducerSql {
     }
 }
 
-/// The statements a [`Producer`](crate::Producer) prepares besides the enqueue function's
-/// call: rendered for the name the table resolves to on the producer's connection (see
-/// [`PreparedSql::render`]), never cached by the `Outbox`, whose parts are rendered for the
-/// name as configured.
+/// The INSERTs a [`Producer`](crate::Producer) prepares besides the enqueue function's
+/// call, for its outbox's settings: rendered for the name the table resolves to on the
+/// producer's connection (see [`PreparedSql::render`]), never cached by the `Outbox`, whose
+/// parts are rendered for the name as configured.
 #[derive(Debug)]
 pub(crate) struct PreparedSql {
     /// A message without an aggregate, with the crate's key, as a [`Producer`](crate::Producer)
     /// writes it: the row the function writes for it, by a plain INSERT ($1..$9, see
-    /// `Arguments::plain`), as one statement prepared once does it cheapest.
+    /// `Arguments::plain`), as one statement prepared once does it cheapest; on an outbox
+    /// that notifies, it notifies a waiting relay first.
     pub(crate) plain: String,
-    /// `plain`, notifying a waiting relay first.
-    pub(crate) plain_notify: String,
     /// A message with an aggregate and the crate's key, as a [`Producer`](crate::Producer)
     /// writes it: the row the function writes for it, by an INSERT of $1..$10 (see
     /// `Arguments::ordered`) that takes the aggregate's lock (`LOCK_ONE`) in a subquery,
     /// so before it draws the row's id (an id drawn before the lock could be lower than that
     /// of an earlier producer's row committed while this one waited), then marks the head
-    /// by the head function's look (`sql/functions/enqueue.sql`).
+    /// by the head function's look (`sql/functions/enqueue.sql`). On an outbox that gives
+    /// places, the aggregate's counter is bumped after the lock and the row written with its
+    /// place, so it is written once; on one that notifies, the subquery notifies too.
     pub(crate) ordered: String,
-    /// `ordered`, notifying a waiting relay.
-    pub(crate) ordered_notify: String,
-    /// `ordered` on an outbox that gives places: the aggregate's counter bumped after the
-    /// lock, and the row written with its place, so it is written once.
-    pub(crate) ordered_placed: String,
-    /// `ordered_placed`, notifying a waiting relay.
-    pub(crate) ordered_placed_notify: String,
 }
 
 impl PreparedSql {
     /// The statements for `resolved`, the table's schema-qualified name as `migrate` resolved
-    /// it: the aggregate locks' keys (`LOCK_ONE`) and the notification's channel
+    /// it, on an outbox that notifies (`notify`) and gives places (`sequenced`) or not: the
+    /// aggregate locks' keys (`LOCK_ONE`) and the notification's channel
     /// (`NOTIFY_IF_WAITING`) derive from the name, and must be those of the functions
     /// `migrate` made, so a lock taken here meets the lock the functions take.
-    pub(crate) fn render(resolved: &TableName) -> Result<PreparedSql, RenderError> {
-        let mut vars = shared(resolved, &["table", "head_fn", "sequences"])?;
-        vars.extend([
-            ("lock_one", lock_one(resolved)),
-            ("notify_if_waiting", notify_if_waiting(resolved)),
-        ]);
+    pub(crate) fn render(
+        resolved: &TableName,
+        notify: bool,
+        sequenced: bool,
+    ) -> Result<PreparedSql, RenderError> {
+        let names: &[&str] = if sequenced {
+            &["table", "head_fn", "sequences"]
+        } else {
+            &["table", "head_fn"]
+        };
+        let mut vars = shared(resolved, names)?;
+        vars.push(("lock_one", lock_one(resolved)));
+        if notify {
+            vars.push(("notify_if_waiting", notify_if_waiting(resolved)));
+        }
+        let (plain, more) = if notify {
+            (PLAIN_NOTIFY, ", {notify_if_waiting}")
+        } else {
+            (PLAIN, "")
+        };
+        let ordered = if sequenced {
+            ordered_placed(more)
+        } else {
+            ordered(more)
+        };
         let mut values = Values::new(&borrowed(&vars))?;
         let statements = PreparedSql {
-            plain: values.render(
-                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
-                                      max_attempts, park) \
-                 VALUES ($1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
-                         $8, $9)",
-            )?,
-            plain_notify: values.render(
-                "INSERT INTO {table} (key, topic, payload, content_type, headers, available_at, \
-                                      max_attempts, park) \
-                 SELECT $1, $2, $3, $4, $5, coalesce($6, now() + $7 * interval '1 microsecond'), \
-                        $8, $9 \
-                 FROM (SELECT {notify_if_waiting} OFFSET 0) AS notified",
-            )?,
-            ordered: values.render(&ordered(""))?,
-            ordered_notify: values.render(&ordered(", {notify_if_waiting}"))?,
-            ordered_placed: values.render(&ordered_placed(""))?,
-            ordered_placed_notify: values.render(&ordered_placed(", {notify_if_waiting}"))?,
+            plain: values.render(plain)?,
+            ordered: values.render(&ordered)?,
         };
         values.finish()?;
         Ok(statements)
     }
 }
+
+/// `PreparedSql::plain` on an outbox that does not notify.
+const PLAIN: &str = "INSERT INTO {table} (key, topic, payload, content_type, headers, \
+                                          available_at, max_attempts, park) \
+                     VALUES ($1, $2, $3, $4, $5, \
+                             coalesce($6, now() + $7 * interval '1 microsecond'), $8, $9)";
+
+/// `PreparedSql::plain` on an outbox that notifies: the notification in a subquery of its
+/// own, which OFFSET 0 keeps apart.
+const PLAIN_NOTIFY: &str = "INSERT INTO {table} (key, topic, payload, content_type, headers, \
+                                                 available_at, max_attempts, park) \
+                            SELECT $1, $2, $3, $4, $5, \
+                                   coalesce($6, now() + $7 * interval '1 microsecond'), $8, $9 \
+                            FROM (SELECT {notify_if_waiting} OFFSET 0) AS notified";
 
 /// The aggregate's lock, and `more` (a notification) beside it, in a subquery that runs
 /// before the row's id is drawn: its volatile functions keep it from being merged into the
@@ -171,7 +184,7 @@ fn locked(more: &str) -> String {
     format!("(SELECT {{lock_one}}{more} OFFSET 0) AS locked")
 }
 
-/// `ProducerSql::ordered`, with `more` in its subquery of locks.
+/// `PreparedSql::ordered`, with `more` in its subquery of locks.
 fn ordered(more: &str) -> String {
     format!(
         "INSERT INTO {{table}} (key, topic, aggregate_key, payload, content_type, headers, \
@@ -183,7 +196,8 @@ fn ordered(more: &str) -> String {
     )
 }
 
-/// `ProducerSql::ordered_placed`, with `more` in its subquery of locks.
+/// `PreparedSql::ordered` on an outbox that gives places, with `more` in its subquery of
+/// locks.
 fn ordered_placed(more: &str) -> String {
     format!(
         "WITH marked AS MATERIALIZED (SELECT {{head_fn}}($3) AS head FROM {}), \
@@ -213,27 +227,37 @@ mod tests {
     }
 
     /// A `Producer`'s INSERTs take the locks of the name they were rendered for, and notify
-    /// on its channel: the keys and channel `migrate` renders into the functions.
+    /// on its channel (when the outbox notifies): the keys and channel `migrate` renders
+    /// into the functions. The ordered one gives places only on an outbox that gives them.
     #[test]
     fn a_producers_statements_take_the_locks_and_channel_of_their_name() {
         for table in tables() {
-            let sql = PreparedSql::render(&table).unwrap();
-            let every_statement = format!("{sql:?}");
-            assert!(
-                placeholders(&every_statement).is_empty(),
-                "{every_statement}"
-            );
-            let (seed, bucket) = (
-                bigint(table.aggregate_lock_seed()),
-                bigint(table.ordered_lock_key()),
-            );
-            for ordered in [&sql.ordered, &sql.ordered_notify, &sql.ordered_placed] {
-                assert!(ordered.contains(&format!("hashtextextended($3, {seed})")));
-                assert!(ordered.contains(&format!("pg_advisory_xact_lock_shared({bucket}")));
+            for (notify, sequenced) in [(false, false), (true, false), (false, true), (true, true)]
+            {
+                let sql = PreparedSql::render(&table, notify, sequenced).unwrap();
+                let every_statement = format!("{sql:?}");
+                assert!(
+                    placeholders(&every_statement).is_empty(),
+                    "{every_statement}"
+                );
+                let (seed, bucket) = (
+                    bigint(table.aggregate_lock_seed()),
+                    bigint(table.ordered_lock_key()),
+                );
+                assert!(sql
+                    .ordered
+                    .contains(&format!("hashtextextended($3, {seed})")));
+                assert!(sql
+                    .ordered
+                    .contains(&format!("pg_advisory_xact_lock_shared({bucket}")));
+                let notifies = format!("pg_notify('{}', '')", table.channel());
+                assert_eq!(sql.plain.contains(&notifies), notify, "{}", sql.plain);
+                assert_eq!(sql.ordered.contains(&notifies), notify, "{}", sql.ordered);
+                assert!(!sql.plain.contains("pg_notify") || notify);
+                assert!(!sql.ordered.contains("pg_notify") || notify);
+                let places = table.companion("_sequences");
+                assert_eq!(sql.ordered.contains(&places), sequenced, "{}", sql.ordered);
             }
-            let notify = format!("pg_notify('{}', '')", table.channel());
-            assert!(sql.plain_notify.contains(&notify) && sql.ordered_notify.contains(&notify));
-            assert!(!sql.plain.contains("pg_notify") && !sql.ordered.contains("pg_notify"));
         }
     }
 }

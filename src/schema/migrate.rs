@@ -24,8 +24,9 @@ use postgres::{GenericClient, Transaction};
 use crate::schema::partitioning::render_partitioned;
 use crate::schema::render::{render, RenderError, Values};
 use crate::schema::statements::{
-    bigint, borrowed, checked, from_look, in_look, notify_if_waiting, objects, shared, Statements,
-    LOCK_AGGREGATE, LOOK_IN_ONE_RUN, LOOK_PARTITIONS, LOOK_RANGES, PARTITION_ID_BITS,
+    bigint, borrowed, checked, from_look, in_look, look_earlier, notify_if_waiting, objects,
+    shared, Statements, LOCK_AGGREGATE, LOOK_IN_ONE_RUN, LOOK_PARTITIONS, LOOK_RANGES,
+    PARTITION_ID_BITS,
 };
 use crate::schema::table::{quote, TableName};
 
@@ -392,6 +393,13 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
     let mut vars = objects(table);
     vars.retain(|(name, _)| !["inbox", "failures", "relays", "consumed"].contains(name));
     let partitions = table.companion("_partitions");
+    let look_partitions = render(
+        LOOK_PARTITIONS,
+        &[
+            ("partitions", &partitions),
+            ("look_ranges", &LOOK_RANGES.to_string()),
+        ],
+    )?;
     vars.extend([
         ("channel", table.channel()),
         ("busy_fn", table.companion("_busy")),
@@ -404,16 +412,8 @@ fn render_functions(table: &TableName) -> Result<Vec<String>, RenderError> {
         ("key_epoch_lock", bigint(table.key_epoch_lock_key())),
         ("schema_prefix", table.schema_prefix()),
         ("name", table.name().to_owned()),
-        (
-            "look_partitions",
-            render(
-                LOOK_PARTITIONS,
-                &[
-                    ("partitions", &partitions),
-                    ("look_ranges", &LOOK_RANGES.to_string()),
-                ],
-            )?,
-        ),
+        ("look_partitions", look_partitions.clone()),
+        ("look_earlier", look_earlier(table, &look_partitions)),
         ("in_look", in_look()),
         ("from_look", from_look()),
         ("look_in_one_run", LOOK_IN_ONE_RUN.to_owned()),
@@ -787,8 +787,8 @@ mod tests {
             (
                 "enqueue_partitioned",
                 1,
-                "b9f4055289ff2849",
-                "b4cf270172de8d06",
+                "f0d4484ba518170c",
+                "f88c0ce956514923",
             ),
         ];
         let plain = render_functions(&TableName::parse("orders_outbox").unwrap()).unwrap();

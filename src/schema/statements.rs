@@ -225,6 +225,43 @@ pub(crate) fn from_look() -> String {
     format!("(o.id >= look[1] << {PARTITION_ID_BITS})")
 }
 
+/// A partitioned table's look for an earlier message of `p_aggregate_key` still pending or
+/// parked, written into both functions that mark a single message's head (the enqueue
+/// function and the head function of `sql/functions/enqueue_partitioned.sql`), so that
+/// they mark alike. Sets the function's variables `look bigint[]` and `is_head boolean`:
+/// one range when the partitions of `look` are one run ([`LOOK_IN_ONE_RUN`]), the ranges of
+/// [`in_look`] otherwise. A statement of its own, so its snapshot follows the lock taken
+/// before it.
+const LOOK_EARLIER: &str = "    look := {look_partitions};
+    IF {look_in_one_run} THEN
+        is_head := NOT EXISTS (SELECT 1 FROM {table} o
+                               WHERE o.head IN (false, true)
+                                 AND o.aggregate_key = p_aggregate_key
+                                 AND o.status IN ('pending', 'parked')
+                                 AND {from_look});
+    ELSE
+        is_head := NOT EXISTS (SELECT 1 FROM {table} o
+                               WHERE o.head IN (false, true)
+                                 AND o.aggregate_key = p_aggregate_key
+                                 AND o.status IN ('pending', 'parked')
+                                 AND {in_look});
+    END IF;";
+
+/// [`LOOK_EARLIER`] for `table`, whose look reads `look_partitions` (`LOOK_PARTITIONS`
+/// rendered for it).
+pub(crate) fn look_earlier(table: &TableName, look_partitions: &str) -> String {
+    checked(render(
+        LOOK_EARLIER,
+        &[
+            ("table", &table.quoted()),
+            ("look_partitions", look_partitions),
+            ("look_in_one_run", LOOK_IN_ONE_RUN),
+            ("from_look", &from_look()),
+            ("in_look", &in_look()),
+        ],
+    ))
+}
+
 /// Whether row `o` is in one of the partitions of `look` (see `LOOK_RANGES`): in one of the
 /// first partitions alone, or in the last or any after it.
 pub(crate) fn in_look() -> String {
